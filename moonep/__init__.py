@@ -1,0 +1,10 @@
+"""moonep: balanced expert-parallel dispatch/combine for Mixture-of-Experts models.
+
+The data path, one module per stage:
+    routing -> plan (planner/) -> layout (layout.py) -> transport (transport/) -> experts -> combine (ep.py)
+"""
+from .errors import MoonepError
+from .runtime import Runtime, init
+
+__all__ = ["init", "Runtime", "MoonepError"]
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""Launch detection and process groups: mpirun/mpiexec, torchrun, or a plain single process.
+
+``moonep.init()`` is the one call a program makes. It works out who launched it, builds a
+``torch.distributed`` process group (gloo on CPU, NCCL on CUDA), picks the GPU by local rank and returns
+a :class:`Runtime`. Nothing here uses a fixed port: under MPI, rank 0 opens a TCPStore on a free port
+and broadcasts it over MPI, so two jobs on one machine never collide.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .errors import expect
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_TIMEOUT", "60"))
+
+
+@dataclass
+class Runtime:
+    """Who we are in the job. ``group`` spans all ranks; ``cpu_group`` is a gloo group for host metadata."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    group: object
+    cpu_group: object
+    backend: str
+    launcher: str  # "mpi", "torchrun", "single" or "external"
+    timeout: datetime.timedelta
+    comm: object = None  # the mpi4py communicator when launched by mpirun, else None
+    _owns_pg: bool = field(default=False, repr=False)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.cpu_group)
+
+    def shutdown(self) -> None:
+        """Destroy the default process group if ``init`` created it."""
+        if self._owns_pg and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_pg = False
+
+
+def detect_launcher(env=os.environ) -> str:
+    """Return "torchrun", "mpi" or "single" from the environment the launcher left us."""
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env):
+        return "torchrun"
+    if "OMPI_COMM_WORLD_SIZE" in env or "PMI_SIZE" in env or "PMIX_RANK" in env or "PMI_RANK" in env:
+        return "mpi"
+    return "single"
+
+
+def _mpi_rendezvous(timeout):
+    from mpi4py import MPI  # imported only under mpirun: importing it initialises MPI
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node.Get_rank(), node.Get_size()
+    node.Free()
+    hosts = comm.allgather(socket.gethostname())
+    store = None
+    if rank == 0:
+        # One node: loopback. Several: rank 0's address (override with MOONEP_MASTER_ADDR).
+        addr = os.environ.get("MOONEP_MASTER_ADDR") or (
+            "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname()))
+        try:
+            store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+            info = (addr, store.port, None)
+        except Exception as exc:  # broadcast the failure instead of leaving peers in bcast forever
+            info = (None, None, repr(exc))
+    else:
+        info = None
+    addr, port, err = comm.bcast(info, root=0)
+    if err is not None:
+        raise RuntimeError(f"moonep.init: rank 0 could not open its TCPStore: {err}")
+    if rank != 0:
+        store = dist.TCPStore(addr, port, size, is_master=False, timeout=timeout)
+    return comm, store, rank, size, local_rank, local_size
+
+
+def _pick_device(local_rank: int, want_cuda: bool | None) -> torch.device:
+    use_cuda = torch.cuda.is_available() if want_cuda is None else want_cuda
+    if not use_cuda:
+        return torch.device("cpu")
+    expect(torch.cuda.is_available(), "device", "CUDA to be available", "no CUDA device")
+    # More ranks than GPUs is allowed (oversubscription): CUDA IPC works between processes on one GPU.
+    dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def init(group=None, *, backend: str | None = None, device: str | torch.device | None = None,
+         timeout: float | None = None) -> Runtime:
+    """Initialise moonep's runtime from whatever launched this process.
+
+    Args:
+        group: an existing ``torch.distributed`` ProcessGroup to use instead of creating one.
+        backend: "gloo" or "nccl"; default NCCL when the device is CUDA, else gloo.
+        device: "cpu" or "cuda"; default CUDA when available.
+        timeout: seconds before a collective that waits on a dead or stalled peer raises (default 60,
+            or ``MOONEP_TIMEOUT``).
+
+    Returns:
+        A :class:`Runtime`. Calling ``init`` twice returns a runtime over the existing default group.
+    """
+    td = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else float(timeout))
+    want_cuda = None if device is None else torch.device(device).type == "cuda"
+    if backend is not None:
+        expect(backend in ("gloo", "nccl"), "backend", '"gloo" or "nccl"', repr(backend))
+        if backend == "nccl":
+            want_cuda = True
+    env = os.environ
+    if group is not None or dist.is_initialized():
+        pg = group if group is not None else dist.group.WORLD
+        rank, size = dist.get_rank(pg), dist.get_world_size(pg)
+        local_rank = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK",
+                                                         env.get("MPI_LOCALRANKID", rank))))
+        local_size = int(env.get("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)))
+        dev = _pick_device(local_rank, want_cuda)
+        be = dist.get_backend(pg)
+        cpu_group = pg if be == "gloo" else dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                                                            timeout=td)
+        return Runtime(rank, size, local_rank, local_size, dev, pg, cpu_group, be, "external", td)
+
+    launcher = detect_launcher()
+    comm = None
+    if launcher == "mpi":
+        comm, store, rank, size, local_rank, local_size = _mpi_rendezvous(td)
+    elif launcher == "torchrun":
+        rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        local_size = int(env.get("LOCAL_WORLD_SIZE", 1))
+        store = None  # env:// rendezvous through MASTER_ADDR/MASTER_PORT that torchrun chose
+    else:
+        rank, size, local_rank, local_size = 0, 1, 0, 1
+        store = dist.HashStore()
+    dev = _pick_device(local_rank, want_cuda)
+    be = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    kwargs = dict(backend=be, rank=rank, world_size=size, timeout=td)
+    if store is not None:
+        kwargs["store"] = store
+    if be == "nccl":
+        kwargs["device_id"] = dev
+    dist.init_process_group(**kwargs)
+    pg = dist.group.WORLD
+    cpu_group = pg if be == "gloo" else dist.new_group(list(range(size)), backend="gloo", timeout=td)
+    return Runtime(rank, size, local_rank, local_size, dev, pg, cpu_group, be, launcher, td, comm, True)

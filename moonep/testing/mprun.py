@@ -1,0 +1,86 @@
+"""Runs every ``case_*`` function of one cases file on every rank; started by ``mpiexec -n N``.
+
+    mpiexec -n 4 python -m moonep.testing.mprun tests/mp/cases_bootstrap.py --out DIR
+
+Each rank appends one JSON line per case to ``DIR/rank<r>.jsonl``. The first failure on any rank prints
+that rank's traceback and aborts the whole MPI job, so no peer is left waiting in a collective. A case
+that outlives ``--case-timeout`` dumps every thread's stack and exits, which also ends the job.
+"""
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import importlib.util
+import json
+import os
+import sys
+import time
+import traceback
+
+
+class SkipCase(Exception):
+    """Raise inside a case to report it as skipped (for example: needs CUDA)."""
+
+
+def load_cases(path: str):
+    spec = importlib.util.spec_from_file_location(f"mpcases_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    spec.loader.exec_module(mod)
+    return [(n, getattr(mod, n)) for n in vars(mod) if n.startswith("case_") and callable(getattr(mod, n))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("cases")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--case-timeout", type=float, default=120.0)
+    ap.add_argument("--device", default=os.environ.get("MOONEP_TEST_DEVICE", "cpu"))
+    ap.add_argument("--tag", default="")  # lets tests find stray processes of this launch
+    args = ap.parse_args(argv)
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    log = open(os.path.join(args.out, f"rank{rank}.jsonl"), "a", buffering=1)
+
+    def fail(name, exc_text):
+        msg = f"[rank {rank}/{comm.Get_size()}] {name} FAILED\n{exc_text}"
+        log.write(json.dumps({"case": name, "status": "failed", "rank": rank, "msg": msg}) + "\n")
+        log.flush()
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+        comm.Abort(1)
+
+    try:
+        import moonep
+
+        rt = moonep.init(device=args.device)
+        cases = load_cases(args.cases)
+    except BaseException:
+        fail("<setup>", traceback.format_exc())
+        return 1
+    for name, fn in cases:
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+        t0 = time.perf_counter()
+        try:
+            fn(rt)
+            status, msg = "passed", ""
+        except SkipCase as exc:
+            status, msg = "skipped", str(exc)
+        except BaseException:
+            fail(name, traceback.format_exc())
+            return 1
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        log.write(json.dumps({"case": name, "status": status, "rank": rank, "msg": msg,
+                              "seconds": round(time.perf_counter() - t0, 4)}) + "\n")
+        # Keeps cases in lockstep so a failure is attributed to the case that caused it.
+        comm.Barrier()
+    rt.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

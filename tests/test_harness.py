@@ -1,0 +1,58 @@
+"""The multi-rank harness itself: failures surface fast, nothing is left running, launches don't collide."""
+import os
+import threading
+import uuid
+from pathlib import Path
+
+from moonep.testing.mp import launch
+
+
+def _stray_processes(tag):
+    found = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if tag.encode() in (p / "cmdline").read_bytes():
+                    found.append(int(p.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_failing_rank_aborts_job_within_60s():
+    tag = uuid.uuid4().hex
+    res = launch("tests/mp/harness_faults.py", 8, timeout=120, tag=tag)
+    assert res.seconds < 60, res.seconds
+    status, msg = res.outcome("case_one_rank_fails", 8)
+    assert status == "failed"
+    assert "[rank 3/8]" in msg and "deliberate failure on rank 3" in msg, msg
+    status, msg = res.outcome("case_never_reached", 8)
+    assert status == "failed" and "did not complete" in msg
+    assert _stray_processes(tag) == []
+
+
+def test_stalled_rank_is_killed_by_case_timeout():
+    tag = uuid.uuid4().hex
+    res = launch("tests/mp/harness_stall.py", 4, timeout=120, case_timeout=8, tag=tag)
+    assert res.seconds < 60, res.seconds
+    status, msg = res.outcome("case_rank1_stalls", 4)
+    assert status == "failed"
+    assert "harness_stall.py" in msg  # faulthandler's stack dump names the stalled line
+    assert _stray_processes(tag) == []
+
+
+def test_two_launches_at_once_do_not_interfere():
+    results = {}
+
+    def run(i):
+        results[i] = launch("tests/mp/cases_bootstrap.py", 3, timeout=300)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for res in results.values():
+        for case in res.records:
+            assert res.outcome(case, 3)[0] == "passed", res.outcome(case, 3)[1]
+        assert len(res.records) == 5
