@@ -1,0 +1,248 @@
+"""Quantile Balancing (QB): router biases without an auxiliary loss (BRIEF section 2).
+
+Routing picks ``top-K(s + b)`` and weighs the picks by the raw scores, so the bias ``b`` only steers
+selection. Each step also takes the (K+1)-th biased score of every token, its cutoff ``alpha_i``, and the
+*required bias* ``r_ij = alpha_i - s_ij`` (the bias at which expert j just enters token i's top-K). The new
+``b_j`` is the ``q``-th smallest ``r_ij`` of the step, ``q = m*K/E`` for ``m`` tokens, then mean-centred.
+
+Estimator (why it scales): each rank scatter-adds its ``r_ij`` into integer counts ``[E, bins]`` over the
+range ``[b_min - 1, b_max + 1]``; since scores lie in [0, 1], every ``r`` falls inside. One integer
+all-reduce pools the counts, so every rank computes the same bias from the same integers, whatever the
+token split. Every token adds one count to every expert's row, so ``m`` is any row's sum and needs no
+extra message. The quantile is read in the first bin whose cumulative count reaches ``ceil(q)``, with
+linear interpolation inside that bin, so the error is at most one bin width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .errors import expect, expect_tensor
+
+__all__ = ["QuantileBalancer", "histogram_quantiles"]
+
+
+def histogram_quantiles(counts: torch.Tensor, topk: int, lo: torch.Tensor, width: torch.Tensor):
+    """The ``(K/E)``-quantile of every expert's required biases, read from pooled histograms.
+
+    Args:
+        counts: int32/int64 ``[E, B]``; ``counts[j, l]`` = required biases of expert j in bin l.
+        topk: K.
+        lo: float 0-dim, left edge of bin 0 (``b_min - 1``).
+        width: float 0-dim, bin width.
+    Returns:
+        ``(b, m)``: ``b`` float64 ``[E]``, uncentred quantiles (``lo`` where the histogram is empty);
+        ``m`` int64 0-dim, tokens counted (the sum of one row). No host sync.
+    """
+    E, B = counts.shape
+    cum = counts.cumsum(1, dtype=torch.int64)                     # [E, B]
+    m = cum[0, -1]
+    need = torch.div(m * topk + (E - 1), E, rounding_mode="floor")  # ceil(q), exact in integers
+    l = (cum < need).sum(1).clamp_(max=B - 1)                     # first bin with cum >= ceil(q); [E]
+    h = counts.gather(1, l[:, None]).squeeze(1).to(torch.int64)   # count inside that bin
+    c = cum.gather(1, l[:, None]).squeeze(1) - h                  # count before it
+    q = m.to(torch.float64) * topk / E
+    # h >= 1 whenever m > 0; clamp keeps 0/0 out of the empty case (frac = 0 then).
+    frac = ((q - c) / h.clamp(min=1)).clamp_(0.0, 1.0)
+    b = lo.to(torch.float64) + (l.to(torch.float64) + frac) * width.to(torch.float64)
+    return b, m
+
+
+class QuantileBalancer(torch.nn.Module):
+    """Router biases from pooled margin histograms; one integer all-reduce per step.
+
+    Args:
+        num_experts: E (>= 2).
+        topk: K, with ``1 <= K < E`` (the (K+1)-th score is the cutoff).
+        bins: histogram bins B per expert.
+        group: process group the counts are pooled over; ``None`` = the default group if
+            ``torch.distributed`` is initialised, else a single process. Every rank of it calls ``step``.
+        ema: in [0, 1); ``b <- ema * b_old + (1 - ema) * b_new`` (0 = plain QB).
+        frozen: inference mode: the bias never changes, nothing is recorded, ``step`` is a local no-op.
+        validate: scores must lie in [0, 1] with no NaN. ``True``: checked eagerly on CPU and deferred on
+            CUDA; ``"eager"``: always in ``route`` (a host sync on CUDA); ``"deferred"``: counted on device,
+            carried in the all-reduce; a step that saw bad scores on any rank leaves the bias unchanged on
+            every rank and ``step`` raises once the count has reached the host (CPU: that same step; CUDA:
+            a later ``step``, without syncing); ``False``: not checked (binning stays NaN-safe).
+        device: where the bias and counts live (``.to()`` moves them too).
+
+    Buffers: ``bias`` float32 ``[E]`` (persistent), ``num_steps`` int64 0-dim (persistent), the counts
+    int32 ``[E*B + 1]`` (the last slot counts micro-batches with bad scores; not persistent).
+    Recording happens only in training mode and not frozen; ``eval()`` routes without recording.
+    """
+
+    def __init__(self, num_experts: int, topk: int, bins: int = 1000, group=None, ema: float = 0.0, *,
+                 frozen: bool = False, validate=True, device=None):
+        super().__init__()
+        expect(isinstance(num_experts, int) and num_experts >= 2, "num_experts", "an int >= 2", num_experts)
+        expect(isinstance(topk, int) and 1 <= topk < num_experts, "topk",
+               f"an int in [1, num_experts={num_experts}) (top-(k+1) cutoffs need k < E)", topk)
+        expect(isinstance(bins, int) and bins >= 1, "bins", "an int >= 1", bins)
+        expect(bins * num_experts < 2**31 - 1, "bins", "num_experts * bins < 2**31", bins * num_experts)
+        expect(isinstance(ema, (int, float)) and 0.0 <= ema < 1.0, "ema", "a float in [0, 1)", ema)
+        expect(validate in (True, False, "eager", "deferred"), "validate",
+               "True, False, 'eager' or 'deferred'", validate)
+        self.num_experts, self.topk, self.bins, self.ema = num_experts, topk, bins, float(ema)
+        self.group, self.frozen, self.validate = group, bool(frozen), validate
+        E, B = num_experts, bins
+        self.register_buffer("bias", torch.zeros(E, dtype=torch.float32, device=device))
+        self.register_buffer("num_steps", torch.zeros((), dtype=torch.int64, device=device))
+        self.register_buffer("_counts", torch.zeros(E * B + 1, dtype=torch.int32, device=device), persistent=False)
+        self.register_buffer("_row_start", torch.arange(E, device=device) * B, persistent=False)  # [E] int64
+        self.register_buffer("_lo", torch.zeros((), device=device), persistent=False)      # range of this step
+        self.register_buffer("_width", torch.ones((), device=device), persistent=False)
+        self.register_buffer("_bad_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self._recording = False  # host flag: counts recorded since the last step (avoids reading device)
+        self._bad_host = self._bad_event = None  # CUDA deferred check: pinned copy of _bad_total + its event
+        self._bad_reported = 0
+
+    # ---------------------------------------------------------------- routing
+    def route(self, scores: torch.Tensor):
+        """Select experts and weights; records required biases when training and not frozen.
+
+        Args:
+            scores: float ``[s, E]`` sigmoid router scores in [0, 1] (any float dtype; may require grad).
+        Returns:
+            ``(topk_idx, weights)``: int64 ``[s, K]`` (by decreasing biased score) and ``[s, K]`` in
+            ``scores.dtype``, ``scores[i, idx] / sum``; differentiable wrt ``scores``, never wrt ``bias``.
+        """
+        E, K = self.num_experts, self.topk
+        expect_tensor(scores, "scores", dim=2)
+        expect(scores.shape[1] == E, "scores", f"shape [s, {E}] (num_experts={E})", f"{list(scores.shape)}")
+        expect(scores.is_floating_point(), "scores", "a floating dtype", scores.dtype)
+        expect(scores.device == self.bias.device, "scores", f"device {self.bias.device} (the balancer's)",
+               scores.device)
+        record = self.training and not self.frozen
+        mode = self._check_mode(scores)
+        if mode == "eager":
+            self._check_now(scores)
+        with torch.no_grad():
+            s = scores.detach()
+            ctype = torch.promote_types(s.dtype, torch.float32)
+            s = s.to(ctype)
+            top = torch.topk(s + self.bias.to(ctype), K + 1 if record else K, dim=1)
+            idx = top.indices[:, :K]
+            if record:
+                self._record(s, top.values[:, K], scores if mode == "deferred" else None)
+        w = scores.gather(1, idx)
+        denom = w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)  # all-zero picks -> weights 0
+        return idx, w / denom
+
+    def _record(self, s: torch.Tensor, alpha: torch.Tensor, raw) -> None:
+        """Scatter-add ``r = alpha[:, None] - s`` ([s, E]) into the counts; device ops only."""
+        E, B = self.num_experts, self.bins
+        if not self._recording:  # first micro-batch of the step: fix the range from the current bias
+            self._set_range()
+            self._recording = True
+        x = alpha[:, None] - s
+        x.sub_(self._lo.to(x.dtype)).div_(self._width.to(x.dtype))
+        # r lies in range by construction; nan_to_num + clamp only keep bad input from indexing out of bounds.
+        x = torch.nan_to_num_(x, nan=0.0).clamp_(0, B - 1).to(torch.int64)  # floor, since x >= 0
+        x += self._row_start
+        flat = x.view(-1)
+        self._counts.scatter_add_(0, flat, torch.ones((), dtype=torch.int32, device=flat.device).expand(flat.numel()))
+        if raw is not None:  # deferred validation: one more count per micro-batch with bad scores
+            bad = ~((raw >= 0) & (raw <= 1)).all()
+            self._counts[-1:].add_(bad.to(torch.int32))
+
+    def _set_range(self) -> None:
+        lo = self.bias.min() - 1.0
+        self._lo.copy_(lo)
+        self._width.copy_((self.bias.max() + 1.0 - lo) / self.bins)
+
+    def _check_mode(self, t):
+        v = self.validate
+        if v is False:
+            return None
+        if v == "eager" or (v is True and t.device.type != "cuda"):
+            return "eager"
+        return "deferred"
+
+    @staticmethod
+    def _check_now(scores) -> None:
+        bad = ~((scores >= 0) & (scores <= 1))
+        if bool(bad.any()):
+            s = scores.detach()
+            nan = int(s.isnan().sum())
+            finite = s[~s.isnan()]
+            rng = f"[{float(finite.min()):.6g}, {float(finite.max()):.6g}]" if finite.numel() else "none"
+            raise ValueError(f"scores: expected values in [0, 1] (sigmoid router scores) and no NaN, got "
+                             f"{int(bad.sum())} invalid values ({nan} NaN, range of the rest {rng})")
+
+    # ---------------------------------------------------------------- the step
+    def _world(self):
+        if self.group is None and not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.group)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Pool the counts (one int32 all-reduce of ``E*B + 1``) and set the bias used from now on.
+
+        Collective over ``group`` unless frozen. No host sync on CUDA. An empty histogram (no tokens on
+        any rank) or a step with bad scores leaves the bias unchanged.
+        """
+        if self.frozen:
+            self._reset_counts()
+            return
+        if not self._recording:  # nothing recorded here: same range as the peers, from the same bias
+            self._set_range()
+        if self._world() > 1:
+            dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
+        E, B = self.num_experts, self.bins
+        b, m = histogram_quantiles(self._counts[:-1].view(E, B), self.topk, self._lo, self._width)
+        b = b - b.mean()
+        if self.ema > 0:
+            b = self.ema * self.bias.to(torch.float64) + (1.0 - self.ema) * b
+            b = b - b.mean()
+        bad = self._counts[-1].clone()
+        ok = (m > 0) & (bad == 0)
+        self.bias.copy_(torch.where(ok, b.to(torch.float32), self.bias))
+        self.num_steps += 1
+        self._reset_counts()
+        self._report_bad(bad)
+
+    def _report_bad(self, bad: torch.Tensor) -> None:
+        """Raise for bad scores once their count is on the host; never blocks on CUDA.
+
+        CUDA: a running device total is copied (non-blocking) into pinned memory each step; a later
+        ``step`` reads it only once its event has completed, so the error surfaces a step or so late.
+        """
+        if bad.device.type != "cuda":
+            n = int(bad)
+            if n:
+                raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in {n} "
+                                 f"micro-batch(es) of this step (all ranks); the bias was not updated")
+            return
+        self._bad_total += bad
+        seen = None
+        if self._bad_event is not None and self._bad_event.query():
+            seen = int(self._bad_host)  # arrived: a host read, no sync
+        if self._bad_host is None:
+            self._bad_host = torch.zeros((), dtype=torch.int64, pin_memory=True)
+            self._bad_event = torch.cuda.Event()
+        self._bad_host.copy_(self._bad_total, non_blocking=True)  # cumulative, so overwriting loses nothing
+        self._bad_event.record()
+        if seen is not None and seen > self._bad_reported:
+            n, self._bad_reported = seen - self._bad_reported, seen
+            raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in {n} "
+                             f"micro-batch(es) of an earlier step (all ranks); those steps left the bias "
+                             f"unchanged")
+
+    def _reset_counts(self) -> None:
+        self._counts.zero_()
+        self._recording = False
+
+    # ---------------------------------------------------------------- state
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        key = prefix + "bias"
+        if key in state_dict:
+            t = state_dict[key]
+            expect(tuple(t.shape) == (self.num_experts,), f"state_dict[{key!r}]",
+                   f"shape [{self.num_experts}] (num_experts)", f"{list(t.shape)}")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._reset_counts()  # counts taken over the old range are meaningless now
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, topk={self.topk}, bins={self.bins}, ema={self.ema}, "
+                f"frozen={self.frozen}")

@@ -1,0 +1,120 @@
+"""QuantileBalancer across ranks (run on every rank by moonep.testing.mprun; see tests/test_mp_balance.py).
+
+The reference is the same balancer fed every token in one process (a singleton group, so no all-reduce);
+the pooled biases must be bit-identical to it for any split of the tokens over ranks and micro-batches.
+"""
+import torch
+import torch.distributed as dist
+
+from moonep.balance import QuantileBalancer
+
+_SOLO = None
+
+
+def solo_group():
+    """A group holding only this rank (created once, collectively)."""
+    global _SOLO
+    if _SOLO is None:
+        _SOLO, _ = dist.new_subgroups(group_size=1)
+    return _SOLO
+
+
+def global_scores(step, n, E, seed):
+    """The step's global batch ``[n, E]`` float32, identical on every rank (skewed sigmoid router)."""
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    pop = -torch.log(torch.arange(1, E + 1, dtype=torch.float64))[torch.randperm(E, generator=g)]
+    return torch.sigmoid(pop + torch.randn(n, E, generator=g, dtype=torch.float64)).float()
+
+
+def split_sizes(n, parts, g, zeros=True):
+    """Random sizes summing to ``n``; some parts empty when ``zeros``."""
+    w = torch.rand(parts, generator=g, dtype=torch.float64) ** 3
+    if zeros and parts > 1:
+        w[torch.randint(parts, (1,), generator=g)] = 0
+    cut = (w.cumsum(0) / w.sum() * n).floor().long()
+    cut[-1] = n
+    return torch.diff(cut, prepend=torch.zeros(1, dtype=torch.long)).tolist()
+
+
+def run_split(rt, E, K, n, bins, seed, steps=3, ema=0.0):
+    """Train ``steps`` steps on this rank's share; compare every step's bias with the solo reference."""
+    dev = rt.device
+    pooled = QuantileBalancer(E, K, bins=bins, group=rt.group, ema=ema, device=dev)
+    ref = QuantileBalancer(E, K, bins=bins, group=solo_group(), ema=ema, device=dev)
+    g = torch.Generator().manual_seed(seed)
+    for t in range(steps):
+        scores = global_scores(t, n, E, seed)
+        ref.route(scores.to(dev))
+        ref.step()
+        sizes = split_sizes(n, rt.world_size, g)  # same draw on every rank
+        start = sum(sizes[:rt.rank])
+        mine = scores[start:start + sizes[rt.rank]]
+        micro = split_sizes(mine.shape[0], 3, g)  # drawn on every rank, so g stays in step
+        for chunk in torch.split(mine, micro):
+            pooled.route(chunk.to(dev))
+        pooled.step()
+        assert torch.equal(pooled.bias, ref.bias), (
+            f"E={E} K={K} step {t}: max |diff| {float((pooled.bias - ref.bias).abs().max())}, sizes {sizes}")
+    return pooled
+
+
+def case_split_invariance(rt):
+    for E, K, n, bins, seed in [(64, 8, 1000, 1000, 1), (256, 16, 777, 1000, 2), (32, 2, 97, 50, 3),
+                                (896, 16, 300, 1000, 4)]:
+        run_split(rt, E, K, n, bins, seed)
+
+
+def case_split_invariance_ema(rt):
+    run_split(rt, 48, 4, 600, 1000, 5, steps=4, ema=0.5)
+
+
+def case_fewer_tokens_than_ranks(rt):
+    run_split(rt, 16, 3, 2, 100, 6)  # most ranks hold nothing at all
+
+
+def case_default_group(rt):
+    """``group=None`` pools over the default group, like passing it explicitly."""
+    if not dist.is_initialized():
+        return
+    a = QuantileBalancer(32, 4, device=rt.device)
+    b = QuantileBalancer(32, 4, group=dist.group.WORLD, device=rt.device)
+    scores = global_scores(rt.rank, 100, 32, 7).to(rt.device)  # different tokens per rank
+    for qb in (a, b):
+        qb.route(scores)
+        qb.step()
+    assert torch.equal(a.bias, b.bias)
+    got = [torch.zeros_like(a.bias) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, a.bias)
+    assert all(torch.equal(x, a.bias) for x in got), "ranks disagree on the bias"
+
+
+def case_empty_everywhere(rt):
+    qb = QuantileBalancer(24, 2, group=rt.group, device=rt.device)
+    qb.bias.copy_(torch.linspace(-0.1, 0.1, 24, device=rt.device) - 0.0)
+    before = qb.bias.clone()
+    qb.route(torch.empty(0, 24, device=rt.device))
+    qb.step()
+    assert torch.equal(qb.bias, before)
+
+
+def case_bad_scores_on_one_rank(rt):
+    """Deferred validation: bad scores on rank 0 alone stop the update on every rank, and all raise."""
+    if rt.device.type == "cuda":
+        return  # the CUDA path reports a step late; covered by tests/test_balance_gpu.py
+    E = 16
+    qb = QuantileBalancer(E, 2, group=rt.group, validate="deferred", device=rt.device)
+    scores = global_scores(rt.rank, 50, E, 8)
+    qb.route(scores)
+    qb.step()
+    before = qb.bias.clone()
+    if rt.rank == 0:
+        scores = scores.clone()
+        scores[0, 0] = 1.5
+    qb.route(scores)
+    try:
+        qb.step()
+    except ValueError as exc:
+        assert "scores: expected values in [0, 1]" in str(exc)
+    else:
+        raise AssertionError("step() did not raise on a rank whose peer saw bad scores")
+    assert torch.equal(qb.bias, before)
