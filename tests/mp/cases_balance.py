@@ -118,3 +118,23 @@ def case_bad_scores_on_one_rank(rt):
     else:
         raise AssertionError("step() did not raise on a rank whose peer saw bad scores")
     assert torch.equal(qb.bias, before)
+
+
+def case_cuda_all_reduce_without_sync(rt):
+    """On CUDA the pooled step (NCCL all-reduce included) makes no device-to-host sync."""
+    if rt.device.type != "cuda":
+        return  # CPU launch: nothing to check (SkipCase raised here is not recognised when mprun runs as __main__)
+    E, K = 896, 16
+    qb = QuantileBalancer(E, K, group=rt.group, device=rt.device)
+    scores = global_scores(rt.rank, 1024, E, 9).to(rt.device)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            qb.route(scores)
+            qb.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = [torch.zeros_like(qb.bias) for _ in range(rt.world_size)]
+    dist.all_gather(got, qb.bias, group=rt.group)
+    assert all(torch.equal(x, qb.bias) for x in got), "ranks disagree on the bias"
