@@ -1,0 +1,59 @@
+"""Combine on the host-driven path: reduce per (token, rank), send one row back, sum in rank order.
+
+The order of every floating-point addition is fixed (choices ``k = 0..K-1`` on the destination, then
+ranks ``0..R-1`` on the source), so the result is bitwise reproducible and independent of the transport.
+Accumulation is fp32 for 16/32-bit inputs and fp64 for fp64.
+"""
+from __future__ import annotations
+
+import torch
+
+from .dispatch import Routing
+from .transport import Transport
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_rows(buf: torch.Tensor, rows: torch.Tensor) -> list:
+    """``K`` tensors ``[n, *D]``: ``buf[rows[:, k]]``, zero where ``rows[:, k] == -1``."""
+    ext = torch.cat([buf, buf.new_zeros((1, *buf.shape[1:]))])  # row `cap` is the zero row for -1
+    idx = torch.where(rows >= 0, rows, torch.full_like(rows, buf.shape[0]))
+    return [ext[idx[:, k]] for k in range(rows.shape[1])]
+
+
+def reduce_local(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tensor:
+    """Sum, in ``k`` order, the (weighted) rows of each received token: ``[n_recv, H]`` in acc dtype.
+
+    Args:
+        out: ``[cap, H]`` expert outputs on this rank.
+        weights: ``[cap]`` routing weight of each row, or ``None`` for an unweighted sum.
+        rows: int64 ``[n_recv, K]``.
+    """
+    adt = acc_dtype(out.dtype)
+    outs = gather_rows(out.to(adt), rows)
+    ws = gather_rows(weights.to(adt), rows) if weights is not None else None
+    acc = torch.zeros((rows.shape[0], *out.shape[1:]), dtype=adt, device=out.device)
+    for k, o in enumerate(outs):
+        acc = acc + (o * ws[k].unsqueeze(-1) if ws is not None else o)
+    return acc
+
+
+def sum_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """Sum the rows that came back from each destination rank, in rank order: ``[s, *D]``."""
+    y = back.new_zeros((routing.num_tokens, *back.shape[1:]))
+    start = 0
+    for n in routing.send_splits:
+        if n:
+            # Tokens are unique inside one rank's block, so index_add_ here is an exact, ordered add.
+            y.index_add_(0, routing.pair_token[start:start + n], back[start:start + n])
+        start += n
+    return y
+
+
+def combine_rows(out: torch.Tensor, weights, routing: Routing, transport: Transport) -> torch.Tensor:
+    """Full combine: ``[cap, H]`` expert outputs -> ``[s, H]`` in the accumulation dtype."""
+    acc = reduce_local(out, weights, routing.recv_rows)
+    back = transport.all_to_all(acc, routing.recv_splits, routing.send_splits)
+    return sum_by_rank(back, routing)

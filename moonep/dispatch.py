@@ -1,0 +1,103 @@
+"""Dispatch on the host-driven path: pack one row per (token, destination rank), exchange, expand.
+
+A token is sent **once per destination rank**, whatever number of its K copies land there, together with
+the K-aligned list of its rows on that rank (``-1`` for choices that go elsewhere). The receiver copies
+it into all of those rows: that local expansion is the dispatch epilogue, and local copies are far
+cheaper than wire bytes.
+
+All functions take and return plain tensors; the autograd wiring lives in ``moonep.ep``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import layout
+from .transport import Transport
+
+
+@dataclass
+class Routing:
+    """Who sends what to whom in one dispatch; reused by combine and by both backward passes.
+
+    Attributes:
+        num_tokens: ``s``, tokens on this rank.
+        pair_token: int64 ``[n_send]``: the token of each sent pair, grouped by destination rank in
+            rank order, ascending token inside a group.
+        send_rows: int64 ``[n_send, K]``: for each pair, the rows on the destination of choices
+            ``k = 0..K-1`` (``-1`` where choice ``k`` goes to another rank or is masked).
+        send_splits: ``R`` ints, pairs sent to each rank.
+        recv_rows: int64 ``[n_recv, K]``: the same lists as received, rows of this rank's buffer.
+        recv_splits: ``R`` ints, pairs received from each rank.
+        capacity: rows of the receive buffer.
+    """
+
+    num_tokens: int
+    pair_token: torch.Tensor
+    send_rows: torch.Tensor
+    send_splits: list
+    recv_rows: torch.Tensor
+    recv_splits: list
+    capacity: int
+
+
+def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport, capacity: int,
+                  align: int = 1) -> Routing:
+    """Compute this rank's destinations from the plan, then swap row lists with the peers.
+
+    Args:
+        plan: the :class:`moonep.planner.Plan` every rank computed from the same counts.
+        topk_idx: int64 ``[s, K]`` expert ids, ``-1`` for masked choices.
+    """
+    R = transport.world_size
+    s, K = topk_idx.shape
+    dst_rank, dst_row = layout.token_destinations(plan, rank, topk_idx, align=align)
+    hits = torch.zeros(s, R + 1, dtype=torch.bool, device=topk_idx.device)
+    col = torch.where(dst_rank >= 0, dst_rank, torch.full_like(dst_rank, R))  # column R: masked choices
+    hits[torch.arange(s, device=topk_idx.device).repeat_interleave(K), col.reshape(-1)] = True
+    hits = hits[:, :R]
+    pair_rank, pair_token = hits.t().nonzero(as_tuple=True)  # sorted by rank, then token
+    send_splits = hits.sum(0).tolist()
+    send_rows = torch.where(dst_rank[pair_token] == pair_rank[:, None], dst_row[pair_token],
+                            torch.full_like(dst_row[pair_token], -1))
+    splits = torch.tensor(send_splits, dtype=torch.int64, device=topk_idx.device)[:, None]
+    recv_splits = transport.all_to_all(splits, [1] * R, [1] * R)[:, 0].tolist()
+    recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits)
+    return Routing(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
+
+
+def send_tokens(x: torch.Tensor, routing: Routing, transport: Transport) -> torch.Tensor:
+    """Send row ``x[i]`` once to each destination rank of token ``i``.
+
+    Args:
+        x: ``[s, H]`` on the source rank.
+    Returns:
+        ``[n_recv, H]``: the rows this rank received, grouped by source rank.
+    """
+    return transport.all_to_all(x[routing.pair_token], routing.send_splits, routing.recv_splits)
+
+
+def expand(recv: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Copy each received row into all of its slot rows (the dispatch epilogue).
+
+    Args:
+        recv: ``[n_recv, *D]`` received rows.
+        rows: int64 ``[n_recv, K]`` destination rows, ``-1`` for none.
+    Returns:
+        ``[capacity, *D]``, zero in rows nobody writes.
+    """
+    out = recv.new_zeros((capacity, *recv.shape[1:]))
+    flat = rows.reshape(-1)
+    valid = flat >= 0
+    src = torch.arange(rows.shape[0], device=rows.device).repeat_interleave(rows.shape[1])
+    out[flat[valid]] = recv[src[valid]]
+    return out
+
+
+def expand_weights(recv_w: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Scatter K-aligned per-choice values ``[n_recv, K]`` to their rows: ``[capacity]`` (zero elsewhere)."""
+    out = recv_w.new_zeros(capacity)
+    valid = rows >= 0
+    out[rows[valid]] = recv_w[valid]
+    return out

@@ -1,0 +1,285 @@
+"""``ExpertParallel``: balanced dispatch, combine, replica weight prefetch and gradient reduce.
+
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32)
+    h = ep.dispatch(x, topk_idx, topk_weights)      # collective
+    w = ep.prefetch(h, local_weight)                 # [epn, ...] -> [2*epn, ...]
+    out = my_experts(h.tokens, h.cu_seqlens, w)      # grouped over the 2*epn slots
+    y = ep.combine(out, h)                           # [s, H]
+
+Everything is differentiable: the backward of dispatch is a combine, the backward of combine is a
+dispatch over the same plan, and the backward of prefetch is ``reduce_grad``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import layout
+from .combine import acc_dtype, combine_rows, gather_rows, reduce_local, sum_by_rank
+from .dispatch import Routing, build_routing, expand, expand_weights, send_tokens
+from .errors import expect, expect_tensor
+from .planner import plan_balanced
+from .replicas import prefetch_weights, reduce_replica_grads
+from .transport import make_transport
+
+_FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Dispatched:
+    """What ``dispatch`` returns; pass it to ``combine``, ``prefetch`` and ``reduce_grad``.
+
+    Attributes:
+        tokens: ``[cap, H]`` received rows in slot order (``cap`` depends only on S, K, R, align, slack).
+            With ``apply_weights="dispatch"`` the rows are already multiplied by their routing weight.
+        weights: ``[cap]`` routing weight of each row (dtype of ``topk_weights``; zero in unused rows).
+        cu_seqlens: int32 ``[2*epn + 1]``: slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
+        slot_experts: int64 ``[2*epn]``: global expert of each slot, home experts first, ``-1`` if empty.
+        num_rows: rows used, ``int(cu_seqlens[-1])`` (equal on every rank with exact balance).
+        plan: the :class:`moonep.planner.Plan` of this step.
+    """
+
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slot_experts: torch.Tensor
+    num_rows: int
+    plan: object
+    routing: Routing
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, ep, routing):
+        ctx.ep, ctx.routing = ep, routing
+        recv = send_tokens(x, routing, ep.transport)
+        tokens = expand(recv, routing.recv_rows, routing.capacity)
+        w_pairs = torch.where(routing.send_rows >= 0, topk_weights[routing.pair_token],
+                              torch.zeros((), dtype=topk_weights.dtype, device=x.device))
+        recv_w = ep.transport.all_to_all(w_pairs, routing.send_splits, routing.recv_splits)
+        weights = expand_weights(recv_w, routing.recv_rows, routing.capacity)
+        ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
+        return tokens, weights
+
+    @staticmethod
+    def backward(ctx, g_tokens, g_weights):
+        ep, routing = ctx.ep, ctx.routing
+        # Gradient of x: a combine of the rows' gradients without weights (sum of the token's copies).
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = combine_rows(g_tokens, None, routing, ep.transport).to(ctx.x_dtype)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            # Per-choice weight gradients travel back K-aligned; each (token, k) is non-zero on one rank.
+            back = torch.stack(gather_rows(g_weights, routing.recv_rows), dim=1)
+            back = ep.transport.all_to_all(back.contiguous(), routing.recv_splits, routing.send_splits)
+            gw = sum_by_rank(back, routing).to(ctx.w_dtype)
+        return gx, gw, None, None
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, ep, routing, out_dtype):
+        ctx.ep, ctx.routing = ep, routing
+        ctx.save_for_backward(expert_out, weights)
+        return combine_rows(expert_out, weights, routing, ep.transport).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, gy):
+        ep, routing = ctx.ep, ctx.routing
+        expert_out, weights = ctx.saved_tensors
+        # The backward of combine is a dispatch of dy over the same plan.
+        g_rows = expand(send_tokens(gy.contiguous(), routing, ep.transport), routing.recv_rows, routing.capacity)
+        adt = acc_dtype(expert_out.dtype)
+        g_rows = g_rows.to(adt)
+        g_out = g_w = None
+        if ctx.needs_input_grad[0]:
+            g_out = (g_rows * weights.to(adt).unsqueeze(-1)).to(expert_out.dtype)
+        if ctx.needs_input_grad[1]:
+            g_w = (g_rows * expert_out.to(adt)).sum(-1).to(weights.dtype)
+        return g_out, g_w, None, None, None
+
+
+class _PrefetchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_weight, ep, plan):
+        ctx.ep, ctx.plan = ep, plan
+        return prefetch_weights(plan, ep.rank, local_weight, ep.transport)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None
+
+
+class ExpertParallel:
+    """Balanced expert-parallel dispatch/combine over one process group.
+
+    Args:
+        group: a :class:`moonep.Runtime`, a ``torch.distributed`` ProcessGroup, or ``None`` (``moonep.init()``).
+        num_experts: ``E``, divisible by the group size ``R``; rank ``r`` owns experts ``r*epn .. r*epn+epn-1``.
+        topk: ``K`` choices per token.
+        hidden: ``H``, row width of dispatched tokens.
+        max_tokens: ``S``, the most tokens any rank passes to one ``dispatch``; sizes the static buffers.
+        dtype: token dtype (float32, float64, bfloat16 or float16).
+        device: defaults to the runtime's device.
+        align: pad each slot to a multiple of this many rows (grouped GEMMs like 128).
+        slack: 0 for exact balance; ``> 0`` lets ranks receive up to ``(1+slack)*T/R`` for fewer replicas.
+        apply_weights: ``"combine"`` (default: ``y = sum_k w_k f(x)``) or ``"dispatch"`` (rows arrive scaled
+            by their weight, ``y = sum_k f(w_k x)``, and combine sums without weights).
+        transport: ``"auto"``, ``"mpi"`` or ``"torch"``.
+
+    Every rank must construct it with the same arguments; a mismatch raises ``ValueError`` on every rank.
+    """
+
+    def __init__(self, group=None, *, num_experts: int, topk: int, hidden: int, max_tokens: int,
+                 dtype: torch.dtype = torch.float32, device=None, align: int = 1, slack: float = 0.0,
+                 apply_weights: str = "combine", transport: str = "auto"):
+        from .runtime import Runtime, init
+
+        self.rt = group if isinstance(group, Runtime) else init(group)
+        R = self.rt.world_size
+        self.rank, self.world_size = self.rt.rank, R
+        self.device = torch.device(device) if device is not None else self.rt.device
+        self.transport = make_transport(transport, self.rt)
+        config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
+                      dtype=str(dtype), align=align, slack=float(slack), apply_weights=apply_weights,
+                      transport=self.transport.name)
+        errors = []
+        try:
+            for name in ("num_experts", "topk", "hidden", "max_tokens", "align"):
+                expect(isinstance(config[name], int) and config[name] > 0, name, "a positive int",
+                       repr(config[name]))
+            expect(num_experts % R == 0, "num_experts", f"a multiple of the group size {R}", num_experts)
+            expect(topk <= num_experts, "topk", f"<= num_experts ({num_experts})", topk)
+            expect(dtype in _FLOAT, "dtype", "float32, float64, bfloat16 or float16", dtype)
+            expect(slack >= 0, "slack", ">= 0", slack)
+            expect(apply_weights in ("combine", "dispatch"), "apply_weights", '"combine" or "dispatch"',
+                   repr(apply_weights))
+        except ValueError as exc:
+            errors.append(str(exc))
+        # Every rank checks every rank's configuration, so a mismatch fails everywhere, not as a hang later.
+        configs = self.transport.all_gather_object((config, errors))
+        for r, (cfg, errs) in enumerate(configs):
+            if errs:
+                raise ValueError(f"{errs[0]} (on rank {r})")
+        for key in config:
+            values = [cfg[key] for cfg, _ in configs]
+            expect(len(set(values)) == 1, key, "the same value on every rank",
+                   "; ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+        self.num_experts, self.topk, self.hidden, self.max_tokens = num_experts, topk, hidden, max_tokens
+        self.epn = num_experts // R
+        self.dtype, self.align, self.slack, self.apply_weights = dtype, align, float(slack), apply_weights
+        self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
+
+    # -- validation ---------------------------------------------------------------------------------
+    def _check_inputs(self, x, topk_idx, topk_weights):
+        S, K, H, E = self.max_tokens, self.topk, self.hidden, self.num_experts
+        expect_tensor(x, "x", dim=2, dtypes=self.dtype, device=self.device)
+        s = x.shape[0]
+        expect(x.shape[1] == H, "x", f"shape [s, {H}]", list(x.shape))
+        expect(s <= S, "x", f"at most max_tokens={S} rows", s)
+        expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=self.device,
+                      shape=(s, K))
+        expect_tensor(topk_weights, "topk_weights", dtypes=_FLOAT, device=self.device, shape=(s, K))
+        if s:
+            lo, hi = int(topk_idx.min()), int(topk_idx.max())
+            expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
+            srt = topk_idx.sort(dim=1).values
+            dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
+            if bool(dup.any()):
+                i = int(dup.nonzero()[0, 0])
+                raise ValueError(f"topk_idx: expected distinct experts per token, got {topk_idx[i].tolist()} "
+                                 f"for token {i}")
+            bad = ~torch.isfinite(topk_weights)
+            if bool(bad.any()):
+                i = int(bad.any(dim=1).nonzero()[0, 0])
+                raise ValueError(f"topk_weights: expected finite values, got {topk_weights[i].tolist()} "
+                                 f"for token {i}")
+
+    # -- the data path ------------------------------------------------------------------------------
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
+        """Validate, all-gather the routing counts and plan. Collective. Returns ``(plan, routing)``."""
+        E, R = self.num_experts, self.world_size
+        err = None
+        try:
+            self._check_inputs(x, topk_idx, topk_weights)
+            idx = topk_idx.to(torch.int64)
+            counts = torch.bincount(idx[idx >= 0], minlength=E).to(torch.int64)
+            s = x.shape[0]
+        except ValueError as exc:
+            err, counts, s = str(exc), torch.zeros(E, dtype=torch.int64, device=self.device), 0
+        # One gather carries the counts, s and an error flag, so bad input on one rank fails every rank.
+        flag = torch.tensor([s, err is not None], dtype=torch.int64, device=counts.device)
+        meta = self.transport.all_gather(torch.cat([counts, flag]))
+        if bool(meta[:, -1].any()):
+            msgs = self.transport.all_gather_object(err)
+            r = next(i for i, m in enumerate(msgs) if m)
+            raise ValueError(err if err else f"{msgs[r]} (on rank {r})")
+        if num_global_tokens is not None:
+            total = int(meta[:, E].sum())
+            expect(total == num_global_tokens, "num_global_tokens",
+                   f"the sum of tokens over ranks ({total})", num_global_tokens)
+        plan = plan_balanced(meta[:, :E].contiguous(), slack=self.slack)
+        routing = build_routing(plan, self.rank, topk_idx.to(torch.int64), self.transport, self.capacity,
+                                align=self.align)
+        return plan, routing
+
+    def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None) -> Dispatched:
+        """Send every token to the ranks of its experts, into its final slot rows there. Collective.
+
+        Args:
+            x: ``[s, H]`` tokens, ``dtype`` of the constructor, ``s <= max_tokens`` (``s`` may differ
+                between ranks and may be 0).
+            topk_idx: int32/int64 ``[s, K]`` expert ids, distinct per token; ``-1`` masks a choice.
+            topk_weights: float ``[s, K]`` finite routing weights.
+            num_global_tokens: optional sum of ``s`` over ranks; checked when given.
+        Returns:
+            :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.
+        """
+        plan, routing = self.plan_step(x, topk_idx, topk_weights, num_global_tokens)
+        tokens, weights = _DispatchFn.apply(x, topk_weights, self, routing)
+        if self.apply_weights == "dispatch":
+            tokens = (tokens.to(acc_dtype(tokens.dtype)) * weights.to(acc_dtype(tokens.dtype))[:, None]).to(tokens.dtype)
+        return Dispatched(tokens, weights, layout.slot_offsets(plan, self.rank, align=self.align),
+                          layout.slot_experts(plan, self.rank), int(plan.recv_counts[self.rank]), plan, routing)
+
+    def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
+        """Return each token's weighted sum of its experts' outputs. Collective.
+
+        Args:
+            expert_out: ``[cap, H]`` (any float dtype), row ``i`` is the expert output for ``h.tokens[i]``.
+            h: the :class:`Dispatched` of the same step.
+        Returns:
+            ``[s, H]`` in ``expert_out``'s dtype; ``sum_k w_k * out_k`` (or the plain sum with
+            ``apply_weights="dispatch"``). Rows of tokens whose choices are all masked are zero.
+        """
+        expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
+                      shape=(self.capacity, None))
+        expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
+        weights = h.weights if self.apply_weights == "combine" else torch.ones_like(h.weights)
+        return _CombineFn.apply(expert_out, weights, self, h.routing, expert_out.dtype)
+
+    def prefetch(self, h: Dispatched, local_weight: torch.Tensor) -> torch.Tensor:
+        """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
+
+        Args:
+            local_weight: ``[epn, *D]`` this rank's home expert weights (one projection).
+        Returns:
+            ``[2*epn, *D]``; empty replica slots are zero. Differentiable: the gradient of the replica
+            slots flows back to their home rank (see ``reduce_grad``). Collective.
+        """
+        expect_tensor(local_weight, "local_weight", device=self.device)
+        expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
+               f"shape [epn={self.epn}, ...]", list(local_weight.shape))
+        return _PrefetchFn.apply(local_weight.contiguous(), self, h.plan)
+
+    def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
+        """Sum replica gradients into their home experts: ``[2*epn, *D] -> [epn, *D]``. Collective.
+
+        Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
+        """
+        expect_tensor(grad_view, "grad_view", device=self.device)
+        expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
+               f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
+        return reduce_replica_grads(h.plan, self.rank, grad_view.contiguous(), self.transport)

@@ -1,0 +1,59 @@
+"""The transport interface: the two collectives the host-driven data path needs.
+
+Every implementation moves the same bytes and returns the same result, so outputs are bitwise equal
+whichever transport is used. Splits are host-known lists here (the CPU path); the GPU transports in this
+package write into peer memory instead and need no host splits.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class Transport:
+    """Moves rows between the ranks of one group.
+
+    Implementations: :class:`moonep.transport.mpi.MPITransport` (mpi4py, CPU tensors, zero-copy numpy views)
+    and :class:`moonep.transport.torchdist.TorchDistTransport` (``all_to_all_single`` on gloo or NCCL).
+    """
+
+    name = "base"
+    rank: int
+    world_size: int
+
+    def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        """Exchange rows: ``send[sum(send_splits[:r]) : ...]`` goes to rank ``r``.
+
+        Args:
+            send: ``[n_send, *D]`` contiguous, any dtype; ``n_send == sum(send_splits)``.
+            send_splits: ``R`` ints, rows for each destination.
+            recv_splits: ``R`` ints, rows from each source.
+        Returns:
+            ``[sum(recv_splits), *D]``, same dtype and device, rows grouped by source rank in rank order.
+        """
+        raise NotImplementedError
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Gather a ``[n]`` int64 tensor from every rank into ``[R, n]`` (identical on every rank)."""
+        raise NotImplementedError
+
+    def all_gather_object(self, obj) -> list:
+        """Gather a small picklable object from every rank (configuration checks, error messages)."""
+        raise NotImplementedError
+
+
+def make_transport(kind: str, rt) -> Transport:
+    """``kind``: "mpi", "torch" or "auto" (MPI for CPU tensors under mpirun, else torch.distributed)."""
+    from ..errors import expect
+
+    expect(kind in ("auto", "mpi", "torch"), "transport", '"auto", "mpi" or "torch"', repr(kind))
+    if kind == "auto":
+        kind = "mpi" if rt.comm is not None and rt.device.type == "cpu" else "torch"
+    if kind == "mpi":
+        expect(rt.comm is not None, "transport", "a job launched by mpirun/mpiexec for the MPI transport",
+               f"launcher {rt.launcher!r}")
+        from .mpi import MPITransport
+
+        return MPITransport(rt.comm, timeout=rt.timeout.total_seconds())
+    from .torchdist import TorchDistTransport
+
+    return TorchDistTransport(rt.group, rt.cpu_group)

@@ -1,0 +1,168 @@
+"""ExpertParallel end to end on every rank, against a single-process dense float64 reference."""
+import itertools
+
+import torch
+
+import moonep
+from ep_reference import (dense_reference, expect_error, make_problem, moe_step, my_slice)
+
+KINDS = ["uniform", "zipf", "hot", "cold_rank"]
+
+
+def _sizes(R, base, seed):
+    g = torch.Generator().manual_seed(seed)
+    sizes = [int(v) for v in torch.randint(0, base + 1, (R,), generator=g)]
+    sizes[R // 2] = 0 if R > 1 else sizes[0]  # some rank passes no token at all (MoonEP cannot)
+    sizes[-1] = base  # someone is at capacity
+    return sizes
+
+
+def _check_forward_backward(rt, E, K, H, kind, transport, dtype=torch.float64, mask=0.0, seed=0,
+                            apply_weights="combine", align=1):
+    R, F, S = rt.world_size, 5, 12
+    sizes = _sizes(R, S, seed)
+    x, idx, w, w1, w2, gy = make_problem(seed, R, E, K, H, F, sizes, kind, mask, dtype)
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype,
+                               transport=transport, apply_weights=apply_weights, align=align)
+    sl, home = my_slice(rt, sizes), slice(rt.rank * E // R, (rt.rank + 1) * E // R)
+    xl = x[sl].clone().requires_grad_()
+    wl = w[sl].clone().requires_grad_()
+    w1l, w2l = w1[home].clone().requires_grad_(), w2[home].clone().requires_grad_()
+    y, h = moe_step(ep, xl, idx[sl], wl, w1l, w2l)
+    (y * gy[sl]).sum().backward()
+
+    # Reference: the whole global batch in one process, float64.
+    rx, rw = x.double().clone().requires_grad_(), w.double().clone().requires_grad_()
+    r1, r2 = w1.double().clone().requires_grad_(), w2.double().clone().requires_grad_()
+    ry = dense_reference(rx, idx, rw, r1, r2)
+    (ry * gy.double()).sum().backward()
+
+    tol = dict(atol=1e-12, rtol=0) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    ctx = f"rank {rt.rank} E={E} K={K} kind={kind} transport={transport} dtype={dtype}"
+    torch.testing.assert_close(y.double(), ry[sl].detach(), **tol, msg=lambda m: f"y {ctx}: {m}")
+    torch.testing.assert_close(xl.grad.double(), rx.grad[sl], **tol, msg=lambda m: f"dx {ctx}: {m}")
+    torch.testing.assert_close(wl.grad.double(), rw.grad[sl], **tol, msg=lambda m: f"dw {ctx}: {m}")
+    torch.testing.assert_close(w1l.grad.double(), r1.grad[home], **tol, msg=lambda m: f"dW1 {ctx}: {m}")
+    torch.testing.assert_close(w2l.grad.double(), r2.grad[home], **tol, msg=lambda m: f"dW2 {ctx}: {m}")
+
+    # Balance: the planner's guarantee, on every rank, with static shapes.
+    T = int((idx >= 0).sum())
+    assert h.num_rows == T // R + (1 if rt.rank < T % R else 0), (ctx, h.num_rows, T)
+    assert h.tokens.shape == (ep.capacity, H)
+    assert int(h.cu_seqlens[-1]) >= h.num_rows
+    return y.detach(), xl.grad, wl.grad, w1l.grad
+
+
+def case_forward_backward_float64(rt):
+    R = rt.world_size
+    for (epn, K), kind, transport in itertools.product([(1, 1), (2, 2), (4, 3)], KINDS, ["mpi", "torch"]):
+        E = epn * R
+        if K > E:
+            continue
+        _check_forward_backward(rt, E, K, 6, kind, transport, seed=epn * 10 + K)
+
+
+def case_forward_backward_float32(rt):
+    for kind in KINDS:
+        _check_forward_backward(rt, 2 * rt.world_size, min(2, 2 * rt.world_size), 8, kind, "mpi",
+                                dtype=torch.float32, seed=3)
+
+
+def case_masked_choices_and_alignment(rt):
+    E = 4 * rt.world_size
+    _check_forward_backward(rt, E, 3, 6, "zipf", "mpi", mask=0.3, seed=5, align=4)
+
+
+def case_apply_weights_before_experts(rt):
+    # With weights applied at dispatch, y = sum_k f(w_k x): check against that reference directly.
+    R, E, K, H, S = rt.world_size, 2 * rt.world_size, 2, 5, 10
+    sizes = _sizes(R, S, 4)
+    x, idx, w, w1, w2, _ = make_problem(4, R, E, K, H, 4, sizes, "zipf")
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64,
+                               apply_weights="dispatch")
+    sl, home = my_slice(rt, sizes), slice(rt.rank * E // R, (rt.rank + 1) * E // R)
+    y, _ = moe_step(ep, x[sl], idx[sl], w[sl], w1[home], w2[home])
+    ref = torch.zeros_like(x)
+    for i in range(x.shape[0]):
+        for k in range(K):
+            e = int(idx[i, k])
+            ref[i] += torch.tanh((w[i, k] * x[i]) @ w1[e]) @ w2[e]
+    torch.testing.assert_close(y, ref[sl], atol=1e-12, rtol=0)
+
+
+def case_transports_bitwise_equal_and_deterministic(rt):
+    outs = {}
+    for transport in ("mpi", "torch"):
+        for rep in range(2):
+            outs[transport, rep] = _check_forward_backward(rt, 4 * rt.world_size, 4, 6, "zipf", transport,
+                                                           dtype=torch.float32, seed=11)
+    base = outs["mpi", 0]
+    for key, got in outs.items():
+        for a, b in zip(base, got):
+            assert torch.equal(a, b), f"rank {rt.rank}: {key} differs bitwise from ('mpi', 0)"
+
+
+def case_bfloat16_tokens(rt):
+    R, E, K, H, S = rt.world_size, 2 * rt.world_size, 2, 16, 8
+    sizes = [S] * R
+    x, idx, w, w1, w2, _ = make_problem(2, R, E, K, H, 8, sizes, "zipf", dtype=torch.float64)
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16)
+    sl = my_slice(rt, sizes)
+    h = ep.dispatch(x[sl].bfloat16(), idx[sl], w[sl].float())
+    y = ep.combine(h.tokens, h)  # identity experts: y = sum_k w_k x, accumulated in fp32
+    ref = (w[sl].sum(1, keepdim=True) * x[sl].bfloat16().double())
+    torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-2)
+    assert y.dtype == torch.bfloat16
+
+
+# -- bad input: every rank raises, nobody hangs ---------------------------------------------------------
+def _ep(rt, **kw):
+    args = dict(num_experts=2 * rt.world_size, topk=2, hidden=4, max_tokens=6, dtype=torch.float32)
+    args.update(kw)
+    return moonep.ExpertParallel(rt, **args)
+
+
+def case_bad_inputs_fail_on_every_rank(rt):
+    ep = _ep(rt)
+    E, bad_rank = ep.num_experts, rt.world_size - 1
+    good = (torch.randn(6, 4), torch.stack([torch.arange(2)] * 6), torch.rand(6, 2))
+
+    def call(mutate, match):
+        x, i, w = (t.clone() for t in good)
+        if rt.rank == bad_rank:
+            x, i, w = mutate(x, i, w)
+        msg = expect_error(lambda: ep.dispatch(x, i, w), match)
+        if rt.rank != bad_rank:
+            assert f"(on rank {bad_rank})" in msg, msg
+
+    call(lambda x, i, w: (x, i.fill_(E), w), "topk_idx: expected expert ids in [-1")
+    call(lambda x, i, w: (x, i.fill_(-2), w), "topk_idx: expected expert ids in [-1")
+    call(lambda x, i, w: (x, i.fill_(0), w), "topk_idx: expected distinct experts")
+    call(lambda x, i, w: (x, i, w.fill_(float("nan"))), "topk_weights: expected finite")
+    call(lambda x, i, w: (x, i, w.fill_(float("inf"))), "topk_weights: expected finite")
+    call(lambda x, i, w: (torch.randn(7, 4), torch.zeros(7, 2, dtype=torch.int64), torch.rand(7, 2)),
+         "x: expected at most max_tokens=6 rows")
+    call(lambda x, i, w: (x.double(), i, w), "x: expected dtype")
+    call(lambda x, i, w: (x, i.float(), w), "topk_idx: expected dtype")
+    call(lambda x, i, w: (x, i[:, :1], w), "topk_idx: expected shape")
+    call(lambda x, i, w: (x[:, :3], i, w), "x: expected shape [s, 4]")
+    call(lambda x, i, w: (x, i, w.int()), "topk_weights: expected dtype")
+    call(lambda x, i, w: ("not a tensor", i, w), "x: expected a torch.Tensor")
+    # After all those refusals the same object still works.
+    h = ep.dispatch(*good)
+    assert h.tokens.shape == (ep.capacity, 4)
+
+
+def case_config_mismatch_fails_on_every_rank(rt):
+    if rt.world_size == 1:
+        return
+    expect_error(lambda: _ep(rt, hidden=4 + (rt.rank == 1)), "hidden: expected the same value on every rank")
+    expect_error(lambda: _ep(rt, num_experts=2 * rt.world_size + 1), "num_experts: expected a multiple")
+    expect_error(lambda: _ep(rt, topk=0 if rt.rank == 0 else 2), "topk: expected a positive int")
+
+
+def case_global_token_count_contract(rt):
+    ep = _ep(rt)
+    x, i, w = torch.randn(3, 4), torch.stack([torch.arange(2)] * 3), torch.rand(3, 2)
+    ep.dispatch(x, i, w, num_global_tokens=3 * rt.world_size)
+    expect_error(lambda: ep.dispatch(x, i, w, num_global_tokens=3 * rt.world_size + 1), "num_global_tokens")
