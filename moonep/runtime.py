@@ -37,6 +37,11 @@ class Runtime:
     comm: object = None  # the mpi4py communicator when launched by mpirun, else None
     _owns_pg: bool = field(default=False, repr=False)
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where tensors for ``group`` collectives must live: the GPU under NCCL, else the host."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
     def barrier(self) -> None:
         dist.barrier(group=self.cpu_group)
 
@@ -142,7 +147,11 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         rank, size, local_rank, local_size = 0, 1, 0, 1
         store = dist.HashStore()
     dev = _pick_device(local_rank, want_cuda)
-    be = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    # NCCL refuses two ranks on one GPU; oversubscribed GPU jobs (CUDA IPC tests) run gloo for the group.
+    shared_gpu = dev.type == "cuda" and local_size > torch.cuda.device_count()
+    be = backend or ("nccl" if dev.type == "cuda" and not shared_gpu else "gloo")
+    expect(not (be == "nccl" and shared_gpu), "backend",
+           f"gloo when {local_size} local ranks share {torch.cuda.device_count()} GPUs (NCCL refuses that)", be)
     kwargs = dict(backend=be, rank=rank, world_size=size, timeout=td)
     if store is not None:
         kwargs["store"] = store

@@ -20,8 +20,11 @@ class TorchDistTransport(Transport):
         self.group = group
         self.cpu_group = cpu_group if cpu_group is not None else group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.backend = dist.get_backend(group)
 
     def all_to_all(self, send, send_splits, recv_splits):
+        if send.is_cuda and self.backend == "gloo":  # gloo moves host memory: stage CUDA tensors through it
+            return self.all_to_all(send.cpu(), send_splits, recv_splits).to(send.device)
         send = send.contiguous()
         recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=send.device)
         if send.dtype == torch.bool:  # gloo has no bool all-to-all
@@ -30,6 +33,8 @@ class TorchDistTransport(Transport):
         return recv
 
     def all_gather(self, t):
+        if t.is_cuda and self.backend == "gloo":
+            return self.all_gather(t.cpu()).to(t.device)
         t = t.to(torch.int64).contiguous()
         out = torch.empty(self.world_size * t.numel(), dtype=torch.int64, device=t.device)
         _all_gather_single(out, t.reshape(-1), group=self.group)

@@ -11,7 +11,7 @@ def case_world(rt):
 
 
 def case_all_reduce(rt):
-    x = torch.full((3,), float(rt.rank + 1), device=rt.device, dtype=torch.float64)
+    x = torch.full((3,), float(rt.rank + 1), device=rt.collective_device, dtype=torch.float64)
     dist.all_reduce(x, group=rt.group)
     n = rt.world_size
     assert torch.equal(x.cpu(), torch.full((3,), n * (n + 1) / 2, dtype=torch.float64))
@@ -23,8 +23,8 @@ def case_all_to_all_uneven(rt):
     send_splits = [r + d + 1 for d in range(n)]
     recv_splits = [s + r + 1 for s in range(n)]
     send = torch.cat([torch.tensor([[r, d, i] for i in range(send_splits[d])], dtype=torch.int64)
-                      for d in range(n)]).to(rt.device)
-    recv = torch.empty(sum(recv_splits), 3, dtype=torch.int64, device=rt.device)
+                      for d in range(n)]).to(rt.collective_device)
+    recv = torch.empty(sum(recv_splits), 3, dtype=torch.int64, device=rt.collective_device)
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=rt.group)
     want = torch.cat([torch.tensor([[s, r, i] for i in range(recv_splits[s])], dtype=torch.int64)
                       for s in range(n)])
@@ -36,8 +36,8 @@ def case_all_to_all_empty_splits(rt):
     r, n = rt.rank, rt.world_size
     send_splits = [0 if r == 0 or (r + d) % 2 else 2 for d in range(n)]
     recv_splits = [0 if s == 0 or (s + r) % 2 else 2 for s in range(n)]
-    send = torch.full((sum(send_splits), 4), float(r), device=rt.device)
-    recv = torch.empty(sum(recv_splits), 4, device=rt.device)
+    send = torch.full((sum(send_splits), 4), float(r), device=rt.collective_device)
+    recv = torch.empty(sum(recv_splits), 4, device=rt.collective_device)
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=rt.group)
     srcs = [s for s in range(n) for _ in range(recv_splits[s])]
     assert torch.equal(recv[:, 0].cpu(), torch.tensor(srcs, dtype=torch.float32))

@@ -9,6 +9,11 @@ from ep_reference import (dense_reference, expect_error, make_problem, moe_step,
 KINDS = ["uniform", "zipf", "hot", "cold_rank"]
 
 
+def transports(rt):
+    """The host-driven transports that apply on this device (MPI moves CPU tensors only)."""
+    return ["mpi", "torch"] if rt.device.type == "cpu" else ["torch"]
+
+
 def _sizes(R, base, seed):
     g = torch.Generator().manual_seed(seed)
     sizes = [int(v) for v in torch.randint(0, base + 1, (R,), generator=g)]
@@ -25,11 +30,12 @@ def _check_forward_backward(rt, E, K, H, kind, transport, dtype=torch.float64, m
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype,
                                transport=transport, apply_weights=apply_weights, align=align)
     sl, home = my_slice(rt, sizes), slice(rt.rank * E // R, (rt.rank + 1) * E // R)
-    xl = x[sl].clone().requires_grad_()
-    wl = w[sl].clone().requires_grad_()
-    w1l, w2l = w1[home].clone().requires_grad_(), w2[home].clone().requires_grad_()
-    y, h = moe_step(ep, xl, idx[sl], wl, w1l, w2l)
-    (y * gy[sl]).sum().backward()
+    dev = rt.device
+    xl = x[sl].to(dev).requires_grad_()
+    wl = w[sl].to(dev).requires_grad_()
+    w1l, w2l = w1[home].to(dev).requires_grad_(), w2[home].to(dev).requires_grad_()
+    y, h = moe_step(ep, xl, idx[sl].to(dev), wl, w1l, w2l)
+    (y * gy[sl].to(dev)).sum().backward()
 
     # Reference: the whole global batch in one process, float64.
     rx, rw = x.double().clone().requires_grad_(), w.double().clone().requires_grad_()
@@ -39,23 +45,28 @@ def _check_forward_backward(rt, E, K, H, kind, transport, dtype=torch.float64, m
 
     tol = dict(atol=1e-12, rtol=0) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
     ctx = f"rank {rt.rank} E={E} K={K} kind={kind} transport={transport} dtype={dtype}"
-    torch.testing.assert_close(y.double(), ry[sl].detach(), **tol, msg=lambda m: f"y {ctx}: {m}")
-    torch.testing.assert_close(xl.grad.double(), rx.grad[sl], **tol, msg=lambda m: f"dx {ctx}: {m}")
-    torch.testing.assert_close(wl.grad.double(), rw.grad[sl], **tol, msg=lambda m: f"dw {ctx}: {m}")
-    torch.testing.assert_close(w1l.grad.double(), r1.grad[home], **tol, msg=lambda m: f"dW1 {ctx}: {m}")
-    torch.testing.assert_close(w2l.grad.double(), r2.grad[home], **tol, msg=lambda m: f"dW2 {ctx}: {m}")
+    def close(got, want, what):
+        torch.testing.assert_close(got.double().cpu(), want.detach(), **tol, msg=lambda m: f"{what} {ctx}: {m}")
+
+    close(y, ry[sl], "y")
+    close(xl.grad, rx.grad[sl], "dx")
+    close(wl.grad, rw.grad[sl], "dtopk_weights")
+    close(w1l.grad, r1.grad[home], "dW1")
+    close(w2l.grad, r2.grad[home], "dW2")
+    if kind == "hot" and R > 1:  # a hot expert must be replicated, so prefetch/reduce_grad are exercised
+        assert bool((h.plan.replica_experts >= 0).any()), ctx
 
     # Balance: the planner's guarantee, on every rank, with static shapes.
     T = int((idx >= 0).sum())
     assert h.num_rows == T // R + (1 if rt.rank < T % R else 0), (ctx, h.num_rows, T)
     assert h.tokens.shape == (ep.capacity, H)
     assert int(h.cu_seqlens[-1]) >= h.num_rows
-    return y.detach(), xl.grad, wl.grad, w1l.grad
+    return y.detach().cpu(), xl.grad.cpu(), wl.grad.cpu(), w1l.grad.cpu()
 
 
 def case_forward_backward_float64(rt):
     R = rt.world_size
-    for (epn, K), kind, transport in itertools.product([(1, 1), (2, 2), (4, 3)], KINDS, ["mpi", "torch"]):
+    for (epn, K), kind, transport in itertools.product([(1, 1), (2, 2), (4, 3)], KINDS, transports(rt)):
         E = epn * R
         if K > E:
             continue
@@ -64,13 +75,13 @@ def case_forward_backward_float64(rt):
 
 def case_forward_backward_float32(rt):
     for kind in KINDS:
-        _check_forward_backward(rt, 2 * rt.world_size, min(2, 2 * rt.world_size), 8, kind, "mpi",
+        _check_forward_backward(rt, 2 * rt.world_size, min(2, 2 * rt.world_size), 8, kind, transports(rt)[0],
                                 dtype=torch.float32, seed=3)
 
 
 def case_masked_choices_and_alignment(rt):
     E = 4 * rt.world_size
-    _check_forward_backward(rt, E, 3, 6, "zipf", "mpi", mask=0.3, seed=5, align=4)
+    _check_forward_backward(rt, E, 3, 6, "zipf", transports(rt)[0], mask=0.3, seed=5, align=4)
 
 
 def case_apply_weights_before_experts(rt):
@@ -81,7 +92,9 @@ def case_apply_weights_before_experts(rt):
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64,
                                apply_weights="dispatch")
     sl, home = my_slice(rt, sizes), slice(rt.rank * E // R, (rt.rank + 1) * E // R)
-    y, _ = moe_step(ep, x[sl], idx[sl], w[sl], w1[home], w2[home])
+    dev = rt.device
+    y, _ = moe_step(ep, x[sl].to(dev), idx[sl].to(dev), w[sl].to(dev), w1[home].to(dev), w2[home].to(dev))
+    y = y.cpu()
     ref = torch.zeros_like(x)
     for i in range(x.shape[0]):
         for k in range(K):
@@ -92,14 +105,14 @@ def case_apply_weights_before_experts(rt):
 
 def case_transports_bitwise_equal_and_deterministic(rt):
     outs = {}
-    for transport in ("mpi", "torch"):
+    for transport in transports(rt):
         for rep in range(2):
             outs[transport, rep] = _check_forward_backward(rt, 4 * rt.world_size, 4, 6, "zipf", transport,
                                                            dtype=torch.float32, seed=11)
-    base = outs["mpi", 0]
+    base = outs[transports(rt)[0], 0]
     for key, got in outs.items():
         for a, b in zip(base, got):
-            assert torch.equal(a, b), f"rank {rt.rank}: {key} differs bitwise from ('mpi', 0)"
+            assert torch.equal(a, b), f"rank {rt.rank}: {key} differs bitwise from the first run"
 
 
 def case_bfloat16_tokens(rt):
@@ -107,11 +120,11 @@ def case_bfloat16_tokens(rt):
     sizes = [S] * R
     x, idx, w, w1, w2, _ = make_problem(2, R, E, K, H, 8, sizes, "zipf", dtype=torch.float64)
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16)
-    sl = my_slice(rt, sizes)
-    h = ep.dispatch(x[sl].bfloat16(), idx[sl], w[sl].float())
+    sl, dev = my_slice(rt, sizes), rt.device
+    h = ep.dispatch(x[sl].bfloat16().to(dev), idx[sl].to(dev), w[sl].float().to(dev))
     y = ep.combine(h.tokens, h)  # identity experts: y = sum_k w_k x, accumulated in fp32
     ref = (w[sl].sum(1, keepdim=True) * x[sl].bfloat16().double())
-    torch.testing.assert_close(y.double(), ref, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y.double().cpu(), ref, atol=2e-2, rtol=2e-2)
     assert y.dtype == torch.bfloat16
 
 
@@ -125,7 +138,9 @@ def _ep(rt, **kw):
 def case_bad_inputs_fail_on_every_rank(rt):
     ep = _ep(rt)
     E, bad_rank = ep.num_experts, rt.world_size - 1
-    good = (torch.randn(6, 4), torch.stack([torch.arange(2)] * 6), torch.rand(6, 2))
+    dev = rt.device
+    good = (torch.randn(6, 4, device=dev), torch.stack([torch.arange(2, device=dev)] * 6),
+            torch.rand(6, 2, device=dev))
 
     def call(mutate, match):
         x, i, w = (t.clone() for t in good)
@@ -140,14 +155,15 @@ def case_bad_inputs_fail_on_every_rank(rt):
     call(lambda x, i, w: (x, i.fill_(0), w), "topk_idx: expected distinct experts")
     call(lambda x, i, w: (x, i, w.fill_(float("nan"))), "topk_weights: expected finite")
     call(lambda x, i, w: (x, i, w.fill_(float("inf"))), "topk_weights: expected finite")
-    call(lambda x, i, w: (torch.randn(7, 4), torch.zeros(7, 2, dtype=torch.int64), torch.rand(7, 2)),
-         "x: expected at most max_tokens=6 rows")
+    call(lambda x, i, w: (torch.randn(7, 4, device=dev), torch.zeros(7, 2, dtype=torch.int64, device=dev),
+                          torch.rand(7, 2, device=dev)), "x: expected at most max_tokens=6 rows")
     call(lambda x, i, w: (x.double(), i, w), "x: expected dtype")
     call(lambda x, i, w: (x, i.float(), w), "topk_idx: expected dtype")
     call(lambda x, i, w: (x, i[:, :1], w), "topk_idx: expected shape")
     call(lambda x, i, w: (x[:, :3], i, w), "x: expected shape [s, 4]")
     call(lambda x, i, w: (x, i, w.int()), "topk_weights: expected dtype")
     call(lambda x, i, w: ("not a tensor", i, w), "x: expected a torch.Tensor")
+    call(lambda x, i, w: (x.to("meta"), i, w), "x: expected device")
     # After all those refusals the same object still works.
     h = ep.dispatch(*good)
     assert h.tokens.shape == (ep.capacity, 4)
@@ -163,6 +179,6 @@ def case_config_mismatch_fails_on_every_rank(rt):
 
 def case_global_token_count_contract(rt):
     ep = _ep(rt)
-    x, i, w = torch.randn(3, 4), torch.stack([torch.arange(2)] * 3), torch.rand(3, 2)
+    x, i, w = (t.to(rt.device) for t in (torch.randn(3, 4), torch.stack([torch.arange(2)] * 3), torch.rand(3, 2)))
     ep.dispatch(x, i, w, num_global_tokens=3 * rt.world_size)
     expect_error(lambda: ep.dispatch(x, i, w, num_global_tokens=3 * rt.world_size + 1), "num_global_tokens")
