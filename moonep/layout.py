@@ -1,0 +1,114 @@
+"""Token layout: where every token copy lands, given a :class:`moonep.planner.Plan`.
+
+Destination rank ``r`` groups its rows by slot: slot ``j < epn`` is home expert ``r*epn + j``, slot
+``epn + j`` is ``plan.replica_experts[r, j]``. The copies of expert ``e`` in global order
+``(src, token i, choice k)`` are cut into contiguous chunks by destination rank in rank order, chunk
+``r`` holding ``assignment[e, r]`` copies, so a source rank places its own copies knowing only the plan:
+
+    row = cu_seqlens[r][slot(e, r)] + (global_index - chunk_start[e, r])
+
+With ``align > 1`` every slot's row count is rounded up to a multiple of ``align`` (padding rows are
+zero). Everything here is torch ops with no host synchronisation, so it also runs sync-free (and
+graph-capturable) on CUDA tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from .planner import Plan, cap_for
+
+__all__ = ["slot_experts", "slot_sizes", "cu_seqlens", "capacity", "token_destinations"]
+
+
+def _check_align(align):
+    if not isinstance(align, int) or align < 1:
+        raise ValueError(f"align: expected an int >= 1, got {align!r}")
+
+
+def slot_experts(plan: Plan, rank: int) -> torch.Tensor:
+    """int64 [2*epn]: global expert id in each slot of ``rank`` (home experts, then replicas; -1 empty)."""
+    epn = plan.experts_per_rank
+    home = torch.arange(rank * epn, (rank + 1) * epn, device=plan.assignment.device)
+    return torch.cat([home, plan.replica_experts[rank]])
+
+
+def slot_sizes(plan: Plan, align: int = 1) -> torch.Tensor:
+    """int64 [R, 2*epn]: rows in each slot of every rank, rounded up to a multiple of ``align``."""
+    _check_align(align)
+    A = plan.assignment
+    E, R = A.shape
+    epn = E // R
+    r = torch.arange(R, device=A.device)
+    home = A.view(R, epn, R)[r, :, r]                                    # [R, epn]
+    rep = plan.replica_experts
+    rsz = A[rep.clamp(min=0), r[:, None].expand(R, epn)] * (rep >= 0)   # [R, epn]
+    sz = torch.cat([home, rsz], 1)
+    return (sz + (align - 1)) // align * align
+
+
+def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Tensor:
+    """int32 [2*epn + 1] slot offsets of ``rank`` (or int32 [R, 2*epn + 1] for every rank if None)."""
+    sz = slot_sizes(plan, align)
+    cu = torch.nn.functional.pad(sz.cumsum(1), (1, 0)).to(torch.int32)
+    return cu if rank is None else cu[rank]
+
+
+def capacity(max_tokens: int, topk: int, num_ranks: int, num_experts: int, align: int = 1,
+             slack: float = 0.0) -> int:
+    """Receive-buffer rows per rank: ``ceil((1 + slack) * S * K) + 2 * epn * (align - 1)``.
+
+    The plan gives a rank at most ``cap_for(R*S*K, R, slack)`` copies (``S*K`` when ``slack == 0``)
+    and each of its ``2*epn`` slots adds fewer than ``align`` padding rows."""
+    _check_align(align)
+    if num_experts % num_ranks:
+        raise ValueError(f"num_experts: expected a multiple of num_ranks={num_ranks}, got {num_experts}")
+    epn = num_experts // num_ranks
+    return cap_for(num_ranks * max_tokens * topk, num_ranks, slack) + 2 * epn * (align - 1)
+
+
+def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int = 1):
+    """Destination of every local copy of ``rank``.
+
+    topk_idx  int32/int64 [s, K] expert ids (-1: masked copy), the routing ``plan.counts[rank]`` counts
+    returns   (dst_rank int64 [s, K], dst_row int64 [s, K]), -1 where topk_idx == -1
+    """
+    _check_align(align)
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected shape [s, K], got {tuple(topk_idx.shape)}")
+    A = plan.assignment
+    E, R = A.shape
+    epn = E // R
+    dev = A.device
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    valid = flat >= 0
+    ec = torch.where(valid, flat, E)                                     # masked -> bucket E
+    # index of each copy among this rank's copies of its expert, in (i, k) order
+    _, perm = torch.sort(ec, stable=True)
+    cnt = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, ec, torch.ones_like(ec))
+    start = cnt.cumsum(0) - cnt
+    within = torch.arange(n, device=dev) - start[ec[perm]]
+    local = torch.empty_like(within).scatter_(0, perm, within)
+    e = ec.clamp(max=E - 1)
+    # global index of the copy among all copies of e: sources < rank come first
+    g = plan.counts[:rank].sum(0)[e] + local
+    # destination rank: chunk holding g. Flatten (e, r) into one sorted sequence so one searchsorted
+    # call answers every copy: key(e, r) = off[e] + cumA[e, r], query off[e] + g.
+    cumA = A.cumsum(1)
+    L = plan.expert_counts
+    off = L.cumsum(0) - L
+    keys = (off[:, None] + cumA).reshape(-1)
+    pos = off[e] + g
+    dst = torch.searchsorted(keys, pos, right=True) - e * R
+    dst = dst.clamp(0, R - 1)                                            # masked copies only
+    chunk_start = cumA[e, dst] - A[e, dst]
+    # slot of e on dst: home slot, or epn + its place among dst's (ascending) replicas
+    rep = torch.where(plan.replica_experts >= 0, plan.replica_experts, E)
+    rkeys = (torch.arange(R, device=dev)[:, None] * (E + 1) + rep).reshape(-1)
+    j = torch.searchsorted(rkeys, dst * (E + 1) + e) - dst * epn
+    slot = torch.where(e // epn == dst, e % epn, epn + j)
+    cu = cu_seqlens(plan, None, align).to(torch.int64)
+    row = cu[dst, slot] + (g - chunk_start)
+    neg = torch.full_like(row, -1)
+    return (torch.where(valid, dst, neg).view(topk_idx.shape),
+            torch.where(valid, row, neg).view(topk_idx.shape))

@@ -1,0 +1,147 @@
+"""The balanced plan: which rank computes which token copies of which expert.
+
+``plan_balanced(counts)`` takes the global routing count matrix and returns a :class:`Plan` in which
+every rank receives the same number of token copies (``T // R``, the first ``T % R`` ranks one more),
+using at most ``E // R`` replicas per rank, all from one home rank. CPU tensors run the numba planner
+(``cpu.py``); CUDA tensors run the kernel in ``csrc/planner.cu`` (``cuda.py``) with no host sync.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+__all__ = ["Plan", "plan_balanced", "cap_for"]
+
+
+@dataclass
+class Plan:
+    """Result of :func:`plan_balanced` (all tensors on the input's device).
+
+    assignment       int64 [E, R]   token copies of expert e computed on rank r
+    replica_experts  int64 [R, epn] global expert ids in rank r's replica slots, ascending, -1 padded
+    replica_source   int64 [R]      home rank of all of r's replicas, -1 if none
+    recv_counts      int64 [R]      copies each rank computes (= assignment.sum(0))
+    expert_counts    int64 [E]      copies routed to each expert (= counts.sum(0))
+    counts           int64 [R, E]   the input, as int64 (layout needs each source's prefix)
+    error            int32 []       0, or device-side validation flags (CUDA only, see check())
+    """
+
+    assignment: torch.Tensor
+    replica_experts: torch.Tensor
+    replica_source: torch.Tensor
+    recv_counts: torch.Tensor
+    expert_counts: torch.Tensor
+    counts: torch.Tensor
+    slack: float = 0.0
+    error: Optional[torch.Tensor] = None
+
+    @property
+    def num_ranks(self) -> int:
+        return self.assignment.shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self.assignment.shape[0]
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.assignment.shape[0] // self.assignment.shape[1]
+
+    def num_replicas(self) -> torch.Tensor:
+        """int64 [R]: occupied replica slots per rank."""
+        return (self.replica_experts >= 0).sum(1)
+
+    def check(self) -> "Plan":
+        """Raise ValueError for problems the GPU planner found on device (syncs); returns self."""
+        if self.error is not None:
+            err = int(self.error.item())
+            if err & ERR_NEGATIVE:
+                raise ValueError("counts: expected non-negative values, got a negative count")
+            if err & ERR_ROWSUM:
+                raise ValueError("counts: row sums disagree with the declared tokens_per_rank * topk")
+        return self
+
+
+ERR_NEGATIVE = 1
+ERR_ROWSUM = 2
+
+
+def cap_for(total: int, num_ranks: int, slack: float) -> int:
+    """Per-rank cap ``ceil((1 + slack) * T / R)`` (float64, as the kernel computes it), never below
+    ``ceil(T / R)`` so that a plan always exists."""
+    return max(-(-int(total) // num_ranks), math.ceil((1.0 + slack) * total / num_ranks))
+
+
+def _validate(counts, slack, tokens_per_rank, topk):
+    if not isinstance(counts, torch.Tensor):
+        raise ValueError(f"counts: expected a torch.Tensor, got {type(counts).__name__}")
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise ValueError(f"counts: expected an integer dtype (int64 or int32), got {counts.dtype}")
+    if counts.dim() != 2:
+        raise ValueError(f"counts: expected shape [R, E] (2-D), got {tuple(counts.shape)}")
+    R, E = counts.shape
+    if R < 1 or E < 1:
+        raise ValueError(f"counts: expected R >= 1 and E >= 1, got shape {tuple(counts.shape)}")
+    if E % R != 0:
+        raise ValueError(f"counts: expected E % R == 0, got E={E}, R={R} (E % R = {E % R})")
+    if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
+        raise ValueError(f"slack: expected a finite float >= 0, got {slack!r}")
+    if (tokens_per_rank is None) != (topk is None):
+        raise ValueError("tokens_per_rank and topk: expected both or neither, got "
+                         f"tokens_per_rank={tokens_per_rank!r}, topk={topk!r}")
+    if topk is not None and (not isinstance(topk, int) or topk < 1):
+        raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
+
+
+def _declared(tokens_per_rank, R, device):
+    """int64 [R] declared tokens per rank from an int, a sequence or a tensor."""
+    if isinstance(tokens_per_rank, int):
+        t = torch.full((R,), tokens_per_rank, dtype=torch.int64, device=device)
+    else:
+        t = torch.as_tensor(tokens_per_rank).to(device=device, dtype=torch.int64)
+    if t.shape != (R,):
+        raise ValueError(f"tokens_per_rank: expected an int or shape [{R}], got {tuple(t.shape)}")
+    return t
+
+
+def plan_balanced(counts: torch.Tensor, *, slack: float = 0.0,
+                  tokens_per_rank: Union[int, Sequence[int], torch.Tensor, None] = None,
+                  topk: Optional[int] = None, validate: Optional[bool] = None) -> Plan:
+    """Plan balanced expert placement for one layer.
+
+    counts           integer [R, E], E % R == 0: copies source rank r routes to expert e
+    slack            0: exact balance; > 0: every rank <= ceil((1 + slack) * T / R), fewest replicas
+    tokens_per_rank, topk  optional declaration: counts[r].sum() must equal tokens_per_rank[r] * topk
+    validate         CUDA only: True checks values now (one host sync); default None/False records
+                     problems in ``plan.error`` on device, raised by ``plan.check()``. CPU always checks.
+
+    Bad input raises ValueError naming the argument, what was expected and what was got.
+    """
+    _validate(counts, slack, tokens_per_rank, topk)
+    R, E = counts.shape
+    declared = None if tokens_per_rank is None else _declared(tokens_per_rank, R, counts.device) * topk
+    if counts.is_cuda:
+        from .cuda import plan_cuda
+        plan = plan_cuda(counts, float(slack), declared)
+        return plan.check() if validate else plan
+    c = counts.to(torch.int64)
+    if bool((c < 0).any()):
+        bad = (c < 0).nonzero()[0].tolist()
+        raise ValueError(f"counts: expected non-negative values, got {int(c[bad[0], bad[1]])} at {tuple(bad)}")
+    if declared is not None:
+        rs = c.sum(1)
+        if not torch.equal(rs, declared):
+            r = int((rs != declared).nonzero()[0, 0])
+            raise ValueError(f"counts: row {r} sums to {int(rs[r])}, expected tokens_per_rank[{r}] * topk"
+                             f" = {int(declared[r])}")
+    from .cpu import plan_arrays
+    L = c.sum(0)
+    T = int(L.sum())
+    cap = -1 if slack == 0 else cap_for(T, R, float(slack))
+    a, rx, rs_, rc, _ = plan_arrays(L.numpy(), R, cap)
+    return Plan(torch.from_numpy(a), torch.from_numpy(rx), torch.from_numpy(rs_), torch.from_numpy(rc),
+                L, c, float(slack), None)
