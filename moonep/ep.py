@@ -36,7 +36,8 @@ class Dispatched:
         weights: ``[cap]`` routing weight of each row (dtype of ``topk_weights``; zero in unused rows).
         cu_seqlens: int32 ``[2*epn + 1]``: slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
         slot_experts: int64 ``[2*epn]``: global expert of each slot, home experts first, ``-1`` if empty.
-        num_rows: rows used, ``int(cu_seqlens[-1])`` (equal on every rank with exact balance).
+        num_rows: rows used, ``int(cu_seqlens[-1])`` (equal on every rank with exact balance).  On the
+            NVLink transport a 0-d device tensor (reading it as an int is a host sync the path avoids).
         plan: the :class:`moonep.planner.Plan` of this step.
     """
 
@@ -44,9 +45,9 @@ class Dispatched:
     weights: torch.Tensor
     cu_seqlens: torch.Tensor
     slot_experts: torch.Tensor
-    num_rows: int
+    num_rows: object  # int, or a 0-d device tensor on the NVLink transport
     plan: object
-    routing: Routing
+    routing: object  # Routing (host path) or moonep.transport.nvlink.NvStep
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -127,24 +128,48 @@ class ExpertParallel:
         slack: 0 for exact balance; ``> 0`` lets ranks receive up to ``(1+slack)*T/R`` for fewer replicas.
         apply_weights: ``"combine"`` (default: ``y = sum_k w_k f(x)``) or ``"dispatch"`` (rows arrive scaled
             by their weight, ``y = sum_k f(w_k x)``, and combine sums without weights).
-        transport: ``"auto"``, ``"mpi"`` or ``"torch"``.
+        transport: ``"auto"``, ``"mpi"``, ``"torch"`` or ``"nvlink"`` (device-initiated GPU kernels over CUDA
+            IPC, no host sync, CUDA-graph capturable; see :mod:`moonep.transport.nvlink`).  ``"auto"`` picks
+            NVLink on CUDA when every rank is on one node and the GPUs reach each other.
+        zero_copy: NVLink only: ``True`` returns ``h.tokens``/``h.weights`` as views of the receive buffer
+            (valid until the next dispatch), ``False`` copies; ``"auto"`` copies only when autograd records
+            the dispatch.  Results are bitwise identical.
+        timeout: NVLink only: seconds a kernel waits for a peer before recording an error (default: the
+            runtime's timeout).
+        num_sms: NVLink only: blocks used by the kernels that drive NVLink.
 
     Every rank must construct it with the same arguments; a mismatch raises ``ValueError`` on every rank.
+    On the NVLink transport call :meth:`close` (or use ``with``) to unmap the peers' buffers.
     """
 
     def __init__(self, group=None, *, num_experts: int, topk: int, hidden: int, max_tokens: int,
                  dtype: torch.dtype = torch.float32, device=None, align: int = 1, slack: float = 0.0,
-                 apply_weights: str = "combine", transport: str = "auto"):
+                 apply_weights: str = "combine", transport: str = "auto", zero_copy="auto",
+                 timeout: float | None = None, num_sms: int = 24):
         from .runtime import Runtime, init
 
         self.rt = group if isinstance(group, Runtime) else init(group)
         R = self.rt.world_size
         self.rank, self.world_size = self.rt.rank, R
         self.device = torch.device(device) if device is not None else self.rt.device
-        self.transport = make_transport(transport, self.rt)
+        self._engine = None
+        expect(transport in ("auto", "mpi", "torch", "nvlink"), "transport", '"auto", "mpi", "torch" or "nvlink"',
+               repr(transport))
+        self.transport = make_transport("auto" if transport == "nvlink" else transport, self.rt)
+        use_nvlink = False
+        if transport == "nvlink" or (transport == "auto" and self.device.type == "cuda"):
+            from .transport.nvlink import nvlink_available
+
+            ok, why = nvlink_available(self.rt) if self.device.type == "cuda" else (False, "not a CUDA device")
+            verdicts = self.transport.all_gather_object((ok, why))
+            bad = [(r, w) for r, (o, w) in enumerate(verdicts) if not o]
+            if transport == "nvlink" and bad:
+                raise ValueError(f"transport: expected every rank to reach its peers over NVLink/P2P, got "
+                                 f"rank {bad[0][0]}: {bad[0][1]}")
+            use_nvlink = not bad
         config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
                       dtype=str(dtype), align=align, slack=float(slack), apply_weights=apply_weights,
-                      transport=self.transport.name)
+                      transport="nvlink" if use_nvlink else self.transport.name)
         errors = []
         try:
             for name in ("num_experts", "topk", "hidden", "max_tokens", "align"):
@@ -171,6 +196,38 @@ class ExpertParallel:
         self.epn = num_experts // R
         self.dtype, self.align, self.slack, self.apply_weights = dtype, align, float(slack), apply_weights
         self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
+        if use_nvlink:
+            from .transport.nvlink import NVLinkEngine, default_timeout
+
+            self._engine = NVLinkEngine(self, timeout=default_timeout(self.rt) if timeout is None else timeout,
+                                        zero_copy=zero_copy, num_sms=num_sms)
+
+    @property
+    def transport_name(self) -> str:
+        return "nvlink" if self._engine is not None else self.transport.name
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued work and raise any error the NVLink kernels recorded."""
+        if self._engine is not None:
+            self._engine.synchronize()
+
+    def close(self, check: bool = True) -> None:
+        """Release the NVLink buffers (collective unless a peer died) and, with ``check``, raise any error
+        the kernels recorded.  Idempotent; a no-op on the host paths."""
+        if self._engine is not None:
+            eng, self._engine = self._engine, None
+            try:
+                if check:
+                    eng.check()
+            finally:
+                eng.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.close(check=exc_type is None)  # don't mask the exception that is already propagating
+        return False
 
     # -- validation ---------------------------------------------------------------------------------
     def _check_inputs(self, x, topk_idx, topk_weights):
@@ -237,6 +294,10 @@ class ExpertParallel:
         Returns:
             :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.
         """
+        if self._engine is not None:
+            from .transport import nvlink
+
+            return nvlink.dispatch(self, x, topk_idx, topk_weights, num_global_tokens)
         plan, routing = self.plan_step(x, topk_idx, topk_weights, num_global_tokens)
         tokens, weights = _DispatchFn.apply(x, topk_weights, self, routing)
         if self.apply_weights == "dispatch":
@@ -257,6 +318,10 @@ class ExpertParallel:
         expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
                       shape=(self.capacity, None))
         expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
+        if self._engine is not None:
+            from .transport import nvlink
+
+            return nvlink.combine(self, expert_out, h)
         weights = h.weights if self.apply_weights == "combine" else torch.ones_like(h.weights)
         return _CombineFn.apply(expert_out, weights, self, h.routing, expert_out.dtype)
 
@@ -272,6 +337,10 @@ class ExpertParallel:
         expect_tensor(local_weight, "local_weight", device=self.device)
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
+        if self._engine is not None:
+            from .transport import nvlink
+
+            return nvlink.prefetch(self, h, local_weight)
         return _PrefetchFn.apply(local_weight.contiguous(), self, h.plan)
 
     def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
@@ -282,4 +351,8 @@ class ExpertParallel:
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
+        if self._engine is not None:
+            from .transport import nvlink
+
+            return nvlink.reduce_grad(self, h, grad_view)
         return reduce_replica_grads(h.plan, self.rank, grad_view.contiguous(), self.transport)

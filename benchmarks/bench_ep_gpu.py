@@ -1,0 +1,133 @@
+"""Micro-benchmark of the NVLink transport: dispatch and combine latency and bandwidth.
+
+    mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_ep_gpu.py --out benchmarks/results
+
+Defaults: 4096 tokens per rank, hidden 7168, bf16 tokens, top-8 of 256 experts (DeepEP's intranode
+configuration).  Times are CUDA-event averages over back-to-back iterations (every collective starts with
+an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
+
+* ``plan_us``: validation + counts all-gather (peer stores) + GPU planner + destinations;
+* ``dispatch_us``: send kernel + receiver expand (the plan reused); ``dispatch_full_us`` includes the plan;
+* ``combine_us``: local k-ordered reduce + read-back of one fp32 row per (token, rank);
+* logical bandwidth ``s*K*H*2 / t`` (MoonEP/DeepEP v2 convention) and wire bandwidth (bytes that cross
+  NVLink: one bf16 row per (token, remote rank) for dispatch, one fp32 row for combine).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import moonep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        return os.environ.get("MOONEP_GIT_COMMIT", "unknown")
+
+
+def _routing(s, E, K, skew, gen):
+    logits = -skew * torch.log(torch.arange(1, E + 1, dtype=torch.float64)).float().expand(s, E)
+    g = -torch.log(-torch.log(torch.rand(s, E, generator=gen).clamp(1e-9, 1 - 1e-9)))
+    return (logits + g).topk(K, dim=1).indices
+
+
+def _time(fn, iters):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters  # microseconds
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--sms", default="16,24,32")
+    ap.add_argument("--skew", type=float, default=0.0, help="zipf exponent of expert popularity (0: uniform)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = ap.parse_args()
+
+    rt = moonep.init()
+    R, rank, d = rt.world_size, rt.rank, rt.device
+    s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    gen = torch.Generator().manual_seed(1234 + rank)
+    x = torch.randn(s, H, generator=gen).to(torch.bfloat16).to(d)
+    idx = _routing(s, E, K, args.skew, gen).to(d)
+    w = torch.rand(s, K, generator=gen).to(d)
+    rows = []
+    for sms in [int(v) for v in args.sms.split(",")]:
+        with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
+                                   transport="nvlink", zero_copy=True, num_sms=sms) as ep, torch.no_grad():
+            eng = ep._engine
+            h = ep.dispatch(x, idx, w)
+            st = h.routing
+            w32 = w.float().contiguous()
+            remote = sum(int(((st.dst_rank == r).any(dim=1)).sum()) for r in range(R) if r != rank)
+            local = int(((st.dst_rank == rank).any(dim=1)).sum())
+            for _ in range(args.warmup):
+                ep.dispatch(x, idx, w)
+                eng.combine(h.tokens, h.weights, None, st, torch.bfloat16)
+            torch.cuda.synchronize()
+            plan_us = _time(lambda: eng.plan_step(x, idx, w), args.iters)
+            full_us = _time(lambda: ep.dispatch(x, idx, w), args.iters)
+            h = ep.dispatch(x, idx, w)
+            st = h.routing
+            disp_us = _time(lambda: eng.dispatch(x, w32, st, True), args.iters)
+            h_tokens, h_w = eng.recv, eng.wbuf
+            comb_us = _time(lambda: eng.combine(h_tokens, h_w, None, st, torch.bfloat16), args.iters)
+            ep.synchronize()
+            logical = s * K * H * 2
+            rows.append(dict(rank=rank, sms=sms, plan_us=round(plan_us, 1), dispatch_us=round(disp_us, 1),
+                             dispatch_full_us=round(full_us, 1), combine_us=round(comb_us, 1),
+                             dispatch_logical_GBps=round(logical / disp_us / 1e3, 1),
+                             combine_logical_GBps=round(logical / comb_us / 1e3, 1),
+                             dispatch_wire_GBps=round(remote * H * 2 / disp_us / 1e3, 1),
+                             combine_wire_GBps=round(remote * H * 4 / comb_us / 1e3, 1),
+                             remote_pairs=remote, local_pairs=local, recv_rows=int(h.num_rows)))
+            if rank == 0:
+                print(json.dumps(rows[-1]), flush=True)
+    everything = ep.transport.all_gather_object(rows)
+    if rank == 0:
+        result = dict(
+            benchmark="bench_ep_gpu", time=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            command=os.environ.get("MOONEP_BENCH_COMMAND", " ".join([sys.executable] + sys.argv)),
+            launcher=rt.launcher, world_size=R, git_commit=_git_commit(), host=socket.gethostname(),
+            machine=dict(gpu=torch.cuda.get_device_name(d), gpus=torch.cuda.device_count(), torch=torch.__version__,
+                         cuda=torch.version.cuda, python=platform.python_version(),
+                         cupy=__import__("cupy").__version__),
+            config=dict(tokens=s, hidden=H, experts=E, topk=K, dtype="bfloat16", skew=args.skew,
+                        iters=args.iters, warmup=args.warmup),
+            results=[r for per_rank in everything for r in per_rank])
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = out / f"ep_gpu_R{R}_{stamp}.json"
+        path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {path}")
+    rt.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+// moonep NVLink transport: shared device helpers.
+//
+// Compiled at run time by NVRTC (moonep/transport/nvlink.py concatenates this file in front of
+// dispatch.cu and combine.cu), and checked offline with `nvcc -arch=sm_90 --ptx csrc/dispatch.cu`.
+// No CUDA headers are needed: bf16/fp16 conversions are written out below.
+//
+// Synchronisation model (see docs/design.md, "NVLink transport"):
+//   * Every rank owns one symmetric allocation with the same layout on all ranks; `Ctx::base[p]` is
+//     rank p's allocation as mapped in this process (CUDA IPC).  Offsets are identical on every rank.
+//   * Two signal arrays per rank, `esig[R]` (entry) and `dsig[R]` (data ready).  Rank p writes its
+//     monotonically increasing epoch into slot `me` of every peer's array with a release store at system
+//     scope; a waiter spins with acquire loads until every slot reached the epoch it expects.  Epochs
+//     live in device memory (`ctr`), so no reset is ever needed and CUDA-graph replays keep counting.
+//   * Every collective kernel sequence starts with an entry barrier (peers finished reading what we are
+//     about to overwrite) and publishes its writes with a data-ready signal from the last block to
+//     finish (threadfence-reduction pattern).
+//   * A wait that exceeds `timeout_ns` (measured with %globaltimer) records a fatal error in a device
+//     word and in host-mapped memory, and returns.  Once the fatal word is set every later kernel skips
+//     its work, so a dead peer costs one timeout, not one per kernel.
+#pragma once
+
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define MOONEP_MAXR 64
+#define FULL_MASK 0xffffffffu
+
+// Error codes (low 8 bits); bits 8.. carry a rank.
+#define ERR_TIMEOUT 1      // fatal: peer (bits 8..) did not signal in time
+#define ERR_BAD_IDX 1      // input (bit mask): expert id out of [-1, E)
+#define ERR_DUP_IDX 2      // input: repeated expert in one token
+#define ERR_NONFINITE 4    // input: non-finite routing weight
+#define ERR_TOTAL 8        // input: num_global_tokens disagrees with the sum of s
+
+// Dtype codes shared with nvlink.py.
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_F16 2
+
+// Counter slots in Ctx::ctr (local device memory of this rank).
+#define CTR_ENTRY 0
+#define CTR_DATA 1
+#define CTR_TAG 2
+#define CTR_DONE 3
+
+// Field order must match nvlink.py (_CTX_FIELDS); every field is 8 bytes.
+struct Ctx {
+  i64 rank, R, S, K, H, cap, E2, timeout_ns;                          // 0..7
+  u64* ctr;                                                            // 8: local counters [8]
+  int* derr;                                                           // 9: local fatal word
+  int* herr;                                                           // 10: host-mapped [0]=fatal, [1]=input
+  i64 off_esig, off_dsig, off_gather, off_recv, off_w, off_tag, off_meta, off_msrc, off_acc, off_gwacc;  // 11..20
+  i64 pad[11];                                                         // 21..31
+  char* base[MOONEP_MAXR];                                             // 32..95   main allocation per rank
+  char* gbase[MOONEP_MAXR];                                            // 96..159  gradient receive buffer
+  char* pbase[MOONEP_MAXR];                                            // 160..223 replica weight pool
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Memory-model primitives
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ u64 now_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ u64 ld_volatile(const u64* p) { return *(const volatile u64*)p; }
+
+__device__ __forceinline__ bool is_fatal(const Ctx* c) { return *(const volatile int*)c->derr != 0; }
+
+__device__ void set_fatal(const Ctx* c, int code) {
+  if (atomicCAS(c->derr, 0, code) == 0) {
+    *(volatile int*)&c->herr[0] = code;
+    __threadfence_system();
+  }
+}
+
+__device__ void set_input_error(const Ctx* c, int code) {
+  volatile int* h = (volatile int*)&c->herr[1];
+  if (*h == 0) {
+    *h = code;
+    __threadfence_system();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Signals.  All functions are called by every thread of the block.
+// ---------------------------------------------------------------------------------------------------
+// Store `value` into slot `rank` of signal array `off` on every rank (itself included).
+__device__ void signal_all(const Ctx* c, i64 off, u64 value) {
+  __threadfence_system();  // every thread publishes its own earlier stores (peer memory included)
+  __syncthreads();
+  for (int p = threadIdx.x; p < (int)c->R; p += blockDim.x)
+    st_release_sys((u64*)(c->base[p] + off) + c->rank, value);
+}
+
+// Wait until every slot of this rank's signal array `off` reached `target`.  Returns false (and skips
+// waiting) when a fatal error is set or the wait times out.
+__device__ bool wait_all(const Ctx* c, i64 off, u64 target) {
+  __shared__ int s_bad;
+  if (threadIdx.x == 0) s_bad = is_fatal(c) ? 1 : 0;
+  __syncthreads();
+  if (s_bad) return false;
+  const u64* sig = (const u64*)(c->base[c->rank] + off);
+  for (int p = threadIdx.x; p < (int)c->R; p += blockDim.x) {
+    u64 t0 = now_ns();
+    unsigned spins = 0;
+    while (ld_acquire_sys(sig + p) < target) {
+      if ((++spins & 255u) == 0) {
+        if (is_fatal(c)) { s_bad = 1; break; }
+        if ((i64)(now_ns() - t0) > c->timeout_ns) {
+          set_fatal(c, ERR_TIMEOUT | (p << 8));
+          s_bad = 1;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  __threadfence();
+  int bad = s_bad;
+  __syncthreads();
+  return bad == 0;
+}
+
+// Entry barrier, fused at the start of a "send" kernel: every block stores the same epoch (idempotent)
+// and waits for all peers.  Returns the epoch to commit at the end, and ok=false on fatal errors.
+__device__ bool entry_barrier(const Ctx* c, u64* epoch) {
+  u64 ne = ld_volatile(&c->ctr[CTR_ENTRY]) + 1;
+  *epoch = ne;
+  signal_all(c, c->off_esig, ne);
+  return wait_all(c, c->off_esig, ne);
+}
+
+// End of a "send" kernel: the last block to finish commits the entry epoch, bumps the data epoch (and,
+// if `bump_tag`, the dispatch tag epoch) and signals data ready to every rank.
+__device__ void finish_send(const Ctx* c, u64 entry_epoch, bool bump_tag) {
+  __shared__ int s_last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u64 prev = atomicAdd(&c->ctr[CTR_DONE], 1ull);
+    s_last = (prev == (u64)(gridDim.x - 1));
+    if (s_last) {
+      __threadfence();
+      c->ctr[CTR_DONE] = 0;
+      c->ctr[CTR_ENTRY] = entry_epoch;
+      c->ctr[CTR_DATA] = ld_volatile(&c->ctr[CTR_DATA]) + 1;
+      if (bump_tag) c->ctr[CTR_TAG] = ld_volatile(&c->ctr[CTR_TAG]) + 1;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (s_last) signal_all(c, c->off_dsig, ld_volatile(&c->ctr[CTR_DATA]));
+}
+
+// Start of a "receive" kernel: wait until every peer's data of the current epoch is visible.
+__device__ __forceinline__ bool wait_data(const Ctx* c) {
+  return wait_all(c, c->off_dsig, ld_volatile(&c->ctr[CTR_DATA]));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Element conversions (round to nearest even, as torch's casts do)
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_to_f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
+
+__device__ __forceinline__ unsigned short f_to_bf16(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (unsigned short)(u >> 16);
+}
+
+__device__ __forceinline__ float f16_to_f(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ unsigned short f_to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+__device__ __forceinline__ float load_f(const void* p, i64 i, int dt) {
+  if (dt == DT_F32) return ((const float*)p)[i];
+  unsigned short v = ((const unsigned short*)p)[i];
+  return dt == DT_BF16 ? bf16_to_f(v) : f16_to_f(v);
+}
+
+__device__ __forceinline__ void store_f(void* p, i64 i, int dt, float v) {
+  if (dt == DT_F32) ((float*)p)[i] = v;
+  else ((unsigned short*)p)[i] = dt == DT_BF16 ? f_to_bf16(v) : f_to_f16(v);
+}
+
+// Round a float to the precision of dtype dt and back (the result of an op computed in that dtype).
+__device__ __forceinline__ float round_to(float v, int dt) {
+  if (dt == DT_F32) return v;
+  return dt == DT_BF16 ? bf16_to_f(f_to_bf16(v)) : f16_to_f(f_to_f16(v));
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Copies.  `vec` is the widest access every pointer and the byte count allow: 16, 4 or 2.
+// ---------------------------------------------------------------------------------------------------
+// One warp copies `nbytes` from src to dst (either may be a peer's memory).
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, i64 nbytes, int vec, int lane) {
+  if (vec == 16) {
+    const int4* s = (const int4*)src;
+    int4* d = (int4*)dst;
+    i64 n = nbytes >> 4;
+    for (i64 j = lane; j < n; j += 32 * 4) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < n) v[u] = s[j + u * 32];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < n) d[j + u * 32] = v[u];
+    }
+  } else if (vec == 4) {
+    const unsigned* s = (const unsigned*)src;
+    unsigned* d = (unsigned*)dst;
+    for (i64 j = lane; j < (nbytes >> 2); j += 32) d[j] = s[j];
+  } else {
+    const unsigned short* s = (const unsigned short*)src;
+    unsigned short* d = (unsigned short*)dst;
+    for (i64 j = lane; j < (nbytes >> 1); j += 32) d[j] = s[j];
+  }
+}
+
+__device__ __forceinline__ void warp_zero(void* dst, i64 nbytes, int vec, int lane) {
+  if (vec == 16) {
+    int4 z = make_int4(0, 0, 0, 0);
+    for (i64 j = lane; j < (nbytes >> 4); j += 32) ((int4*)dst)[j] = z;
+  } else if (vec == 4) {
+    for (i64 j = lane; j < (nbytes >> 2); j += 32) ((unsigned*)dst)[j] = 0u;
+  } else {
+    for (i64 j = lane; j < (nbytes >> 1); j += 32) ((unsigned short*)dst)[j] = 0;
+  }
+}
+
+// The whole grid copies `nbytes` (grid-stride), for large rows such as expert weights.
+__device__ __forceinline__ void grid_copy(void* dst, const void* src, i64 nbytes, int vec) {
+  i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x, nt = (i64)gridDim.x * blockDim.x;
+  if (vec == 16) {
+    for (i64 j = t; j < (nbytes >> 4); j += nt) ((int4*)dst)[j] = ((const int4*)src)[j];
+  } else if (vec == 4) {
+    for (i64 j = t; j < (nbytes >> 2); j += nt) ((unsigned*)dst)[j] = ((const unsigned*)src)[j];
+  } else {
+    for (i64 j = t; j < (nbytes >> 1); j += nt)
+      ((unsigned short*)dst)[j] = ((const unsigned short*)src)[j];
+  }
+}
+
+__device__ __forceinline__ void grid_zero(void* dst, i64 nbytes, int vec) {
+  i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x, nt = (i64)gridDim.x * blockDim.x;
+  if (vec == 16) {
+    for (i64 j = t; j < (nbytes >> 4); j += nt) ((int4*)dst)[j] = make_int4(0, 0, 0, 0);
+  } else if (vec == 4) {
+    for (i64 j = t; j < (nbytes >> 2); j += nt) ((unsigned*)dst)[j] = 0u;
+  } else {
+    for (i64 j = t; j < (nbytes >> 1); j += nt) ((unsigned short*)dst)[j] = 0;
+  }
+}
+
+__device__ __forceinline__ int warp_id_global() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+__device__ __forceinline__ int num_warps_global() { return (gridDim.x * blockDim.x) >> 5; }

@@ -1,0 +1,568 @@
+"""NVLink transport: device-initiated, zero-copy dispatch and combine between GPUs of one node.
+
+``ExpertParallel(..., transport="nvlink")`` (or ``"auto"`` on CUDA when every rank is on one node and the
+GPUs reach each other) routes the data path through :class:`NVLinkEngine`:
+
+    plan_step   validation, counts and routing flags on device -> ``moonep_gather`` (peer stores)
+                -> ``plan_balanced`` (GPU kernel) -> ``layout.token_destinations``
+    dispatch    ``moonep_dispatch_send``: each token once per destination rank, into its first row there,
+                with its row list, weights and epoch tags; ``moonep_dispatch_expand``: after the data
+                signal, copy first rows into the token's other rows locally, zero unwritten rows
+    combine     ``moonep_combine_reduce``: per received token, k-ordered fp32 sum of w*out into
+                ``acc[src_rank*S + src_token]``; ``moonep_combine_gather``: each source reads one row per
+                destination rank from the peers, sums them in rank order
+    prefetch    ``moonep_prefetch_push`` / ``_finish``: the home rank writes replica weights into the
+                pools of the ranks it serves
+    reduce_grad ``moonep_reduce_stage`` / ``_finish``: replica gradients staged in the own pool, the home
+                rank reads and adds them in rank order
+
+No step copies anything from the device to the host: kernels run on torch's current stream (so CUDA graph
+capture records them), all sizes are static (``capacity`` rows), and waits on peers have a timeout.
+
+Errors are reported *lazily*, without a host sync:
+
+* a peer that does not signal within ``timeout`` seconds (dead, stalled, out of step) makes the waiting
+  kernel record a fatal error in pinned host memory and every later kernel skip its work; the next call
+  into this ``ExpertParallel`` (or :meth:`ExpertParallel.synchronize`, or ``close()``) raises
+  :class:`moonep.MoonepError`.  After that the object is unusable.
+* bad routing values (expert ids out of range, repeated experts, non-finite weights, a wrong
+  ``num_global_tokens``) are detected on device: the step proceeds with such choices masked, and the next
+  call (or ``synchronize()``) raises ``ValueError`` naming the rank, on every rank.  Shape, dtype and
+  device errors are still raised immediately.
+
+Zero-copy: with ``zero_copy=True`` ``h.tokens``/``h.weights`` are views of this rank's receive buffers.
+The expert may write its output into ``h.tokens`` in place, and combine reads it there.  The views are
+valid until the next ``dispatch`` of the same ``ExpertParallel``.  With ``zero_copy="auto"`` (default)
+views are returned unless autograd records the dispatch (training keeps its own copies, so that several
+layers may share one ``ExpertParallel``).  Both modes give bitwise identical results.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import MoonepError, expect, expect_tensor
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MAXR = 64
+_CTX_WORDS = 224
+_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc")
+_ERR_INPUT = {1: "topk_idx: expected expert ids in [-1, {E})", 2: "topk_idx: expected distinct experts per token",
+              4: "topk_weights: expected finite values",
+              8: "num_global_tokens: expected the sum of tokens over ranks"}
+
+
+def _csrc_dir() -> Path:
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "csrc", here.parents[1] / "csrc"):
+        if (cand / "common.cuh").exists():
+            return cand
+    raise FileNotFoundError("moonep: csrc/common.cuh not found next to the package")
+
+
+def kernel_source() -> str:
+    """common.cuh + dispatch.cu + combine.cu as one translation unit (NVRTC needs no include path, and
+    CuPy's compile cache keys on the full text, so editing the header recompiles)."""
+    d = _csrc_dir()
+    parts = []
+    for name in ("common.cuh", "dispatch.cu", "combine.cu"):
+        text = (d / name).read_text()
+        text = "\n".join(line for line in text.splitlines()
+                         if line.strip() not in ('#include "common.cuh"', "#pragma once"))
+        parts.append(f"// ---- {name} ----\n{text}")
+    return "\n".join(parts)
+
+
+_MODULES: dict = {}
+_KERNELS = ("moonep_gather", "moonep_dispatch_send", "moonep_dispatch_expand", "moonep_prefetch_push",
+            "moonep_prefetch_finish", "moonep_combine_reduce", "moonep_combine_gather", "moonep_reduce_stage",
+            "moonep_reduce_finish")
+
+
+def _module(device_index: int):
+    if device_index not in _MODULES:
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            mod = cupy.RawModule(code=kernel_source(), options=("-std=c++17",), backend="nvrtc")
+            _MODULES[device_index] = {name: mod.get_function(name) for name in _KERNELS}
+    return _MODULES[device_index]
+
+
+class _TorchStream:
+    """Exposes a raw stream pointer through the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_STREAMS: dict = {}
+
+
+def _cupy_stream(ptr: int, device_index: int):
+    key = (ptr, device_index)
+    if key not in _STREAMS:
+        import cupy
+
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            _STREAMS[key] = cupy.cuda.Stream.from_external(_TorchStream(ptr))
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _STREAMS[key] = cupy.cuda.ExternalStream(ptr, device_index)
+    return _STREAMS[key]
+
+
+def nvlink_available(rt) -> tuple[bool, str]:
+    """Whether this rank can use the NVLink transport (CUDA device, one node, CuPy, peer access)."""
+    if rt.device.type != "cuda":
+        return False, "not a CUDA device"
+    if rt.local_world_size != rt.world_size:
+        return False, "ranks span several nodes"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return False, f"cupy not importable ({exc!r})"
+    n = torch.cuda.device_count()
+    used = sorted({r % n for r in range(rt.world_size)})
+    me = rt.device.index
+    for d in used:
+        if d != me and not torch.cuda.can_device_access_peer(me, d):
+            return False, f"no peer access from cuda:{me} to cuda:{d}"
+    return True, ""
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def _vec(nbytes: int, *ptrs: int) -> int:
+    for v in (16, 4):
+        if nbytes % v == 0 and all(p % v == 0 for p in ptrs):
+            return v
+    return 2
+
+
+def _p(t) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+@dataclass
+class NvStep:
+    """Step state shared by dispatch, combine and both backward passes (all device tensors)."""
+
+    num_tokens: int
+    dst_rank: torch.Tensor  # int64 [s, K], -1 masked
+    dst_row: torch.Tensor   # int64 [s, K]
+    generation: int = 0
+    zero_copy: bool = True
+    row_first: torch.Tensor | None = None  # int32 [cap]: first row of each row's token here, -1 unwritten
+    rec: torch.Tensor | None = None        # int32 [cap, K]: K-aligned rows of the token at first rows
+    src: torch.Tensor | None = None        # int32 [cap]: src_rank*S + src_token at first rows
+    extra: dict = field(default_factory=dict)
+
+
+class NVLinkEngine:
+    """Symmetric buffers, kernels and the per-step operations of the NVLink transport for one
+    :class:`moonep.ExpertParallel`.  Construction is collective."""
+
+    def __init__(self, ep, *, timeout: float, zero_copy="auto", num_sms: int = 24, block: int = 512):
+        from .ipc import HostWords, SymmetricBuffer
+
+        R, K = ep.world_size, ep.topk
+        expect(R <= _MAXR, "world_size", f"at most {_MAXR} ranks for the NVLink transport", R)
+        expect(K <= 32, "topk", "at most 32 for the NVLink transport", K)
+        expect(ep.dtype in _DT, "dtype", "float32, bfloat16 or float16 for the NVLink transport", ep.dtype)
+        expect(zero_copy in ("auto", True, False), "zero_copy", '"auto", True or False', repr(zero_copy))
+        self.ep, self.rank, self.R, self.K = ep, ep.rank, R, K
+        self.S, self.H, self.E, self.epn, self.cap = ep.max_tokens, ep.hidden, ep.num_experts, ep.epn, ep.capacity
+        expect(R * self.S < 2 ** 31 and self.cap < 2 ** 31, "max_tokens", "R*S and capacity below 2**31",
+               (R * self.S, self.cap))
+        self.device = ep.device
+        self.dev_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.dev_index)
+        self.timeout = float(timeout)
+        self.zero_copy = zero_copy
+        props = torch.cuda.get_device_properties(self.device)
+        self.sm_count = props.multi_processor_count
+        self.num_sms = max(1, min(int(num_sms), self.sm_count))
+        self.block = block
+        self.generation = 0
+        self._closed = False
+        self._gather_obj = ep.transport.all_gather_object
+        self._barrier = lambda: self._gather_obj(None)
+        self.es = torch.empty((), dtype=ep.dtype).element_size()
+        self.E2 = self.E + 2
+        # -- main symmetric allocation ---------------------------------------------------------------
+        sizes = dict(esig=R * 8, dsig=R * 8, ctr=64, derr=16, gather=R * self.E2 * 8,
+                     recv=self.cap * self.H * self.es, w=self.cap * 4, tag=self.cap * 8,
+                     meta=self.cap * K * 4, msrc=self.cap * 4, acc=R * self.S * self.H * 4,
+                     gwacc=R * self.S * K * 4)
+        self.off, total = {}, 0
+        for name, n in sizes.items():
+            self.off[name] = total
+            total += _align(max(n, 1))
+        torch.cuda.set_device(self.device)
+        self._mods = _module(self.dev_index)
+        self.main = SymmetricBuffer(total, self.device, self.rank, R, self._gather_obj)
+        self.herr = HostWords(4, self.device)
+        self.recv = self.main.view(self.off["recv"], (self.cap, self.H), ep.dtype)
+        self.wbuf = self.main.view(self.off["w"], (self.cap,), torch.float32)
+        self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
+        self._grad_views = {}
+        self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
+        self._ctx = torch.zeros(_CTX_WORDS, dtype=torch.int64, device=self.device)
+        self._write_ctx()
+        self._barrier()
+
+    # -- context ---------------------------------------------------------------------------------------
+    def _write_ctx(self) -> None:
+        words = [0] * _CTX_WORDS
+        words[0:8] = [self.rank, self.R, self.S, self.K, self.H, self.cap, self.E2, int(self.timeout * 1e9)]
+        words[8] = self.main.ptr + self.off["ctr"]
+        words[9] = self.main.ptr + self.off["derr"]
+        words[10] = self.herr.device_ptr
+        for i, name in enumerate(_OFF_NAMES):
+            words[11 + i] = self.off[name]
+        for p in range(self.R):
+            words[32 + p] = self.main.peer_ptrs[p]
+            words[96 + p] = self.grad.peer_ptrs[p] if self.grad is not None else 0
+            words[160 + p] = self.pool.peer_ptrs[p] if self.pool is not None else 0
+        self._ctx.copy_(torch.tensor(words, dtype=torch.int64))
+        torch.cuda.synchronize(self.device)
+
+    def _launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
+        import cupy
+
+        stream = _cupy_stream(torch.cuda.current_stream(self.device).cuda_stream, self.dev_index)
+        with cupy.cuda.Device(self.dev_index), stream:
+            self._mods[name]((max(1, grid),), (block or self.block,), (_p(self._ctx),) + tuple(args))
+
+    def _grow(self, which: str, nbytes: int) -> None:
+        """(Re)allocate a lazy symmetric buffer: collective, synchronising, outside graph capture."""
+        from .ipc import SymmetricBuffer
+
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moonep: the NVLink {which} buffer is allocated on first use; run one step "
+                               "(forward and backward) before capturing a CUDA graph")
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)  # one-time setup, not part of the steady-state step
+        try:
+            torch.cuda.synchronize(self.device)
+            old = getattr(self, which)
+            new = SymmetricBuffer(nbytes, self.device, self.rank, self.R, self._gather_obj)
+            if old is not None:
+                old.close(barrier=self._barrier)
+            setattr(self, which, new)
+            if which == "grad":
+                self._grad_views = {}
+            self._write_ctx()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+
+    # -- errors ----------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise the error a kernel recorded (no CUDA call: a load from pinned host memory)."""
+        fatal = self.herr[0]
+        if fatal:
+            raise MoonepError(f"rank {self.rank}: rank {fatal >> 8} did not signal within {self.timeout:g}s "
+                              "(a peer died, stalled or called a different collective); this ExpertParallel "
+                              "cannot be used any more")
+        bad = self.herr[1]
+        if bad:
+            self.herr[1] = 0
+            code, r = bad & 0xFF, bad >> 8
+            what = next(m for b, m in _ERR_INPUT.items() if code & b).format(E=self.E)
+            raise ValueError(f"{what} (on rank {r}; detected on device in an earlier step, whose results are "
+                             "invalid)")
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.check()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        fatal = self.herr[0] != 0
+        torch.cuda.synchronize(self.device)
+        barrier = None if fatal else self._barrier  # with a dead peer, don't wait for it
+        for buf in (self.grad, self.pool, self.main):
+            if buf is not None:
+                buf.close(barrier=barrier)
+        self.herr.close()
+        self.recv = self.wbuf = None
+
+    # -- plan ------------------------------------------------------------------------------------------
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
+        """Shape checks on the host, value checks on device; all-gather counts through peer stores; plan;
+        destinations.  No host sync.  Returns ``(plan, NvStep)``."""
+        from .. import layout
+        from ..planner import plan_balanced
+
+        ep, E, K, dev = self.ep, self.E, self.K, self.device
+        self.check()
+        expect_tensor(x, "x", dim=2, dtypes=ep.dtype, device=dev)
+        s = x.shape[0]
+        expect(x.shape[1] == self.H, "x", f"shape [s, {self.H}]", list(x.shape))
+        expect(s <= self.S, "x", f"at most max_tokens={self.S} rows", s)
+        expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=dev, shape=(s, K))
+        expect_tensor(topk_weights, "topk_weights", dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                      device=dev, shape=(s, K))
+        idx = topk_idx.to(torch.int64)
+        inr = (idx >= -1) & (idx < E)
+        idx = torch.where(inr, idx, torch.full_like(idx, -1))
+        flag = (~inr).any().to(torch.int64)
+        if K > 1:  # pairwise, not sort: O(s*K^2) booleans, trivially free of host syncs
+            upper = torch.ones(K, K, dtype=torch.bool, device=dev).triu(1)
+            dup = ((idx[:, :, None] == idx[:, None, :]) & upper & (idx[:, :, None] >= 0)).any()
+            flag = flag | (dup.to(torch.int64) * 2)
+        flag = flag | ((~torch.isfinite(topk_weights)).any().to(torch.int64) * 4)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, torch.where(idx >= 0, idx, torch.full_like(idx, E)).reshape(-1),
+                            torch.ones(s * K, dtype=torch.int64, device=dev))
+        mine = torch.empty(self.E2, dtype=torch.int64, device=dev)
+        mine[:E] = counts[:E]
+        mine[E] = s
+        mine[E + 1] = flag
+        gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
+        total = -1 if num_global_tokens is None else int(num_global_tokens)
+        self._launch("moonep_gather", 1, (_p(mine), _p(gathered), np.int64(total)), block=256)
+        plan = plan_balanced(gathered[:, :E].contiguous(), slack=ep.slack)
+        dst_rank, dst_row = layout.token_destinations(plan, self.rank, idx, align=ep.align)
+        st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
+        return plan, st
+
+    # -- dispatch --------------------------------------------------------------------------------------
+    def dispatch(self, x, w32, st: NvStep, zero_copy: bool):
+        """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])``."""
+        self.check()
+        x = x.contiguous()
+        rb = self.H * self.es
+        self.generation += 1
+        st.generation, st.zero_copy = self.generation, zero_copy
+        self._launch("moonep_dispatch_send", self.num_sms,
+                     (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
+                      _p(st.dst_rank), _p(st.dst_row), _p(w32)))
+        if zero_copy:
+            tokens, weights = self.recv, self.wbuf
+        else:
+            tokens = torch.empty((self.cap, self.H), dtype=self.ep.dtype, device=self.device)
+            weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
+        st.row_first = torch.empty(self.cap, dtype=torch.int32, device=self.device)
+        st.rec = torch.empty((self.cap, self.K), dtype=torch.int32, device=self.device)
+        st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
+        self._launch("moonep_dispatch_expand", self.sm_count,
+                     (np.int32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
+                      np.int64(rb), np.int32(_vec(rb, tokens.data_ptr()))))
+        return tokens, weights
+
+    def dispatch_grad(self, gy, st: NvStep):
+        """Backward of combine: send ``gy [s, H]`` over the forward's routing.  Returns ``[cap, H]`` (a view
+        of the gradient receive buffer, consumed before the next collective)."""
+        self.check()
+        expect(gy.dtype in _DT, "grad of combine", "float32, bfloat16 or float16", gy.dtype)
+        gy = gy.contiguous()
+        rb = self.H * gy.element_size()
+        if self.grad is None or self.grad.nbytes < self.cap * rb:
+            self._grow("grad", self.cap * rb)
+        if gy.dtype not in self._grad_views:  # views are made once: wrapping memory is not free of syncs
+            self._grad_views[gy.dtype] = self.grad.view(0, (self.cap, self.H), gy.dtype)
+        self._launch("moonep_dispatch_send", self.num_sms,
+                     (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
+                      _p(st.dst_rank), _p(st.dst_row), np.uint64(0)))
+        out = self._grad_views[gy.dtype]
+        self._launch("moonep_dispatch_expand", self.sm_count,
+                     (np.int32(1), _p(out), np.uint64(0), _p(st.row_first), np.uint64(0), np.uint64(0),
+                      np.int64(rb), np.int32(_vec(rb, out.data_ptr()))))
+        return out
+
+    # -- combine ---------------------------------------------------------------------------------------
+    def combine(self, out, weights, gw_in, st: NvStep, y_dtype, want_gw: bool = False):
+        """``out [cap, H]`` -> ``y [s, H]`` in ``y_dtype`` (fp32 accumulation, fixed order).
+
+        ``weights``: fp32 ``[cap]`` or None (plain sum).  ``gw_in``: fp32 ``[cap]`` per-row gradients to send
+        back per choice (backward of dispatch) or None.  Returns ``(y, gw [s, K] fp32 or None)``.
+        """
+        self.check()
+        expect(out.dtype in _DT, "expert_out", "float32, bfloat16 or float16 for the NVLink transport", out.dtype)
+        expect(y_dtype in _DT, "output dtype", "float32, bfloat16 or float16", y_dtype)
+        out = out.contiguous()
+        H = self.H
+        vec4 = H % 4 == 0 and out.data_ptr() % (16 if out.dtype == torch.float32 else 8) == 0
+        self._launch("moonep_combine_reduce", self.sm_count,
+                     (_p(out), np.int32(_DT[out.dtype]), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
+                      _p(st.src), np.int32(vec4)))
+        y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
+        gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
+        self._launch("moonep_combine_gather", self.num_sms,
+                     (np.int32(st.num_tokens), _p(st.dst_rank), _p(y), np.int32(_DT[y_dtype]), _p(gw),
+                      np.int32(H % 4 == 0)))
+        return y, gw
+
+    # -- replicas --------------------------------------------------------------------------------------
+    def _replica_tables(self, plan):
+        rep = plan.replica_experts.to(device=self.device, dtype=torch.int64).contiguous()
+        src = plan.replica_source.to(device=self.device, dtype=torch.int64).contiguous()
+        return rep, src
+
+    def prefetch(self, plan, local_weight):
+        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero)."""
+        self.check()
+        lw = local_weight.contiguous()
+        epn = self.epn
+        rb = lw[0].numel() * lw.element_size() if lw.numel() else 0
+        if self.pool is None or self.pool.nbytes < epn * rb:
+            self._grow("pool", max(epn * rb, 256))
+        rep, src = self._replica_tables(plan)
+        out = torch.empty((2 * epn, *lw.shape[1:]), dtype=lw.dtype, device=self.device)
+        vec = _vec(rb, lw.data_ptr(), out.data_ptr())
+        self._launch("moonep_prefetch_push", self.num_sms,
+                     (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
+        self._launch("moonep_prefetch_finish", self.sm_count,
+                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep)))
+        return out
+
+    def reduce_grad(self, plan, grad_view):
+        """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``, replica parts added at home in rank order."""
+        self.check()
+        g = grad_view.contiguous()
+        expect(g.dtype in _DT, "grad_view", "float32, bfloat16 or float16 for the NVLink transport", g.dtype)
+        epn = self.epn
+        n = g[0].numel() if g.numel() else 0
+        rb = n * g.element_size()
+        if self.pool is None or self.pool.nbytes < epn * rb:
+            self._grow("pool", max(epn * rb, 256))
+        rep, src = self._replica_tables(plan)
+        out = torch.empty((epn, *g.shape[1:]), dtype=g.dtype, device=self.device)
+        self._launch("moonep_reduce_stage", self.num_sms,
+                     (_p(g), np.int64(rb), np.int32(_vec(rb, g.data_ptr())), np.int32(epn), _p(rep)))
+        self._launch("moonep_reduce_finish", self.sm_count,
+                     (_p(out), _p(g), np.int64(n), np.int32(_DT[g.dtype]), np.int32(epn), _p(rep), _p(src)))
+        return out
+
+
+# -- autograd -------------------------------------------------------------------------------------------
+class _NvDispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, topk_weights, eng, st, zero_copy):
+        ctx.eng, ctx.st = eng, st
+        ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
+        tokens, weights = eng.dispatch(x, topk_weights.to(torch.float32).contiguous(), st, zero_copy)
+        return tokens, weights.to(topk_weights.dtype)
+
+    @staticmethod
+    def backward(ctx, g_tokens, g_weights):
+        eng, st = ctx.eng, ctx.st
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, None, None, None
+        if g_tokens is None:
+            g_tokens = torch.zeros((eng.cap, eng.H), dtype=ctx.x_dtype, device=eng.device)
+        want_gw = ctx.needs_input_grad[1]
+        gw_in = None
+        if want_gw:
+            gw_in = (g_weights.to(torch.float32).contiguous() if g_weights is not None
+                     else torch.zeros(eng.cap, dtype=torch.float32, device=eng.device))
+        # Backward of dispatch = combine without weights (+ the per-choice weight gradients).
+        gx, gw = eng.combine(g_tokens, None, gw_in, st, ctx.x_dtype, want_gw=want_gw)
+        return (gx if ctx.needs_input_grad[0] else None), (gw.to(ctx.w_dtype) if want_gw else None), None, None, None
+
+
+class _NvCombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, weights, eng, st, out_dtype):
+        ctx.eng, ctx.st = eng, st
+        ctx.save_for_backward(expert_out, weights)
+        w32 = weights.to(torch.float32).contiguous() if weights is not None else None
+        y, _ = eng.combine(expert_out, w32, None, st, out_dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        from ..combine import acc_dtype
+
+        eng, st = ctx.eng, ctx.st
+        expert_out, weights = ctx.saved_tensors
+        # Backward of combine = dispatch of dy over the same routing; then the same tensor ops as the
+        # host path (moonep.ep._CombineFn.backward), so results are bitwise equal.
+        g_rows = eng.dispatch_grad(gy, st)
+        adt = acc_dtype(expert_out.dtype)
+        g_rows = g_rows.to(adt)
+        g_out = g_w = None
+        if ctx.needs_input_grad[0]:
+            g_out = (g_rows * weights.to(adt).unsqueeze(-1)).to(expert_out.dtype) if weights is not None \
+                else g_rows.to(expert_out.dtype, copy=True)
+        if ctx.needs_input_grad[1] and weights is not None:
+            g_w = (g_rows * expert_out.to(adt)).sum(-1).to(weights.dtype)
+        return g_out, g_w, None, None, None
+
+
+class _NvPrefetchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_weight, eng, plan):
+        ctx.eng, ctx.plan = eng, plan
+        return eng.prefetch(plan, local_weight)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.eng.reduce_grad(ctx.plan, g), None, None
+
+
+# -- the hooks ExpertParallel calls ------------------------------------------------------------------------
+def dispatch(ep, x, topk_idx, topk_weights, num_global_tokens=None):
+    from .. import layout
+    from ..ep import Dispatched
+
+    eng = ep._engine
+    plan, st = eng.plan_step(x, topk_idx, topk_weights, num_global_tokens)
+    tracked = torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad)
+    zero_copy = (not tracked) if eng.zero_copy == "auto" else bool(eng.zero_copy)
+    if tracked:
+        tokens, weights = _NvDispatchFn.apply(x, topk_weights, eng, st, zero_copy)
+    else:
+        tokens, w32 = eng.dispatch(x, topk_weights.to(torch.float32).contiguous(), st, zero_copy)
+        weights = w32 if topk_weights.dtype == torch.float32 else w32.to(topk_weights.dtype)
+    if ep.apply_weights == "dispatch":
+        from ..combine import acc_dtype
+
+        adt = acc_dtype(tokens.dtype)
+        tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
+    return Dispatched(tokens, weights, layout.slot_offsets(plan, ep.rank, align=ep.align),
+                      layout.slot_experts(plan, ep.rank), plan.recv_counts[ep.rank], plan, st)
+
+
+def combine(ep, expert_out, h):
+    eng, st = ep._engine, h.routing
+    expect(isinstance(st, NvStep), "h", "a Dispatched of this ExpertParallel (NVLink transport)", type(st).__name__)
+    base = eng.recv.data_ptr()
+    in_recv = base <= expert_out.data_ptr() < base + eng.recv.numel() * eng.recv.element_size()
+    expect(not (in_recv and st.generation != eng.generation), "expert_out",
+           "not a view of a receive buffer that a later dispatch has overwritten (zero-copy views are valid "
+           "until the next dispatch)", f"output of dispatch #{st.generation}, buffer now holds #{eng.generation}")
+    weights = h.weights if ep.apply_weights == "combine" else None
+    if torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad)):
+        return _NvCombineFn.apply(expert_out, weights, eng, st, expert_out.dtype)
+    w32 = weights.to(torch.float32).contiguous() if weights is not None else None
+    return eng.combine(expert_out, w32, None, st, expert_out.dtype)[0]
+
+
+def prefetch(ep, h, local_weight):
+    if torch.is_grad_enabled() and local_weight.requires_grad:
+        return _NvPrefetchFn.apply(local_weight, ep._engine, h.plan)
+    return ep._engine.prefetch(h.plan, local_weight)
+
+
+def reduce_grad(ep, h, grad_view):
+    return ep._engine.reduce_grad(h.plan, grad_view)
+
+
+def default_timeout(rt) -> float:
+    return float(os.environ.get("MOONEP_NVLINK_TIMEOUT", rt.timeout.total_seconds()))
