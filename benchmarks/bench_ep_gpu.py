@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import moonep
+from moonep.ep import ExpertParallel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +78,7 @@ def main() -> int:
     w = torch.rand(s, K, generator=gen).to(d)
     rows = []
     for sms in [int(v) for v in args.sms.split(",")]:
-        with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
+        with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
                                    transport="nvlink", zero_copy=True, num_sms=sms) as ep, torch.no_grad():
             eng = ep._engine
             h = ep.dispatch(x, idx, w)

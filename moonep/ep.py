@@ -302,7 +302,7 @@ class ExpertParallel:
         tokens, weights = _DispatchFn.apply(x, topk_weights, self, routing)
         if self.apply_weights == "dispatch":
             tokens = (tokens.to(acc_dtype(tokens.dtype)) * weights.to(acc_dtype(tokens.dtype))[:, None]).to(tokens.dtype)
-        return Dispatched(tokens, weights, layout.slot_offsets(plan, self.rank, align=self.align),
+        return Dispatched(tokens, weights, layout.cu_seqlens(plan, self.rank, align=self.align),
                           layout.slot_experts(plan, self.rank), int(plan.recv_counts[self.rank]), plan, routing)
 
     def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:

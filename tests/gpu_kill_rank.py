@@ -26,6 +26,7 @@ def child(args) -> None:
     import torch
 
     import moonep
+    from moonep.ep import ExpertParallel
 
     rt = moonep.init()
     R, rank, d = rt.world_size, rt.rank, rt.device
@@ -34,7 +35,7 @@ def child(args) -> None:
     x = torch.randn(S, H, generator=g).to(d)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S)]).to(d)
     w = torch.rand(S, K, generator=g).to(d)
-    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, transport="nvlink",
+    ep = ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, transport="nvlink",
                                timeout=args.timeout)
     t_start = None
     try:

@@ -535,7 +535,7 @@ def dispatch(ep, x, topk_idx, topk_weights, num_global_tokens=None):
 
         adt = acc_dtype(tokens.dtype)
         tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
-    return Dispatched(tokens, weights, layout.slot_offsets(plan, ep.rank, align=ep.align),
+    return Dispatched(tokens, weights, layout.cu_seqlens(plan, ep.rank, align=ep.align),
                       layout.slot_experts(plan, ep.rank), plan.recv_counts[ep.rank], plan, st)
 
 

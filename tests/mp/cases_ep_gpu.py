@@ -8,6 +8,7 @@ fp32 multiplies and adds, so fp32 results must be bitwise equal.
 import torch
 
 import moonep
+from moonep.ep import ExpertParallel
 from moonep.testing.mp import SkipCase
 from ep_reference import make_problem, my_slice
 
@@ -38,8 +39,8 @@ def _problem(rt, E, K, H, S, kind="zipf", seed=0, mask=0.0, dtype=torch.float32)
 
 def _pair(rt, **kw):
     """The same configuration on the host path (CPU, MPI) and on the NVLink transport (this GPU)."""
-    host = moonep.ExpertParallel(rt, device="cpu", transport="mpi", **kw)
-    nv = moonep.ExpertParallel(rt, transport="nvlink", **kw)
+    host = ExpertParallel(rt, device="cpu", transport="mpi", **kw)
+    nv = ExpertParallel(rt, transport="nvlink", **kw)
     assert nv.transport_name == "nvlink"
     return host, nv
 
@@ -141,7 +142,7 @@ def case_repeat_determinism_and_zero_copy_vs_copy(rt):
     d = rt.device
     kw = dict(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32, transport="nvlink")
     outs = []
-    with moonep.ExpertParallel(rt, zero_copy=True, **kw) as zc, moonep.ExpertParallel(rt, zero_copy=False, **kw) as cp:
+    with ExpertParallel(rt, zero_copy=True, **kw) as zc, ExpertParallel(rt, zero_copy=False, **kw) as cp:
         for rep in range(3):
             for ep in (zc, cp):
                 with torch.no_grad():
@@ -172,7 +173,7 @@ def case_no_host_sync(rt):
     W1 = (torch.randn(E // R, H, F, generator=g) / H ** 0.5).to(d).requires_grad_()
     W2 = (torch.randn(E // R, F, H, generator=g) / F ** 0.5).to(d).requires_grad_()
     x, idx, w, gy = x.to(d), idx.to(d), w.to(d), gy.to(d)
-    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
+    with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
                                transport="nvlink") as ep:
         def step(train):
             xl = x.clone().requires_grad_(train)
@@ -225,7 +226,7 @@ def case_cuda_graph_replay_with_new_routing(rt):
         wp[:n] = w
         return xp.to(d), ip.to(d), wp.to(d)
 
-    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
+    with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
                                transport="nvlink", zero_copy=True) as ep:
         sx, sidx, sw = padded(problems[0])
 
@@ -262,7 +263,7 @@ def case_bf16_tokens_close_to_reference(rt):
     R, d = rt.world_size, rt.device
     E, K, H, S = 4 * R, 4, 128, 64
     x, idx, w, _, _ = _problem(rt, E, K, H, S, "zipf", seed=13, dtype=torch.float64)
-    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
+    with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
                                transport="nvlink") as ep, torch.no_grad():
         xb = x.to(torch.bfloat16)
         h = ep.dispatch(xb.to(d), idx.to(d), w.to(d))
@@ -272,7 +273,7 @@ def case_bf16_tokens_close_to_reference(rt):
         torch.testing.assert_close(y.double().cpu(), ref, atol=3e-2, rtol=2e-2)
         assert y.dtype == torch.bfloat16
         # bf16 against the host path: the fp32 accumulation order is the same, so still bitwise
-        host = moonep.ExpertParallel(rt, device="cpu", transport="mpi", num_experts=E, topk=K, hidden=H,
+        host = ExpertParallel(rt, device="cpu", transport="mpi", num_experts=E, topk=K, hidden=H,
                                      max_tokens=S, dtype=torch.bfloat16)
         hh = host.dispatch(xb, idx, w)
         _eq(h.tokens, hh.tokens, f"rank {rt.rank} bf16 tokens")
@@ -308,7 +309,7 @@ def case_bad_values_reported_later_on_every_rank(rt):
     x = torch.randn(S, H, device=d)
     idx = torch.stack([torch.arange(K)] * S).to(d)
     w = torch.rand(S, K, device=d)
-    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
+    with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
                                transport="nvlink") as ep:
         bad_idx = idx.clone().fill_(E) if rt.rank == bad_rank else idx
         with torch.no_grad():
