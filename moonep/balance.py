@@ -38,7 +38,8 @@ def histogram_quantiles(counts: torch.Tensor, topk: int, lo: torch.Tensor, width
     cum = counts.cumsum(1, dtype=torch.int64)                     # [E, B]
     m = cum[0, -1]
     need = torch.div(m * topk + (E - 1), E, rounding_mode="floor")  # ceil(q), exact in integers
-    l = (cum < need).sum(1).clamp_(max=B - 1)                     # first bin with cum >= ceil(q); [E]
+    # first bin with cum >= ceil(q) (rows of cum are sorted); [E] int64
+    l = torch.searchsorted(cum, need.expand(E, 1).contiguous()).squeeze(1).clamp_(max=B - 1)
     h = counts.gather(1, l[:, None]).squeeze(1).to(torch.int64)   # count inside that bin
     c = cum.gather(1, l[:, None]).squeeze(1) - h                  # count before it
     q = m.to(torch.float64) * topk / E
@@ -88,7 +89,8 @@ class QuantileBalancer(torch.nn.Module):
         self.register_buffer("bias", torch.zeros(E, dtype=torch.float32, device=device))
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.int64, device=device))
         self.register_buffer("_counts", torch.zeros(E * B + 1, dtype=torch.int32, device=device), persistent=False)
-        self.register_buffer("_row_start", torch.arange(E, device=device) * B, persistent=False)  # [E] int64
+        self.register_buffer("_row_start", torch.arange(E, dtype=torch.int32, device=device) * B,
+                             persistent=False)  # [E] int32: flat index of each expert's bin 0
         self.register_buffer("_lo", torch.zeros((), device=device), persistent=False)      # range of this step
         self.register_buffer("_width", torch.ones((), device=device), persistent=False)
         self.register_buffer("_bad_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
@@ -137,13 +139,14 @@ class QuantileBalancer(torch.nn.Module):
         x = alpha[:, None] - s
         x.sub_(self._lo.to(x.dtype)).div_(self._width.to(x.dtype))
         # r lies in range by construction; nan_to_num + clamp only keep bad input from indexing out of bounds.
-        x = torch.nan_to_num_(x, nan=0.0).clamp_(0, B - 1).to(torch.int64)  # floor, since x >= 0
+        # int32 indices (E*B < 2**31) halve the index traffic; truncation is floor since x >= 0.
+        x = torch.nan_to_num_(x, nan=0.0).clamp_(0, B - 1).to(torch.int32)
         x += self._row_start
         flat = x.view(-1)
-        self._counts.scatter_add_(0, flat, torch.ones((), dtype=torch.int32, device=flat.device).expand(flat.numel()))
-        if raw is not None:  # deferred validation: one more count per micro-batch with bad scores
-            bad = ~((raw >= 0) & (raw <= 1)).all()
-            self._counts[-1:].add_(bad.to(torch.int32))
+        self._counts.index_add_(0, flat, torch.ones((), dtype=torch.int32, device=flat.device).expand(flat.numel()))
+        if raw is not None and raw.numel():  # deferred validation: +1 per micro-batch with bad scores
+            mn, mx = torch.aminmax(raw.detach())  # one pass; NaN propagates into both
+            self._counts[-1:].add_(~((mn >= 0) & (mx <= 1)))
 
     def _set_range(self) -> None:
         lo = self.bias.min() - 1.0
@@ -160,9 +163,12 @@ class QuantileBalancer(torch.nn.Module):
 
     @staticmethod
     def _check_now(scores) -> None:
-        bad = ~((scores >= 0) & (scores <= 1))
-        if bool(bad.any()):
+        if not scores.numel():
+            return
+        mn, mx = torch.aminmax(scores.detach())  # one pass; NaN propagates into both
+        if not (bool(mn >= 0) and bool(mx <= 1)):
             s = scores.detach()
+            bad = ~((s >= 0) & (s <= 1))
             nan = int(s.isnan().sum())
             finite = s[~s.isnan()]
             rng = f"[{float(finite.min()):.6g}, {float(finite.max()):.6g}]" if finite.numel() else "none"

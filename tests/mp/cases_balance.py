@@ -1,5 +1,8 @@
 """QuantileBalancer across ranks (run on every rank by moonep.testing.mprun; see tests/test_mp_balance.py).
 
+Balancers live on ``rt.collective_device`` (the GPU under NCCL, else the host), where the group's
+all-reduce wants them.
+
 The reference is the same balancer fed every token in one process (a singleton group, so no all-reduce);
 the pooled biases must be bit-identical to it for any split of the tokens over ranks and micro-batches.
 """
@@ -38,7 +41,7 @@ def split_sizes(n, parts, g, zeros=True):
 
 def run_split(rt, E, K, n, bins, seed, steps=3, ema=0.0):
     """Train ``steps`` steps on this rank's share; compare every step's bias with the solo reference."""
-    dev = rt.device
+    dev = rt.collective_device
     pooled = QuantileBalancer(E, K, bins=bins, group=rt.group, ema=ema, device=dev)
     ref = QuantileBalancer(E, K, bins=bins, group=solo_group(), ema=ema, device=dev)
     g = torch.Generator().manual_seed(seed)
@@ -76,9 +79,9 @@ def case_default_group(rt):
     """``group=None`` pools over the default group, like passing it explicitly."""
     if not dist.is_initialized():
         return
-    a = QuantileBalancer(32, 4, device=rt.device)
-    b = QuantileBalancer(32, 4, group=dist.group.WORLD, device=rt.device)
-    scores = global_scores(rt.rank, 100, 32, 7).to(rt.device)  # different tokens per rank
+    a = QuantileBalancer(32, 4, device=rt.collective_device)
+    b = QuantileBalancer(32, 4, group=dist.group.WORLD, device=rt.collective_device)
+    scores = global_scores(rt.rank, 100, 32, 7).to(rt.collective_device)  # different tokens per rank
     for qb in (a, b):
         qb.route(scores)
         qb.step()
@@ -89,20 +92,20 @@ def case_default_group(rt):
 
 
 def case_empty_everywhere(rt):
-    qb = QuantileBalancer(24, 2, group=rt.group, device=rt.device)
-    qb.bias.copy_(torch.linspace(-0.1, 0.1, 24, device=rt.device) - 0.0)
+    qb = QuantileBalancer(24, 2, group=rt.group, device=rt.collective_device)
+    qb.bias.copy_(torch.linspace(-0.1, 0.1, 24, device=rt.collective_device) - 0.0)
     before = qb.bias.clone()
-    qb.route(torch.empty(0, 24, device=rt.device))
+    qb.route(torch.empty(0, 24, device=rt.collective_device))
     qb.step()
     assert torch.equal(qb.bias, before)
 
 
 def case_bad_scores_on_one_rank(rt):
     """Deferred validation: bad scores on rank 0 alone stop the update on every rank, and all raise."""
-    if rt.device.type == "cuda":
+    if rt.collective_device.type == "cuda":
         return  # the CUDA path reports a step late; covered by tests/test_balance_gpu.py
     E = 16
-    qb = QuantileBalancer(E, 2, group=rt.group, validate="deferred", device=rt.device)
+    qb = QuantileBalancer(E, 2, group=rt.group, validate="deferred", device=rt.collective_device)
     scores = global_scores(rt.rank, 50, E, 8)
     qb.route(scores)
     qb.step()
@@ -122,11 +125,11 @@ def case_bad_scores_on_one_rank(rt):
 
 def case_cuda_all_reduce_without_sync(rt):
     """On CUDA the pooled step (NCCL all-reduce included) makes no device-to-host sync."""
-    if rt.device.type != "cuda":
-        return  # CPU launch: nothing to check (SkipCase raised here is not recognised when mprun runs as __main__)
+    if rt.collective_device.type != "cuda":
+        return  # needs NCCL on CUDA (SkipCase raised here is not recognised when mprun runs as __main__)
     E, K = 896, 16
-    qb = QuantileBalancer(E, K, group=rt.group, device=rt.device)
-    scores = global_scores(rt.rank, 1024, E, 9).to(rt.device)
+    qb = QuantileBalancer(E, K, group=rt.group, device=rt.collective_device)
+    scores = global_scores(rt.rank, 1024, E, 9).to(rt.collective_device)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
