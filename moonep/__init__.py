@@ -6,7 +6,6 @@ The data path, one module per stage:
 from .errors import MoonepError
 from .runtime import Runtime, init
 from .balance import QuantileBalancer  # noqa: F401  (issue 7)
-from .layers import LatentMoE  # noqa: F401  (issue 8)
 
 __all__ = ["init", "Runtime", "MoonepError"]
 __version__ = "0.1.0"
