@@ -3,9 +3,12 @@
 The data path, one module per stage:
     routing -> plan (planner/) -> layout (layout.py) -> transport (transport/) -> experts -> combine (ep.py)
 """
+from .balance import QuantileBalancer
+from .ep import Dispatched, ExpertParallel
 from .errors import MoonepError
+from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
-from .balance import QuantileBalancer  # noqa: F401  (issue 7)
 
-__all__ = ["init", "Runtime", "MoonepError"]
+__all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched",
+           "QuantileBalancer"]
 __version__ = "0.1.0"
