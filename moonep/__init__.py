@@ -8,6 +8,7 @@ from .ep import Dispatched, ExpertParallel
 from .errors import MoonepError
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
+from .layers import LatentMoE  # noqa: F401  (issue 8)
 
 __all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched",
            "QuantileBalancer"]

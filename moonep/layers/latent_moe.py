@@ -1,0 +1,175 @@
+"""LatentMoE: routed experts in a latent space, exactly balanced across ranks (BRIEF section 3).
+
+    s = sigmoid(W_r x)                  [s, E] router scores; top-K of s + b (QB bias), weights s/sum
+    z = W_down x                        [s, l]  experts see the latent width l (K3: l = d/2)
+    u = sum_k p_k SiTU-GLU_e(z)         [s, l]  dispatch -> 2*epn slot GEMMs -> combine
+    y = sum_j Shared_j(x) + W_up RMSNorm(u)
+
+The RMSNorm comes after combine because it must see the fully reduced ``u`` (a sum of normed parts is
+not the norm of the sum). Dispatching ``z`` rather than ``x`` halves the bytes on the wire at l = d/2.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..balance import QuantileBalancer
+from ..errors import expect, expect_tensor
+from .activations import situ_glu_fused
+from .grouped import slot_matmul
+from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
+
+_FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _init(shape, fan_in: int, seed: int) -> torch.Tensor:
+    """Deterministic float32 init from its own seed, so a model is the same at every R."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) / fan_in ** 0.5
+
+
+class LatentMoE(ShardedExperts, nn.Module):
+    """Latent-space Mixture-of-Experts layer with expert parallelism.
+
+    Args:
+        d_model: ``d``, input and output width.
+        d_latent: ``l <= d``, width the routed experts see (and the wire carries).
+        num_experts: ``E``, a multiple of the group size ``R``.
+        topk: ``K <= E`` experts per token.
+        d_expert: hidden width ``F`` of each routed SiTU-GLU expert.
+        num_shared: shared full-width experts (``0`` for none).
+        d_shared: hidden width of each shared expert (default ``d_expert``).
+        group: a :class:`moonep.Runtime`, a ProcessGroup, or ``None`` (the launcher's job; a plain single
+            process runs with ``R = 1`` and no process group).
+        balancer: ``"qb"`` (a :class:`moonep.balance.QuantileBalancer`, the default), ``None`` (plain top-K of
+            the scores) or a QuantileBalancer instance.
+        max_tokens: ``S`` for static EP buffers; ``None`` sizes them from the largest ``s`` seen.
+        dtype, device: of the parameters (device defaults to the runtime's device).
+        eps: RMSNorm epsilon.
+        matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see :func:`moonep.layers.grouped.slot_matmul`).
+        ep_kwargs: passed to :class:`moonep.ExpertParallel` (``align``, ``slack``, ``transport``).
+
+    Parameters (float ``dtype``): ``router.weight [E, d]``, ``down.weight [l, d]``, ``norm.weight [l]``,
+    ``up.weight [d, l]``, ``shared_w_in [Ns, d, 2*Fs]``, ``shared_w_out [Ns, Fs, d]`` (replicated), and the
+    home-expert shards ``expert_w_in [epn, l, 2F]`` (gate ``g`` columns then ``u``) and
+    ``expert_w_out [epn, F, l]``. The model is initialised identically at every ``R`` from the default RNG
+    (one seed is drawn and broadcast from rank 0).
+    """
+
+    sharded_params = ("expert_w_in", "expert_w_out")
+
+    def __init__(self, d_model: int, d_latent: int, num_experts: int, topk: int, d_expert: int,
+                 num_shared: int = 2, d_shared: int | None = None, group=None, balancer="qb", *,
+                 max_tokens: int | None = None, dtype: torch.dtype = torch.float32, device=None,
+                 eps: float = 1e-6, matmul: str = "auto", **ep_kwargs):
+        super().__init__()
+        d_shared = d_expert if d_shared is None else d_shared
+        for name, v in (("d_model", d_model), ("d_latent", d_latent), ("num_experts", num_experts),
+                        ("topk", topk), ("d_expert", d_expert), ("d_shared", d_shared)):
+            expect(isinstance(v, int) and not isinstance(v, bool) and v > 0, name, "a positive int", repr(v))
+        expect(d_latent <= d_model, "d_latent", f"<= d_model ({d_model}), a compression of the model width",
+               d_latent)
+        expect(topk <= num_experts, "topk", f"<= num_experts ({num_experts})", topk)
+        expect(isinstance(num_shared, int) and num_shared >= 0, "num_shared", "an int >= 0", repr(num_shared))
+        expect(dtype in _FLOAT, "dtype", "float32, float64, bfloat16 or float16", dtype)
+        expect(matmul in ("auto", "grouped", "loop"), "matmul", '"auto", "grouped" or "loop"', repr(matmul))
+        expect(max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 0), "max_tokens",
+               "None or a positive int", repr(max_tokens))
+        rt = resolve_group(group)
+        home = home_range(num_experts, rt)  # raises for E % R != 0
+        self._rt, self.ep_rank = rt, (0 if rt is None else rt.rank)
+        self.world_size = 1 if rt is None else rt.world_size
+        self.d_model, self.d_latent, self.num_experts, self.topk = d_model, d_latent, num_experts, topk
+        self.d_expert, self.num_shared, self.d_shared = d_expert, num_shared, d_shared
+        self.epn, self.matmul, self.eps = len(home), matmul, eps
+        dev = torch.device(device) if device is not None else (rt.device if rt is not None else torch.device("cpu"))
+
+        seed = int(torch.randint(0, 2**62, (1,)))
+        if rt is not None and rt.world_size > 1:  # one seed for the whole job, whatever each rank's RNG
+            box = [seed]
+            dist_bcast(box, rt)
+            seed = box[0]
+        E, d, l, Fe, Fs = num_experts, d_model, d_latent, d_expert, d_shared
+        mk = lambda t: nn.Parameter(t.to(device=dev, dtype=dtype))  # noqa: E731
+        self.router = nn.Linear(d, E, bias=False, device=dev, dtype=dtype)
+        self.down = nn.Linear(d, l, bias=False, device=dev, dtype=dtype)
+        self.norm = nn.RMSNorm(l, eps=eps, device=dev, dtype=dtype)
+        self.up = nn.Linear(l, d, bias=False, device=dev, dtype=dtype)
+        with torch.no_grad():
+            self.router.weight.copy_(_init((E, d), d, seed))
+            self.down.weight.copy_(_init((l, d), d, seed + 1))
+            self.up.weight.copy_(_init((d, l), l, seed + 2))
+        self.shared_w_in = mk(_init((num_shared, d, 2 * Fs), d, seed + 3))
+        self.shared_w_out = mk(_init((num_shared, Fs, d), Fs, seed + 4))
+        # Each expert from its own seed: the shards of any R assemble into the same full model.
+        self.expert_w_in = mk(torch.stack([_init((l, 2 * Fe), l, seed + 10 + 2 * e) for e in home]))
+        self.expert_w_out = mk(torch.stack([_init((Fe, l), Fe, seed + 11 + 2 * e) for e in home]))
+
+        if balancer == "qb":
+            # K = E selects every expert: nothing to balance, and QB needs a (K+1)-th score.
+            balancer = (QuantileBalancer(E, topk, group=None if rt is None else rt.group, device=dev)
+                        if topk < E else None)
+        expect(balancer is None or isinstance(balancer, QuantileBalancer), "balancer",
+               '"qb", None or a QuantileBalancer', type(balancer).__name__)
+        if balancer is not None:
+            expect(balancer.num_experts == E and balancer.topk == topk, "balancer",
+                   f"a QuantileBalancer with num_experts={E}, topk={topk}",
+                   f"num_experts={balancer.num_experts}, topk={balancer.topk}")
+        self.balancer = balancer
+        self._ep = EPProvider(rt, E, max_tokens=max_tokens, **ep_kwargs)
+        self.last_stats: dict = {}
+
+    # ------------------------------------------------------------------------------------------ parts
+    def route(self, x: torch.Tensor):
+        """``x [s, d]`` -> ``(topk_idx int64 [s, K], weights [s, K] in x.dtype)``; weights sum to 1."""
+        scores = torch.sigmoid(self.router(x))
+        if self.balancer is not None:
+            return self.balancer.route(scores)
+        w, idx = scores.topk(self.topk, dim=1)
+        return idx, w / w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the shared SiTU-GLU experts on ``x [s, d]`` -> ``[s, d]``."""
+        if self.num_shared == 0:
+            return torch.zeros_like(x)
+        h = situ_glu_fused(torch.einsum("sd,ndf->nsf", x, self.shared_w_in))  # [Ns, s, Fs]
+        return torch.einsum("nsf,nfd->sd", h, self.shared_w_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Args: ``x [..., d_model]`` in the parameters' dtype. Returns ``[..., d_model]``, same dtype.
+
+        Collective under EP: every rank calls it (with any number of tokens, 0 included).
+        """
+        dt = self.expert_w_in.dtype
+        expect_tensor(x, "x")
+        expect(x.dim() >= 1 and x.shape[-1] == self.d_model, "x", f"shape [..., d_model={self.d_model}]",
+               list(x.shape))
+        expect(x.dtype == dt, "x", f"dtype {dt} (the layer's parameters)", x.dtype)
+        shape = x.shape
+        x = x.reshape(-1, self.d_model)
+        idx, w = self.route(x)
+        z = self.down(x)                                                   # [s, l]
+        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt)
+        h = ep.dispatch(z, idx, w)
+        w_in, w_out = ep.prefetch(h, self.expert_w_in), ep.prefetch(h, self.expert_w_out)  # [2*epn, ...]
+        a = situ_glu_fused(slot_matmul(h.tokens, h.cu_seqlens, w_in, self.matmul))      # [cap, F]
+        u = ep.combine(slot_matmul(a, h.cu_seqlens, w_out, self.matmul), h)              # [s, l]
+        y = self.up(self.norm(u)) + self.shared(x)
+        self._record(h.plan)
+        return y.reshape(shape)
+
+    def _record(self, plan) -> None:
+        """Per-step balance figures for logging (tensors, no host sync)."""
+        self.last_stats = dict(expert_load=plan.assignment.sum(1), recv_counts=plan.recv_counts,
+                               replicas=(plan.replica_experts >= 0).sum(1))
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_latent={self.d_latent}, num_experts={self.num_experts}, "
+                f"topk={self.topk}, d_expert={self.d_expert}, num_shared={self.num_shared}, "
+                f"d_shared={self.d_shared}, R={self.world_size}, epn={self.epn}")
+
+
+def dist_bcast(box: list, rt) -> None:
+    import torch.distributed as dist
+
+    dist.broadcast_object_list(box, src=dist.get_global_rank(rt.cpu_group, 0), group=rt.cpu_group)

@@ -1,0 +1,226 @@
+"""Expert sharding for layers: which group, the ExpertParallel engine, sharded state dicts, gradients.
+
+Expert weights are ordinary ``nn.Parameter``s holding only this rank's home experts (``[epn, ...]`` rows
+``rank*epn .. rank*epn+epn-1`` of the full ``[E, ...]``). Everything else is replicated: its gradient
+covers this rank's tokens only, so :func:`sync_grads` all-reduces it (DDP would broadcast rank 0's
+parameters and clobber the expert shards, so it must not wrap these models as is).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from ..errors import expect
+
+
+# --------------------------------------------------------------------------------------------- group
+def resolve_group(group):
+    """``None`` -> the launcher's job (``moonep.init()``) or, for a plain single process, no group at all.
+
+    Returns a :class:`moonep.Runtime` or ``None`` (one process, no ``torch.distributed`` needed).
+    """
+    from ..runtime import Runtime, detect_launcher, init
+
+    if isinstance(group, Runtime):
+        return group
+    if group is not None:
+        return init(group)
+    if dist.is_available() and dist.is_initialized() or detect_launcher() != "single":
+        return init()
+    return None
+
+
+class LocalExpertParallel:
+    """The ``ExpertParallel`` interface for one process without a process group (``R = 1``).
+
+    Same slot layout (``E`` home slots, then ``E`` empty replica slots; rows ordered by ``(token, k)``
+    inside a slot) built from plain differentiable torch ops.
+    """
+
+    def __init__(self, num_experts: int, topk: int):
+        self.num_experts, self.topk, self.epn, self.world_size, self.rank = num_experts, topk, num_experts, 1, 0
+
+    def dispatch(self, x, topk_idx, topk_weights, **_):
+        E, K = self.num_experts, topk_idx.shape[1]
+        flat = topk_idx.reshape(-1)
+        valid = (flat >= 0).nonzero().squeeze(1)
+        order = valid[torch.sort(flat[valid], stable=True).indices]  # rows by (expert, token, k)
+        counts = torch.bincount(flat[order], minlength=E)
+        cu = torch.zeros(2 * E + 1, dtype=torch.int32, device=x.device)
+        cu[1:E + 1] = counts.cumsum(0)
+        cu[E + 1:] = cu[E]
+        slot_experts = torch.cat([torch.arange(E, device=x.device), torch.full((E,), -1, device=x.device)])
+        token = torch.div(order, K, rounding_mode="floor")
+        plan = SimpleNamespace(assignment=counts[:, None], recv_counts=counts.sum().reshape(1),
+                               replica_experts=torch.full((1, E), -1, device=x.device))
+        return SimpleNamespace(tokens=x[token], weights=topk_weights.reshape(-1)[order], cu_seqlens=cu,
+                               slot_experts=slot_experts, num_rows=int(order.numel()), plan=plan,
+                               token=token, num_tokens=x.shape[0])
+
+    def prefetch(self, h, local_weight):
+        return torch.cat([local_weight, torch.zeros_like(local_weight)])
+
+    def combine(self, expert_out, h):
+        acc = torch.float64 if expert_out.dtype == torch.float64 else torch.float32
+        rows = expert_out.to(acc) * h.weights.to(acc)[:, None]
+        y = rows.new_zeros(h.num_tokens, expert_out.shape[1]).index_add(0, h.token, rows)
+        return y.to(expert_out.dtype)
+
+
+class EPProvider:
+    """One ``ExpertParallel`` per (topk, width, dtype), shared by every layer of a model.
+
+    ``max_tokens=None`` sizes the buffers from the largest ``s`` seen on any rank (one small all-reduce per
+    call; grows in powers of two). Give ``max_tokens`` for fixed shapes and no extra collective.
+    """
+
+    def __init__(self, rt, num_experts: int, *, max_tokens=None, **ep_kwargs):
+        self.rt, self.num_experts, self.max_tokens, self.ep_kwargs = rt, num_experts, max_tokens, ep_kwargs
+        self.world_size = 1 if rt is None else rt.world_size
+        self.rank = 0 if rt is None else rt.rank
+        self._cache: dict = {}
+
+    def get(self, s: int, topk: int, width: int, dtype: torch.dtype):
+        if self.rt is None:
+            return LocalExpertParallel(self.num_experts, topk)
+        from ..ep import ExpertParallel
+
+        need = self.max_tokens
+        if need is None:
+            t = torch.tensor([s], dtype=torch.int64)
+            if self.world_size > 1:
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rt.cpu_group)
+            need = max(16, 1 << max(int(t) - 1, 0).bit_length())
+        key = (topk, width, dtype)
+        ep = self._cache.get(key)
+        if ep is None or ep.max_tokens < need:
+            ep = ExpertParallel(self.rt, num_experts=self.num_experts, topk=topk, hidden=width,
+                                max_tokens=need, dtype=dtype, **self.ep_kwargs)
+            self._cache[key] = ep
+        return ep
+
+
+# --------------------------------------------------------------------------------------------- state
+class ShardedExperts:
+    """Mixin for modules whose parameters named in ``sharded_params`` are ``[epn, ...]`` home shards.
+
+    ``load_state_dict`` accepts either the shard or the full ``[E, ...]`` tensor (the home rows are taken),
+    so a full checkpoint loads at any ``R``; :func:`full_state_dict` builds one.
+    Set ``self.num_experts``, ``self.epn``, ``self.ep_rank`` and ``self._rt`` in ``__init__``.
+    """
+
+    sharded_params: tuple = ()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        lo = self.ep_rank * self.epn
+        for name in self.sharded_params:
+            t = state_dict.get(prefix + name)
+            if t is not None and t.shape[0] == self.num_experts and self.num_experts != self.epn:
+                state_dict[prefix + name] = t[lo:lo + self.epn]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class ShardedModuleDict(torch.nn.ModuleDict):
+    """Home experts of a ``ModuleList`` kept under their global index (``"5"``), so their state-dict keys
+    match the unpatched model's; keys of other ranks' experts are ignored on load."""
+
+    def __init__(self, modules: dict, num_experts: int, home: range, rt):
+        super().__init__(modules)
+        self.num_experts, self.home, self._rt = num_experts, home, rt
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            head = key[len(prefix):].split(".", 1)[0]
+            if head.isdigit() and int(head) not in self.home:
+                del state_dict[key]
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _sharded(model):
+    """``(stacked keys, per-expert key prefixes, runtime)`` of every sharded module in ``model``."""
+    stacked, prefixes, rt = [], [], None
+    for name, m in model.named_modules():
+        pre = name + "." if name else ""
+        if isinstance(m, ShardedExperts):
+            stacked += [pre + p for p in m.sharded_params]
+            rt = rt or m._rt
+        elif isinstance(m, ShardedModuleDict):
+            prefixes.append(pre)
+            rt = rt or m._rt
+    return stacked, prefixes, rt
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """The state dict of the whole model as one process would hold it (full ``[E, ...]`` experts).
+
+    Collective over the experts' group (every rank calls it; every rank gets the same dict, on CPU for
+    the gathered entries). Meant for checkpoints of models whose experts fit in host memory.
+    """
+    sd = model.state_dict()
+    stacked, prefixes, rt = _sharded(model)
+    mine = {k: v.detach().cpu() for k, v in sd.items()
+            if k in stacked or any(k.startswith(p) for p in prefixes)}
+    parts = [mine]
+    if rt is not None and rt.world_size > 1:
+        parts = [None] * rt.world_size
+        dist.all_gather_object(parts, mine, group=rt.cpu_group)
+    out = {k: v for k, v in sd.items() if k not in mine}
+    for k in stacked:
+        out[k] = torch.cat([p[k] for p in parts])
+    for p in parts:
+        out.update({k: v for k, v in p.items() if k not in stacked})
+    return out
+
+
+def load_full_state_dict(model: torch.nn.Module, state_dict: dict, strict: bool = True):
+    """Load a full (unsharded) state dict into a model sharded over any ``R``; each rank keeps its rows."""
+    return model.load_state_dict(state_dict, strict=strict)
+
+
+# --------------------------------------------------------------------------------------------- training
+def sync_grads(model: torch.nn.Module, average: bool = True) -> None:
+    """Finish the backward of an expert-parallel model: all-reduce the replicated parameters' gradients.
+
+    Expert gradients already hold every rank's contribution (reduce_grad). With ``average=True`` every
+    gradient is divided by ``R``, which is the gradient of the mean of the ranks' losses. Collective.
+    """
+    stacked, prefixes, rt = _sharded(model)
+    if rt is None or rt.world_size == 1:
+        return
+    params = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    shard = [p for k, p in params if k in stacked or any(k.startswith(q) for q in prefixes)]
+    shard_ids = {id(p) for p in shard}
+    rep = [p for _, p in params if id(p) not in shard_ids]
+    for p in rep:
+        if p.grad is None:  # every rank must contribute the same layout
+            p.grad = torch.zeros_like(p)
+    if rep:
+        flat = torch.cat([p.grad.reshape(-1) for p in rep])
+        dist.all_reduce(flat, group=rt.group)
+        off = 0
+        for p in rep:
+            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+            off += p.numel()
+    if average:
+        for p in rep + shard:
+            if p.grad is not None:
+                p.grad.div_(rt.world_size)
+
+
+def balancer_step(model: torch.nn.Module) -> None:
+    """``step()`` every QuantileBalancer in ``model`` (collective); call once per optimizer step."""
+    from ..balance import QuantileBalancer
+
+    for m in model.modules():
+        if isinstance(m, QuantileBalancer):
+            m.step()
+
+
+def home_range(num_experts: int, rt) -> range:
+    R = 1 if rt is None else rt.world_size
+    expect(num_experts % R == 0, "num_experts", f"a multiple of the group size {R}", num_experts)
+    epn = num_experts // R
+    r = 0 if rt is None else rt.rank
+    return range(r * epn, (r + 1) * epn)
