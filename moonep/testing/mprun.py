@@ -18,8 +18,11 @@ import time
 import traceback
 
 
-class SkipCase(Exception):
-    """Raise inside a case to report it as skipped (for example: needs CUDA)."""
+if __name__ == "__main__":  # run as a script: share the one SkipCase class that cases files import
+    from moonep.testing.mprun import SkipCase  # noqa: F401
+else:
+    class SkipCase(Exception):
+        """Raise inside a case to report it as skipped (for example: needs CUDA)."""
 
 
 def load_cases(path: str):
