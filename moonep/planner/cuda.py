@@ -67,11 +67,11 @@ def plan_cuda(counts: torch.Tensor, slack: float, declared):
     smem = 8 * E + 16 * R + 4 * E + R
     smem = (smem + 15) // 16 * 16
     k_plan = mod.get_function("plan_kernel")
-    if smem > 48 * 1024 and _SMEM_SET.get(dev.index, 0) < smem:
-        k_plan.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[dev.index] = smem
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index)
     with cupy.cuda.Device(dev.index), stream:
+        if smem > 48 * 1024 and _SMEM_SET.get(dev.index, 0) < smem:  # opt in to >48 KiB (E=8192: 113 KiB)
+            k_plan.max_dynamic_shared_size_bytes = smem
+            _SMEM_SET[dev.index] = smem
         name = "colsum_i64" if counts.dtype == torch.int64 else "colsum_i32"
         mod.get_function(name)(((E + 255) // 256,), (256,), (_ptr(counts), np.int32(R), np.int32(E), _ptr(L), _ptr(err)))
         k_plan((1,), (nt,), (_ptr(L), np.int32(R), np.int32(epn), np.float64(slack), np.int32(slack > 0),

@@ -21,12 +21,14 @@ class OracleResult:
     status: str
 
 
-def oracle_plan(counts, *, slack: float = 0.0, time_limit: float = 60.0) -> OracleResult:
+def oracle_plan(counts, *, slack: float = 0.0, time_limit: float = 60.0,
+                total: bool = True) -> OracleResult:
     """Optimal plan for ``counts`` (int array-like ``[R, E]``).
 
     ``slack == 0``: every rank receives exactly ``T // R + (r < T % R)`` copies. ``slack > 0``: every
     rank receives at most ``ceil((1 + slack) * T / R)`` (the planner's cap, see ``planner.cap_for``).
-    Each rank may hold replicas of the home experts of a single other rank only.
+    Each rank may hold replicas of the home experts of a single other rank only. ``total=False``
+    minimises the maximum only (much faster; ``total_replicas`` is then just a feasible value).
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import lil_matrix
@@ -97,7 +99,7 @@ def oracle_plan(counts, *, slack: float = 0.0, time_limit: float = 60.0) -> Orac
         add(-np.inf, 0)
     A = A[:k].tocsr()
     obj = np.zeros(nv)
-    obj[P:2 * P] = 1
+    obj[P:2 * P] = 1 if total else 0
     obj[iM] = E + 1
     ub = np.concatenate([L[[e for e, _ in pairs]].astype(float), np.ones(P + nz), [epn]])
     integrality = np.ones(nv)

@@ -1,0 +1,166 @@
+"""Planner benchmark: CPU / GPU timing, replicas per rank per routing family, gap to the ILP oracle.
+
+    PYTHONPATH=. python benchmarks/bench_planner.py [--no-oracle] [--no-gpu] [--out PATH]
+
+GPU times use CUDA events: ``eager`` (plan + token layout of one rank, as launched from Python) and
+``graph`` (the same sequence captured once in a CUDA graph and replayed: device time without
+Python/launch overhead). Writes JSON to benchmarks/results/ with the command, commit and machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from moonep.layout import token_destinations  # noqa: E402
+from moonep.planner import plan_balanced  # noqa: E402
+from moonep.planner.corpus import FAMILIES, corpus, expert_probs  # noqa: E402
+
+CONFIGS = [(256, 8, 8), (384, 16, 8), (896, 64, 16), (8192, 1024, 16)]
+
+
+def machine():
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"hostname": socket.gethostname(), "cpu": cpu, "cpu_count": os.cpu_count(), "gpu": gpu,
+            "torch": torch.__version__, "python": platform.python_version()}
+
+
+def rev():
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:
+        return None
+
+
+def tokens_for(E, R):
+    return 4096 if R <= 64 else 256  # s per rank (keeps the 1024-rank routing small to generate)
+
+
+def bench_routing(fam, E, R, K, s, seed=0):
+    """Rank 0's topk int64 [s, K] (Gumbel top-K) and counts int64 [R, E] (other ranks multinomial:
+    token-level sampling of every rank would need R*s*E random numbers at (8192, 1024))."""
+    rng = np.random.default_rng(seed)
+    p = expert_probs(fam, E, R, rng)
+    K = min(K, int((p > 0).sum()))
+    with np.errstate(divide="ignore"):
+        g = rng.gumbel(size=(s, E)) + np.log(p)
+    tk = np.argsort(-g, axis=-1, kind="stable")[:, :K].astype(np.int64)
+    c = np.stack([rng.multinomial(s * K, p) for _ in range(R)]).astype(np.int64)
+    c[0] = np.bincount(tk.reshape(-1), minlength=E)
+    return tk, c
+
+
+def cpu_time(c, n):
+    plan_balanced(c)
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        plan_balanced(c)
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)) * 1e6, float(np.min(ts)) * 1e6
+
+
+def gpu_time(c, tk, n):
+    c, tk = c.cuda(), tk.cuda()
+    run = lambda: token_destinations(plan_balanced(c), 0, tk)  # noqa: E731
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record(); run(); b.record()  # noqa: E702
+    torch.cuda.synchronize()
+    eager = float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
+    plan_only = []
+    for a, b in ev:
+        a.record(); plan_balanced(c); b.record()  # noqa: E702
+    torch.cuda.synchronize()
+    plan_only = float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in ev:
+        a.record(); g.replay(); b.record()  # noqa: E702
+    torch.cuda.synchronize()
+    graph = float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
+    return {"eager_plan_layout_us": eager, "eager_plan_only_us": plan_only, "graph_plan_layout_us": graph}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--no-gpu", action="store_true")
+    ap.add_argument("--oracle-time-limit", type=float, default=30.0)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    gpu = torch.cuda.is_available() and not a.no_gpu
+    res = {"command": " ".join([sys.executable] + sys.argv), "commit": rev(), "machine": machine(),
+           "configs": []}
+    for E, R, K in CONFIGS:
+        s = tokens_for(E, R)
+        row = {"E": E, "R": R, "K": K, "s": s, "families": {}}
+        for fam in FAMILIES:
+            tk, c = bench_routing(fam, E, R, K, s)
+            c = torch.from_numpy(c)
+            p = plan_balanced(c)
+            n = p.num_replicas().float()
+            f = {"max_replicas": int(n.max()), "mean_replicas": float(n.mean()),
+                 "total_replicas": int(n.sum()), "epn": E // R,
+                 }
+            f["cpu_plan_us_median"], f["cpu_plan_us_min"] = cpu_time(c, a.reps if R < 1000 else 5)
+            if gpu:
+                f.update(gpu_time(c, torch.from_numpy(tk), a.reps))
+            row["families"][fam] = f
+            print(E, R, K, fam, json.dumps(f), flush=True)
+        res["configs"].append(row)
+    if not a.no_oracle:
+        from moonep.planner.oracle import oracle_plan
+        cases, eq, ratios = [], 0, []
+        for fam, cfg, seed, c in corpus():
+            got = plan_balanced(torch.from_numpy(c)).num_replicas()
+            t = time.perf_counter()
+            o = oracle_plan(c, time_limit=a.oracle_time_limit, total=False)
+            m, om = int(got.max()), o.max_replicas
+            eq += m == om
+            ratios.append(m / om if om else 1.0)
+            cases.append({"family": fam, "E_R_K_s": cfg, "seed": seed, "planner_max": m, "oracle_max": om,
+                          "planner_total": int(got.sum()), "oracle_status": o.status,
+                          "oracle_s": time.perf_counter() - t})
+            print(cases[-1], flush=True)
+        res["oracle"] = {"cases": cases, "equal": eq, "n": len(cases), "mean_ratio": float(np.mean(ratios)),
+                         "worst_ratio": float(np.max(ratios))}
+        print("oracle: equal on", eq, "/", len(cases), "mean ratio", np.mean(ratios), "worst", np.max(ratios))
+    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                f"planner_{'gpu' if gpu else 'cpu'}_{socket.gethostname()}.json")
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

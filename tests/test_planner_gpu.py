@@ -1,0 +1,117 @@
+"""GPU planner: bit-identical to the CPU planner, no host sync, CUDA-graph capturable (needs CUDA + cupy)."""
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("cupy")
+
+from moonep.layout import cu_seqlens, token_destinations  # noqa: E402
+from moonep.planner import plan_balanced  # noqa: E402
+from moonep.planner.corpus import counts_from_topk, random_counts, routing, verify_plan  # noqa: E402
+
+FIELDS = ("assignment", "replica_experts", "replica_source", "recv_counts", "expert_counts")
+
+
+def same(pc, pg):
+    for f in FIELDS:
+        a, b = getattr(pc, f), getattr(pg, f).cpu()
+        assert a.dtype == b.dtype and torch.equal(a, b), f
+
+
+def cases():
+    rng = np.random.default_rng(0)
+    out = []
+    for R, epn in [(1, 4), (2, 1), (3, 5), (8, 32), (16, 24), (64, 14), (64, 16), (1024, 8), (7, 16)]:
+        for fam in ["uniform", "zipf1.0", "zipf1.5", "zipf2.0", "hot", "theorem2", "dirichlet"]:
+            out.append(random_counts(fam, R, epn, 8, 64, int(rng.integers(1 << 30))))
+        c = np.zeros((R, R * epn), np.int64)
+        c[:, -1] = 100
+        out.append(c)  # all to one expert
+        out.append(rng.integers(0, 1000, size=(R, R * epn)))
+        out.append(np.zeros((R, R * epn), np.int64))
+    for _ in range(200):
+        R = int(rng.integers(1, 65))
+        out.append(rng.integers(0, 30, size=(R, R * int(rng.integers(1, 17)))) ** int(rng.integers(1, 4)))
+    return out
+
+
+@pytest.mark.parametrize("slack", [0.0, 0.05, 0.5])
+def test_bit_identical(slack):
+    for c in cases():
+        pc = plan_balanced(torch.from_numpy(c), slack=slack)
+        for dt in (torch.int64, torch.int32):
+            pg = plan_balanced(torch.from_numpy(c).to(dt).cuda(), slack=slack)
+            same(pc, pg)
+            assert int(pg.error) == 0
+        verify_plan(pg, c, slack)
+
+
+def test_layout_identical():
+    for fam in ["zipf1.5", "theorem2", "hot"]:
+        R, E, K, s = 8, 64, 4, 100
+        tk = routing(fam, E, R, K, s, 3)
+        tk[0, :7, 1] = -1
+        c = torch.from_numpy(counts_from_topk(tk, E))
+        pc, pg = plan_balanced(c), plan_balanced(c.cuda())
+        for r in range(R):
+            for al in (1, 16):
+                a = token_destinations(pc, r, torch.from_numpy(tk[r]), al)
+                b = token_destinations(pg, r, torch.from_numpy(tk[r]).cuda(), al)
+                assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu())
+                assert torch.equal(cu_seqlens(pc, r, al), cu_seqlens(pg, r, al).cpu())
+
+
+def test_no_host_sync():
+    c = torch.from_numpy(random_counts("zipf1.5", 64, 14, 16, 64, 1)).cuda()
+    tk = torch.randint(0, 896, (256, 16), device="cuda")
+    plan_balanced(c), token_destinations(plan_balanced(c), 3, tk, 8)  # compile / warm up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for slack in (0.0, 0.1):
+            p = plan_balanced(c, slack=slack, tokens_per_rank=64, topk=16)
+            token_destinations(p, 3, tk, 8)
+            cu_seqlens(p, None, 8)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_device_error_flags():
+    c = torch.ones(2, 4, dtype=torch.int64, device="cuda")
+    c[1, 2] = -3
+    with pytest.raises(ValueError, match="non-negative"):
+        plan_balanced(c).check()
+    with pytest.raises(ValueError, match="row sums"):
+        plan_balanced(torch.ones(2, 4, dtype=torch.int64, device="cuda"), tokens_per_rank=3, topk=1, validate=True)
+
+
+@pytest.mark.parametrize("R,epn", [(8, 32), (64, 14)])
+def test_cuda_graph_replay(R, epn):
+    E = R * epn
+    K, s = 8, 128
+    static_c = torch.zeros(R, E, dtype=torch.int64, device="cuda")
+    static_tk = torch.zeros(s, K, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            token_destinations(plan_balanced(static_c), 0, static_tk)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan = plan_balanced(static_c)
+        dst = token_destinations(plan, 0, static_tk)
+    for seed, fam in enumerate(["uniform", "zipf2.0", "theorem2", "hot", "dirichlet"]):
+        tk = routing(fam, E, R, K, s, seed)
+        c = counts_from_topk(tk, E)
+        static_c.copy_(torch.from_numpy(c))
+        static_tk.copy_(torch.from_numpy(tk[0]))
+        g.replay()
+        torch.cuda.synchronize()
+        pc = plan_balanced(torch.from_numpy(c))
+        same(pc, plan)
+        ref = token_destinations(pc, 0, torch.from_numpy(tk[0]))
+        assert torch.equal(ref[0], dst[0].cpu()) and torch.equal(ref[1], dst[1].cpu())
