@@ -32,12 +32,16 @@ def reduce_local(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tensor
         rows: int64 ``[n_recv, K]``.
     """
     adt = acc_dtype(out.dtype)
-    outs = gather_rows(out.to(adt), rows)
-    ws = gather_rows(weights.to(adt), rows) if weights is not None else None
-    acc = torch.zeros((rows.shape[0], *out.shape[1:]), dtype=adt, device=out.device)
-    for k, o in enumerate(outs):
-        acc = acc + (o * ws[k].unsqueeze(-1) if ws is not None else o)
-    return acc
+    n, K = rows.shape
+    flat = rows.reshape(-1)
+    valid = flat >= 0
+    r = flat[valid]
+    pair = torch.arange(n, device=rows.device).repeat_interleave(K)[valid]  # pair-major, k-minor order
+    src = out[r].to(adt)
+    if weights is not None:
+        src = src * weights[r].to(adt).unsqueeze(-1)
+    # index_add_ adds the copies of a pair one after another in k order: acc = ((0 + c0) + c1) + ...
+    return torch.zeros((n, *out.shape[1:]), dtype=adt, device=out.device).index_add_(0, pair, src)
 
 
 def sum_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -16,3 +16,8 @@ CUDA = {"MOONEP_TEST_DEVICE": "cuda"}
 
 test_bootstrap_gpu = mp_cases("tests/mp/cases_bootstrap.py", nranks=NRANKS, env=CUDA)
 test_balance_gpu = mp_cases("tests/mp/cases_balance.py", nranks=NRANKS, env=CUDA)
+# The NCCL path (host-known splits, for ranks without peer access): the whole CPU EP suite on GPUs, with
+# NCCL's peer-to-peer transport switched off as it would be across nodes.
+NCCL_PATH = dict(CUDA, MOONEP_TEST_TRANSPORT="torch", NCCL_P2P_DISABLE="1")
+test_ep_nccl_path = mp_cases("tests/mp/cases_ep.py", nranks=NRANKS, env=NCCL_PATH)
+test_layers_gpu = mp_cases("tests/mp/cases_layers.py", nranks=NRANKS, env=CUDA)

@@ -1,5 +1,6 @@
 """ExpertParallel end to end on every rank, against a single-process dense float64 reference."""
 import itertools
+import os
 
 import torch
 
@@ -10,7 +11,11 @@ KINDS = ["uniform", "zipf", "hot", "cold_rank"]
 
 
 def transports(rt):
-    """The host-driven transports that apply on this device (MPI moves CPU tensors only)."""
+    """The host-driven transports that apply on this device (MPI moves CPU tensors only).
+
+    MOONEP_TEST_TRANSPORT overrides the list (the GPU run uses "torch": the NCCL path)."""
+    if os.environ.get("MOONEP_TEST_TRANSPORT"):
+        return os.environ["MOONEP_TEST_TRANSPORT"].split(",")
     return ["mpi", "torch"] if rt.device.type == "cpu" else ["torch"]
 
 
@@ -90,7 +95,7 @@ def case_apply_weights_before_experts(rt):
     sizes = _sizes(R, S, 4)
     x, idx, w, w1, w2, _ = make_problem(4, R, E, K, H, 4, sizes, "zipf")
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64,
-                               apply_weights="dispatch")
+                               apply_weights="dispatch", transport=transports(rt)[0])
     sl, home = my_slice(rt, sizes), slice(rt.rank * E // R, (rt.rank + 1) * E // R)
     dev = rt.device
     y, _ = moe_step(ep, x[sl].to(dev), idx[sl].to(dev), w[sl].to(dev), w1[home].to(dev), w2[home].to(dev))
@@ -119,7 +124,8 @@ def case_bfloat16_tokens(rt):
     R, E, K, H, S = rt.world_size, 2 * rt.world_size, 2, 16, 8
     sizes = [S] * R
     x, idx, w, w1, w2, _ = make_problem(2, R, E, K, H, 8, sizes, "zipf", dtype=torch.float64)
-    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16)
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
+                               transport=transports(rt)[0])
     sl, dev = my_slice(rt, sizes), rt.device
     h = ep.dispatch(x[sl].bfloat16().to(dev), idx[sl].to(dev), w[sl].float().to(dev))
     y = ep.combine(h.tokens, h)  # identity experts: y = sum_k w_k x, accumulated in fp32
@@ -130,7 +136,8 @@ def case_bfloat16_tokens(rt):
 
 # -- bad input: every rank raises, nobody hangs ---------------------------------------------------------
 def _ep(rt, **kw):
-    args = dict(num_experts=2 * rt.world_size, topk=2, hidden=4, max_tokens=6, dtype=torch.float32)
+    args = dict(num_experts=2 * rt.world_size, topk=2, hidden=4, max_tokens=6, dtype=torch.float32,
+                transport=transports(rt)[0])
     args.update(kw)
     return moonep.ExpertParallel(rt, **args)
 

@@ -98,11 +98,18 @@ def _run_both(rt, host, nv, x, idx, w, gy, seed, zero_copy_inplace=False):
     return res
 
 
+# The weight gradient of combine is a length-H dot product per row; the CPU's vectorised sum and the
+# GPU's warp reduction add in different orders, so it is compared to fp32 rounding, not bitwise.
+DOT_PRODUCTS = {"dw2"}
+
+
 def _compare(res, ctx):
     for key in res["host"]:
         a, b = res["host"][key], res["nv"][key]
         if isinstance(a, int):
             assert a == b, (ctx, key, a, b)
+        elif key in DOT_PRODUCTS:
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=lambda m: f"{ctx} {key}: {m}")
         else:
             _eq(b, a, f"{ctx} {key}")
 
