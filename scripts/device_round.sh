@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
+# (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
+#   steps: planner_qb qb_timing ep_np2 ep_bench ep_kill ep_np4 mp_gpu smoke planner_bench
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
+o=/tmp/o; mkdir -p $o
+step() {  # name timeout cmd...
+  local name=$1 t=$2; shift 2; local t0=$SECONDS
+  timeout "$t" "$@" > "$o/$name.txt" 2>&1; local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$o/summary.txt"
+}
+for s in "$@"; do case $s in
+  planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/test_planner_gpu.py tests/test_balance_gpu.py ;;
+  qb_timing) step qb_timing 90 python3 benchmarks/bench_balance.py gpu --out $o ;;
+  planner_bench) step planner_bench 150 python3 benchmarks/bench_planner.py --no-oracle --reps 30 --out $o/planner_gpu.json ;;
+  layers_gpu) step layers_gpu 120 python3 -m pytest -q -rA tests/test_layers.py ;;
+  ep_np2) MOONEP_GPU_NRANKS=2 step ep_np2 200 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py -k "test_ep_gpu" ;;
+  ep_bench) step ep_bench 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_ep_gpu.py --sms 16,24,32 --iters 30 --out $o ;;
+  ep_kill) MOONEP_GPU_NRANKS=2 step ep_kill 80 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py -k killed ;;
+  ep_np4) MOONEP_GPU_NRANKS=4 step ep_np4 200 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py ;;
+  mp_gpu) step mp_gpu 300 python3 -m pytest -q -rA tests/test_mp_gpu.py ;;
+  smoke) step smoke 200 bash scripts/gpu_smoke.sh $o ;;
+esac; done
+tar czf "${OUT:-/tmp}/round.tgz" -C $o .
