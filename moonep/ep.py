@@ -157,7 +157,9 @@ class ExpertParallel:
                repr(transport))
         self.transport = make_transport("auto" if transport == "nvlink" else transport, self.rt)
         use_nvlink = False
-        if transport == "nvlink" or (transport == "auto" and self.device.type == "cuda"):
+        # "auto" keeps float64 on the host-driven path: the NVLink kernels move 16/32-bit rows only.
+        if transport == "nvlink" or (transport == "auto" and self.device.type == "cuda"
+                                     and dtype in (torch.float32, torch.bfloat16, torch.float16)):
             from .transport.nvlink import nvlink_available
 
             ok, why = nvlink_available(self.rt) if self.device.type == "cuda" else (False, "not a CUDA device")

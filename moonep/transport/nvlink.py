@@ -329,10 +329,8 @@ class NVLinkEngine:
         counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
         counts.scatter_add_(0, torch.where(idx >= 0, idx, torch.full_like(idx, E)).reshape(-1),
                             torch.ones(s * K, dtype=torch.int64, device=dev))
-        mine = torch.empty(self.E2, dtype=torch.int64, device=dev)
-        mine[:E] = counts[:E]
-        mine[E] = s
-        mine[E + 1] = flag
+        # Built with device ops only: writing a Python int into a CUDA tensor is a host-to-device copy.
+        mine = torch.cat([counts[:E], torch.full((1,), s, dtype=torch.int64, device=dev), flag.reshape(1)])
         gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
         total = -1 if num_global_tokens is None else int(num_global_tokens)
         self._launch("moonep_gather", 1, (_p(mine), _p(gathered), np.int64(total)), block=256)
