@@ -269,14 +269,19 @@ class NVLinkEngine:
             torch.cuda.set_sync_debug_mode(prev)
 
     # -- errors ----------------------------------------------------------------------------------------
-    def check(self) -> None:
-        """Raise the error a kernel recorded (no CUDA call: a load from pinned host memory)."""
+    def check(self, inputs: bool = True) -> None:
+        """Raise the error a kernel recorded (no CUDA call: a load from pinned host memory).
+
+        Before launching, only fatal errors are checked (``inputs=False``): every rank must launch the same
+        kernel sequence, and when a bad-input flag reaches the host differs between ranks. Bad-input errors
+        are raised after the launches of a public call, so each rank raises at that call or a later one.
+        """
         fatal = self.herr[0]
         if fatal:
             raise MoonepError(f"rank {self.rank}: rank {fatal >> 8} did not signal within {self.timeout:g}s "
                               "(a peer died, stalled or called a different collective); this ExpertParallel "
                               "cannot be used any more")
-        bad = self.herr[1]
+        bad = self.herr[1] if inputs else 0
         if bad:
             self.herr[1] = 0
             code, r = bad & 0xFF, bad >> 8
@@ -309,7 +314,7 @@ class NVLinkEngine:
         from ..planner import plan_balanced
 
         ep, E, K, dev = self.ep, self.E, self.K, self.device
-        self.check()
+        self.check(inputs=False)
         expect_tensor(x, "x", dim=2, dtypes=ep.dtype, device=dev)
         s = x.shape[0]
         expect(x.shape[1] == self.H, "x", f"shape [s, {self.H}]", list(x.shape))
@@ -342,7 +347,7 @@ class NVLinkEngine:
     # -- dispatch --------------------------------------------------------------------------------------
     def dispatch(self, x, w32, st: NvStep, zero_copy: bool):
         """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])``."""
-        self.check()
+        self.check(inputs=False)
         x = x.contiguous()
         rb = self.H * self.es
         self.generation += 1
@@ -366,7 +371,7 @@ class NVLinkEngine:
     def dispatch_grad(self, gy, st: NvStep):
         """Backward of combine: send ``gy [s, H]`` over the forward's routing.  Returns ``[cap, H]`` (a view
         of the gradient receive buffer, consumed before the next collective)."""
-        self.check()
+        self.check(inputs=False)
         expect(gy.dtype in _DT, "grad of combine", "float32, bfloat16 or float16", gy.dtype)
         gy = gy.contiguous()
         rb = self.H * gy.element_size()
@@ -390,7 +395,7 @@ class NVLinkEngine:
         ``weights``: fp32 ``[cap]`` or None (plain sum).  ``gw_in``: fp32 ``[cap]`` per-row gradients to send
         back per choice (backward of dispatch) or None.  Returns ``(y, gw [s, K] fp32 or None)``.
         """
-        self.check()
+        self.check(inputs=False)
         expect(out.dtype in _DT, "expert_out", "float32, bfloat16 or float16 for the NVLink transport", out.dtype)
         expect(y_dtype in _DT, "output dtype", "float32, bfloat16 or float16", y_dtype)
         out = out.contiguous()
@@ -414,7 +419,7 @@ class NVLinkEngine:
 
     def prefetch(self, plan, local_weight):
         """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero)."""
-        self.check()
+        self.check(inputs=False)
         lw = local_weight.contiguous()
         epn = self.epn
         rb = lw[0].numel() * lw.element_size() if lw.numel() else 0
@@ -431,7 +436,7 @@ class NVLinkEngine:
 
     def reduce_grad(self, plan, grad_view):
         """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``, replica parts added at home in rank order."""
-        self.check()
+        self.check(inputs=False)
         g = grad_view.contiguous()
         expect(g.dtype in _DT, "grad_view", "float32, bfloat16 or float16 for the NVLink transport", g.dtype)
         epn = self.epn
@@ -533,8 +538,10 @@ def dispatch(ep, x, topk_idx, topk_weights, num_global_tokens=None):
 
         adt = acc_dtype(tokens.dtype)
         tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
-    return Dispatched(tokens, weights, layout.cu_seqlens(plan, ep.rank, align=ep.align),
-                      layout.slot_experts(plan, ep.rank), plan.recv_counts[ep.rank], plan, st)
+    out = Dispatched(tokens, weights, layout.cu_seqlens(plan, ep.rank, align=ep.align),
+                     layout.slot_experts(plan, ep.rank), plan.recv_counts[ep.rank], plan, st)
+    eng.check()
+    return out
 
 
 def combine(ep, expert_out, h):
@@ -547,9 +554,12 @@ def combine(ep, expert_out, h):
            "until the next dispatch)", f"output of dispatch #{st.generation}, buffer now holds #{eng.generation}")
     weights = h.weights if ep.apply_weights == "combine" else None
     if torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad)):
-        return _NvCombineFn.apply(expert_out, weights, eng, st, expert_out.dtype)
-    w32 = weights.to(torch.float32).contiguous() if weights is not None else None
-    return eng.combine(expert_out, w32, None, st, expert_out.dtype)[0]
+        y = _NvCombineFn.apply(expert_out, weights, eng, st, expert_out.dtype)
+    else:
+        w32 = weights.to(torch.float32).contiguous() if weights is not None else None
+        y = eng.combine(expert_out, w32, None, st, expert_out.dtype)[0]
+    eng.check()
+    return y
 
 
 def prefetch(ep, h, local_weight):
