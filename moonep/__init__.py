@@ -6,10 +6,10 @@ The data path, one module per stage:
 from .balance import QuantileBalancer
 from .ep import Dispatched, ExpertParallel
 from .errors import MoonepError
+from .layers import LatentMoE
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
-from .layers import LatentMoE  # noqa: F401  (issue 8)
 
 __all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched",
-           "QuantileBalancer"]
+           "QuantileBalancer", "LatentMoE"]
 __version__ = "0.1.0"
