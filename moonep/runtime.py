@@ -46,10 +46,17 @@ class Runtime:
         dist.barrier(group=self.cpu_group)
 
     def shutdown(self) -> None:
-        """Destroy the default process group if ``init`` created it."""
+        """Destroy the default process group if ``init`` created it.
+
+        Under MPI, rank 0 hosts the TCPStore: a final MPI barrier keeps it alive until every rank has torn
+        its process group down (a rank whose store vanished mid-teardown aborts in C++).
+        """
         if self._owns_pg and dist.is_initialized():
+            dist.barrier(group=self.cpu_group)
             dist.destroy_process_group()
             self._owns_pg = False
+            if self.comm is not None:
+                self.comm.Barrier()
 
 
 def detect_launcher(env=os.environ) -> str:

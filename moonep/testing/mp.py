@@ -87,6 +87,11 @@ class Launch:
     timed_out: bool = False
 
     def outcome(self, case: str, n: int):
+        if case == TEARDOWN:  # every case passed, yet a rank crashed on the way out: still a failure
+            if self.returncode == 0:
+                return "passed", ""
+            return "failed", (f"launch exit code {self.returncode} ({'timed out' if self.timed_out else 'after the cases'})"
+                              f"\n--- stderr tail ---\n{self.stderr[-4000:]}")
         recs = self.records.get(case, [])
         failed = [r for r in recs if r["status"] == "failed"]
         if failed:
@@ -142,13 +147,14 @@ def case_names(cases_file: str) -> list[str]:
 
 
 _CACHE: dict = {}
+TEARDOWN = "teardown"  # a pseudo-case: the launch as a whole exited cleanly
 
 
 def mp_cases(cases_file: str, nranks, *, timeout: float = 600, case_timeout: float = 120, env=None):
     """Build a pytest test parametrised over (case, N); one ``mpiexec`` launch per N serves all cases."""
     import pytest
 
-    names = case_names(cases_file)
+    names = case_names(cases_file) + [TEARDOWN]
     env = dict(env or {})
 
     @pytest.mark.parametrize("n", list(nranks), ids=lambda n: f"np{n}")
