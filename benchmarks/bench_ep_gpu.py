@@ -8,9 +8,15 @@ an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
 
 * ``plan_us``: validation + counts all-gather (peer stores) + GPU planner + destinations;
 * ``dispatch_us``: send kernel + receiver expand (the plan reused); ``dispatch_full_us`` includes the plan;
-* ``combine_us``: local k-ordered reduce + read-back of one fp32 row per (token, rank);
+* ``combine_us``: local k-ordered reduce + push of one bf16 row per (token, rank) + local rank-order sum;
 * logical bandwidth ``s*K*H*2 / t`` (MoonEP/DeepEP v2 convention) and wire bandwidth (bytes that cross
-  NVLink: one bf16 row per (token, remote rank) for dispatch, one fp32 row for combine).
+  NVLink: one bf16 row per (token, remote rank) in each direction), and efficiency against the measured
+  ~360 GB/s one-way peer-store ceiling (``--ceiling``);
+* ``phases_us``: CUDA events around every kernel of full steps (plan, dispatch, combine) run back to back:
+  ``validate`` (routing checks and counts, torch ops), ``gather`` (counts all-gather kernel, with its entry
+  barrier), ``planner``, ``layout``, ``send``, ``expand``, ``reduce_push`` (local reduce + NVLink push),
+  ``sum`` (local rank-order sum), ``gaps`` (GPU idle between kernels: launch/Python overhead, small ops);
+* ``copy_*``: the same dispatch/combine in copy mode (fresh output tensors) against zero-copy.
 """
 from __future__ import annotations
 
@@ -56,6 +62,29 @@ def _time(fn, iters):
     return start.elapsed_time(end) * 1e3 / iters  # microseconds
 
 
+_PHASES = {"validate": "validate", "moonep_gather": "gather", "planner": "planner", "layout": "layout",
+           "moonep_dispatch_send": "send", "moonep_dispatch_expand": "expand",
+           "moonep_combine_reduce": "reduce_push", "moonep_combine_sum": "sum", "gap": "gaps"}
+
+
+def _phases(eng, step, iters):
+    """Per-phase microseconds per step, from CUDA events the engine records around every kernel."""
+    torch.cuda.synchronize()
+    eng.profile = []
+    try:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        marks = eng.profile
+    finally:
+        eng.profile = None
+    acc = {}
+    for (_, a), (label, b) in zip(marks, marks[1:]):
+        key = _PHASES.get(label, label)
+        acc[key] = acc.get(key, 0.0) + a.elapsed_time(b) * 1e3
+    return {k: round(v / iters, 1) for k, v in acc.items()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4096)
@@ -67,6 +96,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--ceiling", type=float, default=360.0, help="one-way peer-store ceiling, GB/s")
     args = ap.parse_args()
 
     rt = moonep.init()
@@ -97,14 +127,34 @@ def main() -> int:
             disp_us = _time(lambda: eng.dispatch(x, w32, st, True), args.iters)
             h_tokens, h_w = eng.recv, eng.wbuf
             comb_us = _time(lambda: eng.combine(h_tokens, h_w, None, st, torch.bfloat16), args.iters)
+            # copy mode: fresh output tensors, the same kernels with the local expansion on the receiver
+            ct, cw = eng.dispatch(x, w32, st, False)
+            copy_disp_us = _time(lambda: eng.dispatch(x, w32, st, False), args.iters)
+            ct, cw = eng.dispatch(x, w32, st, False)
+            copy_comb_us = _time(lambda: eng.combine(ct, cw, None, st, torch.bfloat16), args.iters)
+
+            def full_step():
+                hh = ep.dispatch(x, idx, w)
+                eng.combine(hh.tokens, hh.weights, None, hh.routing, torch.bfloat16)
+
+            phases = _phases(eng, full_step, args.iters)
+            step_us = _time(full_step, args.iters)
             ep.synchronize()
             logical = s * K * H * 2
+            wire = remote * H * 2  # bf16 rows each way (combine partials travel in the token dtype)
+            ceil_us = wire / (args.ceiling * 1e3)
             rows.append(dict(rank=rank, sms=sms, plan_us=round(plan_us, 1), dispatch_us=round(disp_us, 1),
                              dispatch_full_us=round(full_us, 1), combine_us=round(comb_us, 1),
+                             step_us=round(step_us, 1),
+                             copy_dispatch_us=round(copy_disp_us, 1), copy_combine_us=round(copy_comb_us, 1),
                              dispatch_logical_GBps=round(logical / disp_us / 1e3, 1),
                              combine_logical_GBps=round(logical / comb_us / 1e3, 1),
-                             dispatch_wire_GBps=round(remote * H * 2 / disp_us / 1e3, 1),
-                             combine_wire_GBps=round(remote * H * 4 / comb_us / 1e3, 1),
+                             dispatch_wire_GBps=round(wire / disp_us / 1e3, 1),
+                             combine_wire_GBps=round(wire / comb_us / 1e3, 1),
+                             dispatch_efficiency=round(ceil_us / disp_us, 3),
+                             dispatch_full_efficiency=round(ceil_us / full_us, 3),
+                             combine_efficiency=round(ceil_us / comb_us, 3),
+                             phases_us=phases,
                              remote_pairs=remote, local_pairs=local, recv_rows=int(h.num_rows)))
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
@@ -118,7 +168,7 @@ def main() -> int:
                          cuda=torch.version.cuda, python=platform.python_version(),
                          cupy=__import__("cupy").__version__),
             config=dict(tokens=s, hidden=H, experts=E, topk=K, dtype="bfloat16", skew=args.skew,
-                        iters=args.iters, warmup=args.warmup),
+                        iters=args.iters, warmup=args.warmup, ceiling_GBps=args.ceiling),
             results=[r for per_rank in everything for r in per_rank])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -143,6 +143,17 @@ __device__ bool entry_barrier(const Ctx* c, u64* epoch) {
   return wait_all(c, c->off_esig, ne);
 }
 
+// Optional entry barrier: with barrier == 0 the caller knows that every peer already passed a barrier
+// after its last read of the areas this kernel writes (see nvlink.py); the entry epoch is left as it is.
+__device__ __forceinline__ bool maybe_entry_barrier(const Ctx* c, int barrier, u64* epoch) {
+  if (barrier) return entry_barrier(c, epoch);
+  *epoch = ld_volatile(&c->ctr[CTR_ENTRY]);
+  __shared__ int s_f;
+  if (threadIdx.x == 0) s_f = is_fatal(c) ? 1 : 0;
+  __syncthreads();
+  return s_f == 0;
+}
+
 // End of a "send" kernel: the last block to finish commits the entry epoch, bumps the data epoch (and,
 // if `bump_tag`, the dispatch tag epoch) and signals data ready to every rank.
 __device__ void finish_send(const Ctx* c, u64 entry_epoch, bool bump_tag) {
@@ -272,6 +283,73 @@ __device__ __forceinline__ void grid_zero(void* dst, i64 nbytes, int vec) {
     for (i64 j = t; j < (nbytes >> 2); j += nt) ((unsigned*)dst)[j] = 0u;
   } else {
     for (i64 j = t; j < (nbytes >> 1); j += nt) ((unsigned short*)dst)[j] = 0;
+  }
+}
+
+// One warp copies one source row (`nbytes`, 16-byte aligned, nbytes % 16 == 0) into `n` destination rows
+// (`dsts`, any mix of local and peer memory): every 16-byte word is loaded once and stored n times, with
+// four words per lane in flight.
+__device__ __forceinline__ void warp_fanout16(char* const* dsts, int n, const void* src, i64 nbytes, int lane) {
+  const int4* s = (const int4*)src;
+  const i64 nw = nbytes >> 4;
+  for (i64 j = lane; j < nw; j += 32 * 4) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (j + u * 32 < nw) v[u] = s[j + u * 32];
+    for (int t = 0; t < n; ++t) {
+      int4* d = (int4*)dsts[t];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < nw) d[j + u * 32] = v[u];
+    }
+  }
+}
+
+// 16-byte word <-> floats: DT_F32 holds 4 values, DT_BF16/DT_F16 hold 8.
+template <int DT>
+__device__ __forceinline__ void unpack16(const int4 q, float* v) {
+  if constexpr (DT == DT_F32) {
+    v[0] = __int_as_float(q.x); v[1] = __int_as_float(q.y); v[2] = __int_as_float(q.z); v[3] = __int_as_float(q.w);
+  } else {
+    const unsigned w[4] = {(unsigned)q.x, (unsigned)q.y, (unsigned)q.z, (unsigned)q.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      unsigned short lo = (unsigned short)(w[u] & 0xffffu), hi = (unsigned short)(w[u] >> 16);
+      v[2 * u] = DT == DT_BF16 ? bf16_to_f(lo) : f16_to_f(lo);
+      v[2 * u + 1] = DT == DT_BF16 ? bf16_to_f(hi) : f16_to_f(hi);
+    }
+  }
+}
+
+template <int DT>
+__device__ __forceinline__ int4 pack16(const float* v) {
+  if constexpr (DT == DT_F32) {
+    return make_int4(__float_as_int(v[0]), __float_as_int(v[1]), __float_as_int(v[2]), __float_as_int(v[3]));
+  } else {
+  unsigned w[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    unsigned lo = DT == DT_BF16 ? f_to_bf16(v[2 * u]) : f_to_f16(v[2 * u]);
+    unsigned hi = DT == DT_BF16 ? f_to_bf16(v[2 * u + 1]) : f_to_f16(v[2 * u + 1]);
+    w[u] = lo | (hi << 16);
+  }
+  return make_int4((int)w[0], (int)w[1], (int)w[2], (int)w[3]);
+  }
+}
+
+// Store n (4 or 8) floats at element index idx of a row of dtype dt (aligned to n elements).
+__device__ __forceinline__ void store_n(void* p, i64 idx, int dt, const float* v, int n) {
+  for (int b = 0; b < n; b += 4) {
+    if (dt == DT_F32) {
+      *(float4*)((float*)p + idx + b) = make_float4(v[b], v[b + 1], v[b + 2], v[b + 3]);
+    } else {
+      unsigned short h[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) h[u] = dt == DT_BF16 ? f_to_bf16(v[b + u]) : f_to_f16(v[b + u]);
+      *(uint2*)((unsigned short*)p + idx + b) = make_uint2((unsigned)h[0] | ((unsigned)h[1] << 16),
+                                                           (unsigned)h[2] | ((unsigned)h[3] << 16));
+    }
   }
 }
 

@@ -3,6 +3,14 @@
 The order of every floating-point addition is fixed (choices ``k = 0..K-1`` on the destination, then
 ranks ``0..R-1`` on the source), so the result is bitwise reproducible and independent of the transport.
 Accumulation is fp32 for 16/32-bit inputs and fp64 for fp64.
+
+Precision of the returned partial rows (the bytes that cross the wire): each destination's per-(token, rank)
+partial sum is rounded to the **token dtype** when that is bf16 or fp16 (half the wire bytes of fp32), and
+kept in the accumulation dtype for fp32/fp64.  The source then sums the rounded partials in fp32, in rank
+order, and rounds once more to the output dtype.  For bf16/fp16 this adds at most one extra rounding of a
+partial (relative error ~2^-8 resp. 2^-11 per partial, the precision of the output itself); fp32 and fp64
+results are unchanged and exact with respect to the fixed summation order.  Every transport (host and
+NVLink) applies the same rule, so results stay bitwise equal across transports.
 """
 from __future__ import annotations
 
@@ -14,6 +22,11 @@ from .transport import Transport
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the partial rows combine sends back: the token dtype for bf16/fp16, else the acc dtype."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else acc_dtype(dtype)
 
 
 def gather_rows(buf: torch.Tensor, rows: torch.Tensor) -> list:
@@ -58,6 +71,7 @@ def sum_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
 
 def combine_rows(out: torch.Tensor, weights, routing: Routing, transport: Transport) -> torch.Tensor:
     """Full combine: ``[cap, H]`` expert outputs -> ``[s, H]`` in the accumulation dtype."""
-    acc = reduce_local(out, weights, routing.recv_rows)
-    back = transport.all_to_all(acc, routing.recv_splits, routing.send_splits)
-    return sum_by_rank(back, routing)
+    adt = acc_dtype(out.dtype)
+    acc = reduce_local(out, weights, routing.recv_rows).to(wire_dtype(out.dtype))
+    back = transport.all_to_all(acc.contiguous(), routing.recv_splits, routing.send_splits)
+    return sum_by_rank(back.to(adt), routing)

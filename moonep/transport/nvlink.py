@@ -6,11 +6,20 @@ GPUs reach each other) routes the data path through :class:`NVLinkEngine`:
     plan_step   validation, counts and routing flags on device -> ``moonep_gather`` (peer stores)
                 -> ``plan_balanced`` (GPU kernel) -> ``layout.token_destinations``
     dispatch    ``moonep_dispatch_send``: each token once per destination rank, into its first row there,
-                with its row list, weights and epoch tags; ``moonep_dispatch_expand``: after the data
-                signal, copy first rows into the token's other rows locally, zero unwritten rows
-    combine     ``moonep_combine_reduce``: per received token, k-ordered fp32 sum of w*out into
-                ``acc[src_rank*S + src_token]``; ``moonep_combine_gather``: each source reads one row per
-                destination rank from the peers, sums them in rank order
+                with its row list, weights and epoch tags (in zero-copy mode the token's rows on the own
+                rank are all written here, x read once); ``moonep_dispatch_expand``: after the data
+                signal, copy first rows of tokens from peers into their other rows locally (each first
+                row read once), zero unwritten rows
+    combine     ``moonep_combine_reduce``: per received token, k-ordered fp32 sum of w*out, rounded to
+                the wire dtype (the token dtype for bf16/fp16, fp32 for fp32: see moonep/combine.py) and
+                pushed with 16-byte stores into ``back[me][src_token]`` on the source rank;
+                ``moonep_combine_sum``: each source sums its rows from every destination rank, in rank
+                order, from local memory
+
+Barriers: the counts gather of ``plan_step`` starts with an entry barrier; the dispatch send that follows
+it in the same step skips its own (every peer already finished reading the areas it writes).  Combine's
+receive-back area is double-buffered by call parity, so combine needs no entry barrier: a peer can only
+reach combine n+2 after my combine n+1 pushed, which follows my combine n's reads in stream order.
     prefetch    ``moonep_prefetch_push`` / ``_finish``: the home rank writes replica weights into the
                 pools of the ranks it serves
     reduce_grad ``moonep_reduce_stage`` / ``_finish``: replica gradients staged in the own pool, the home
@@ -52,6 +61,7 @@ _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAXR = 64
 _CTX_WORDS = 224
 _OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc")
+_ES = {0: 4, 1: 2, 2: 2}
 _ERR_INPUT = {1: "topk_idx: expected expert ids in [-1, {E})", 2: "topk_idx: expected distinct experts per token",
               4: "topk_weights: expected finite values",
               8: "num_global_tokens: expected the sum of tokens over ranks"}
@@ -80,7 +90,7 @@ def kernel_source() -> str:
 
 _MODULES: dict = {}
 _KERNELS = ("moonep_gather", "moonep_dispatch_send", "moonep_dispatch_expand", "moonep_prefetch_push",
-            "moonep_prefetch_finish", "moonep_combine_reduce", "moonep_combine_gather", "moonep_reduce_stage",
+            "moonep_prefetch_finish", "moonep_combine_reduce", "moonep_combine_sum", "moonep_reduce_stage",
             "moonep_reduce_finish")
 
 
@@ -201,11 +211,20 @@ class NVLinkEngine:
         self._barrier = lambda: self._gather_obj(None)
         self.es = torch.empty((), dtype=ep.dtype).element_size()
         self.E2 = self.E + 2
+        # Combine's receive-back area: two halves of [R*S, H] rows in the token dtype (double-buffered by
+        # call parity, no entry barrier).  fp32 expert outputs with 16-bit tokens need 4-byte rows: they use
+        # the whole area with an entry barrier.  gwacc: per-choice weight gradients, two halves.
+        self.acc_half = _align(R * self.S * self.H * self.es)
+        self.gw_half = _align(R * self.S * K * 4)
+        self._comb_parity = 0
+        self._comb_barrier_next = False
+        self._last_op = None
+        self.profile = None  # a list to record (label, CUDA event) marks around every kernel (benchmarks)
         # -- main symmetric allocation ---------------------------------------------------------------
         sizes = dict(esig=R * 8, dsig=R * 8, ctr=64, derr=16, gather=R * self.E2 * 8,
                      recv=self.cap * self.H * self.es, w=self.cap * 4, tag=self.cap * 8,
-                     meta=self.cap * K * 4, msrc=self.cap * 4, acc=R * self.S * self.H * 4,
-                     gwacc=R * self.S * K * 4)
+                     meta=self.cap * K * 4, msrc=self.cap * 4, acc=2 * self.acc_half,
+                     gwacc=2 * self.gw_half)
         self.off, total = {}, 0
         for name, n in sizes.items():
             self.off[name] = total
@@ -237,14 +256,27 @@ class NVLinkEngine:
             words[96 + p] = self.grad.peer_ptrs[p] if self.grad is not None else 0
             words[160 + p] = self.pool.peer_ptrs[p] if self.pool is not None else 0
         self._ctx.copy_(torch.tensor(words, dtype=torch.int64))
+        self._ctx_arg = _p(self._ctx)
         torch.cuda.synchronize(self.device)
+
+    def mark(self, label: str) -> None:
+        """With ``self.profile`` a list: record a CUDA event on the current stream, labelled (benchmarks)."""
+        if self.profile is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.profile.append((label, ev))
 
     def _launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
         import cupy
 
         stream = _cupy_stream(torch.cuda.current_stream(self.device).cuda_stream, self.dev_index)
+        if self.profile is not None:
+            self.mark("gap")
         with cupy.cuda.Device(self.dev_index), stream:
-            self._mods[name]((max(1, grid),), (block or self.block,), (_p(self._ctx),) + tuple(args))
+            self._mods[name]((max(1, grid),), (block or self.block,), (self._ctx_arg,) + tuple(args))
+        self._last_op = name
+        if self.profile is not None:
+            self.mark(name)
 
     def _grow(self, which: str, nbytes: int) -> None:
         """(Re)allocate a lazy symmetric buffer: collective, synchronising, outside graph capture."""
@@ -315,6 +347,7 @@ class NVLinkEngine:
 
         ep, E, K, dev = self.ep, self.E, self.K, self.device
         self.check(inputs=False)
+        self.mark("gap")
         expect_tensor(x, "x", dim=2, dtypes=ep.dtype, device=dev)
         s = x.shape[0]
         expect(x.shape[1] == self.H, "x", f"shape [s, {self.H}]", list(x.shape))
@@ -338,10 +371,14 @@ class NVLinkEngine:
         mine = torch.cat([counts[:E], torch.full((1,), s, dtype=torch.int64, device=dev), flag.reshape(1)])
         gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
         total = -1 if num_global_tokens is None else int(num_global_tokens)
+        self.mark("validate")
         self._launch("moonep_gather", 1, (_p(mine), _p(gathered), np.int64(total)), block=256)
         plan = plan_balanced(gathered[:, :E].contiguous(), slack=ep.slack)
+        self.mark("planner")
         dst_rank, dst_row = layout.token_destinations(plan, self.rank, idx, align=ep.align)
         st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
+        self.mark("layout")
+        self._last_op = "moonep_gather"  # the planner's kernels are local: the gather's barrier still holds
         return plan, st
 
     # -- dispatch --------------------------------------------------------------------------------------
@@ -352,9 +389,12 @@ class NVLinkEngine:
         rb = self.H * self.es
         self.generation += 1
         st.generation, st.zero_copy = self.generation, zero_copy
+        # Right after this step's counts gather (plan_step), every peer has passed an entry barrier after
+        # its last read of the receive buffers: no second barrier.  Same call sequence on every rank.
+        barrier = 0 if self._last_op == "moonep_gather" else 1
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
-                      _p(st.dst_rank), _p(st.dst_row), _p(w32)))
+                      _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0)))
         if zero_copy:
             tokens, weights = self.recv, self.wbuf
         else:
@@ -365,7 +405,7 @@ class NVLinkEngine:
         st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
         self._launch("moonep_dispatch_expand", self.sm_count,
                      (np.int32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
-                      np.int64(rb), np.int32(_vec(rb, tokens.data_ptr()))))
+                      np.int64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0)))
         return tokens, weights
 
     def dispatch_grad(self, gy, st: NvStep):
@@ -381,11 +421,11 @@ class NVLinkEngine:
             self._grad_views[gy.dtype] = self.grad.view(0, (self.cap, self.H), gy.dtype)
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
-                      _p(st.dst_rank), _p(st.dst_row), np.uint64(0)))
+                      _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1), np.int32(1)))
         out = self._grad_views[gy.dtype]
         self._launch("moonep_dispatch_expand", self.sm_count,
-                     (np.int32(1), _p(out), np.uint64(0), _p(st.row_first), np.uint64(0), np.uint64(0),
-                      np.int64(rb), np.int32(_vec(rb, out.data_ptr()))))
+                     (np.int32(1), _p(out), np.uint64(0), _p(st.row_first), _p(st.rec), _p(st.src),
+                      np.int64(rb), np.int32(_vec(rb, out.data_ptr())), np.int32(1)))
         return out
 
     # -- combine ---------------------------------------------------------------------------------------
@@ -399,16 +439,26 @@ class NVLinkEngine:
         expect(out.dtype in _DT, "expert_out", "float32, bfloat16 or float16 for the NVLink transport", out.dtype)
         expect(y_dtype in _DT, "output dtype", "float32, bfloat16 or float16", y_dtype)
         out = out.contiguous()
-        H = self.H
-        vec4 = H % 4 == 0 and out.data_ptr() % (16 if out.dtype == torch.float32 else 8) == 0
+        H, dt = self.H, _DT[out.dtype]  # the wire dtype is the row dtype (fp32 rows: fp32 partials)
+        rb = H * _ES[dt]
+        vec = int(rb % 16 == 0 and out.data_ptr() % 16 == 0)
+        if rb * self.R * self.S <= self.acc_half:  # double-buffered: no entry barrier
+            barrier, acc_off = int(self._comb_barrier_next), self.off["acc"] + self._comb_parity * self.acc_half
+            gw_off = self.off["gwacc"] + self._comb_parity * self.gw_half
+            self._comb_parity ^= 1
+            self._comb_barrier_next = False
+        else:  # fp32 rows with 16-bit tokens: the whole area, behind an entry barrier (and the next one too:
+            # its half overlaps what this one's sum still reads)
+            barrier, acc_off, gw_off = 1, self.off["acc"], self.off["gwacc"]
+            self._comb_barrier_next = True
         self._launch("moonep_combine_reduce", self.sm_count,
-                     (_p(out), np.int32(_DT[out.dtype]), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
-                      _p(st.src), np.int32(vec4)))
+                     (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
+                      _p(st.src), np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off)))
         y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
         gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
-        self._launch("moonep_combine_gather", self.num_sms,
+        self._launch("moonep_combine_sum", self.sm_count,
                      (np.int32(st.num_tokens), _p(st.dst_rank), _p(y), np.int32(_DT[y_dtype]), _p(gw),
-                      np.int32(H % 4 == 0)))
+                      np.int32(int(rb % 16 == 0)), np.int64(acc_off), np.int64(gw_off), np.int32(dt)))
         return y, gw
 
     # -- replicas --------------------------------------------------------------------------------------
