@@ -26,24 +26,16 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 import moonep
+from moonep.bench.provenance import git_commit
 from moonep.ep import ExpertParallel
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip() or "unknown"
-    except Exception:
-        return os.environ.get("MOONEP_GIT_COMMIT", "unknown")
 
 
 def _routing(s, E, K, skew, gen):
@@ -163,7 +155,7 @@ def main() -> int:
         result = dict(
             benchmark="bench_ep_gpu", time=datetime.datetime.now(datetime.timezone.utc).isoformat(),
             command=os.environ.get("MOONEP_BENCH_COMMAND", " ".join([sys.executable] + sys.argv)),
-            launcher=rt.launcher, world_size=R, git_commit=_git_commit(), host=socket.gethostname(),
+            launcher=rt.launcher, world_size=R, git_commit=git_commit(), host=socket.gethostname(),
             machine=dict(gpu=torch.cuda.get_device_name(d), gpus=torch.cuda.device_count(), torch=torch.__version__,
                          cuda=torch.version.cuda, python=platform.python_version(),
                          cupy=__import__("cupy").__version__),

@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,29 +23,10 @@ import torch
 import torch.distributed as dist
 
 import moonep
+from moonep.bench.provenance import git_commit, machine
 from moonep.bench.routing import make_routing, maxvio, zipf_exponent
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
-def machine() -> dict:
-    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "torch": torch.__version__}
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpus"] = torch.cuda.device_count()
-    return info
-
-
-def git_commit() -> str:
-    try:
-        root = Path(__file__).resolve().parents[2]
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=root).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def timed(fn, rt, iters: int, warmup: int) -> tuple[float, object]:

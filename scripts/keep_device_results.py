@@ -1,0 +1,33 @@
+"""Copy a device round's outputs into benchmarks/results/, stamping the commit and machine kind.
+
+    python scripts/keep_device_results.py /tmp/r5 COMMIT NAME [--kind nvidia-h200-x2]
+
+JSON files keep every field; a ``commit`` of "HEAD"/None/"unknown" is replaced by COMMIT (the tree sent to
+the device had no .git). Logs (*.txt) go to benchmarks/results/gpu_runs/NAME_<file>.
+"""
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+ap = argparse.ArgumentParser()
+ap.add_argument("src")
+ap.add_argument("commit")
+ap.add_argument("name")
+ap.add_argument("--kind", default="nvidia-h200-x2")
+a = ap.parse_args()
+dst = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+for f in sorted(Path(a.src).iterdir()):
+    if f.suffix == ".json":
+        d = json.loads(f.read_text())
+        for key in ("commit", "git_commit"):
+            if key in d and d[key] in (None, "HEAD", "unknown", ""):
+                d[key] = a.commit
+        d.setdefault("device_kind", a.kind)
+        out = dst / f"{a.name}_{f.name}"
+        out.write_text(json.dumps(d, indent=1))
+        print("kept", out)
+    elif f.suffix == ".txt":
+        out = dst / "gpu_runs" / f"{a.name}_{f.name}"
+        shutil.copy(f, out)
+        print("kept", out)
