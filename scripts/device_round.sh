@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
 # (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
-#   steps: planner_qb qb_timing ep_np2 ep_bench ep_kill ep_np4 mp_gpu smoke planner_bench
+#   steps: planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -24,5 +24,8 @@ for s in "$@"; do case $s in
   ep_np4) MOONEP_GPU_NRANKS=4 step ep_np4 200 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py ;;
   mp_gpu) step mp_gpu 300 python3 -m pytest -q -rA tests/test_mp_gpu.py ;;
   smoke) step smoke 200 bash scripts/gpu_smoke.sh $o ;;
+  examples) step train_tiny_moe 150 mpirun --allow-run-as-root -n 2 python3 examples/train_tiny_moe.py --steps 30
+            step hf_mixtral_ep 150 mpirun --allow-run-as-root -n 2 python3 examples/hf_mixtral_ep.py ;;
+  suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
 esac; done
 tar czf "${OUT:-/tmp}/round.tgz" -C $o .
