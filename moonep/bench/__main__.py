@@ -1,140 +1,151 @@
-"""``python -m moonep.bench``: dispatch + combine timed against the raw transport, swept over imbalance.
+"""``python -m moonep.bench``: moonep against the Megatron all-to-all, PyTorch symmetric memory and the
+hardware ceiling, swept over routing imbalance.
 
-    mpiexec -n 4 python -m moonep.bench                       # CPU ranks (the default)
-    mpiexec -n 4 python -m moonep.bench --tokens 1024 --hidden 2048 --maxvio 0 1 4
+    mpiexec -n 4 python -m moonep.bench                      # CPU ranks, small defaults (< 1 min)
+    mpiexec -n 4 python -m moonep.bench --tokens 512 --hidden 2048 --ek 256x8 --maxvio 0 1 4
+    mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot
 
-For each target maxvio it times, on the same routing and in the same run:
-  * moonep ``dispatch`` (planning included) and ``combine`` (identity experts);
-  * ``raw``: one plain all-to-all of exactly the bytes moonep put on the wire (its overhead floor);
-  * ``per-copy``: the Megatron-style exchange that sends every token copy (s*K rows).
-Times are the median over iterations of the slowest rank. Rank 0 prints a table and writes JSON.
+Every flag that takes a list sweeps it: --tokens, --hidden, --ek (E x K), --maxvio, --slack,
+--placement. Per point it measures, on one routing and in one run: moonep dispatch (planning
+included), combine, prefetch of three [H, ffn] projections, and dispatch + prefetch; the Megatron-style
+path (permute, all_to_all_single with host-known splits, regroup); torch.ops.symm_mem.all_to_all_vdev_2d
+and _2d_offset (GPU, NVSHMEM; "unavailable: <reason>" otherwise); the ceiling (a peer-store kernel
+moving moonep's wire bytes on GPU, the raw transport on CPU); and a MoE layer step on both paths.
+Rank 0 prints a progress bar, two tables, and writes JSON (command, git commit, machine) after every
+point, so an interrupted run keeps what it measured. See moonep/bench/suite.py for the definitions.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shlex
 import sys
-import time
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
-import moonep
-from moonep.bench.provenance import git_commit, machine
-from moonep.bench.routing import make_routing, maxvio, zipf_exponent
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
-
-
-def timed(fn, rt, iters: int, warmup: int) -> tuple[float, object]:
-    """Median seconds of the slowest rank over ``iters`` calls (barrier before each)."""
-    out = None
-    samples = []
-    for i in range(warmup + iters):
-        rt.barrier()
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        out = fn()
-        if rt.device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            samples.append(time.perf_counter() - t0)
-    t = torch.tensor(sorted(samples)[len(samples) // 2], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.cpu_group)
-    return float(t), out
+PRESETS = {
+    # The issue's headline: 2xH200, 4096 tokens/rank, hidden 7168, bf16, top-8 of 256, maxvio sweep.
+    "h200": dict(device="cuda", tokens=[4096], hidden=[7168], ek=[(256, 8)], maxvio=[0, 0.25, 0.5, 1, 2, 4],
+                 slack=[0.0, 0.02, 0.05], placement=["random", "clustered"], ffn=2048, iters=20, warmup=5),
+    # Every workload of the issue (long: hours on CPU; minutes on GPU).
+    "full": dict(tokens=[128, 512, 1024, 4096, 8192], hidden=[2048, 4096, 7168],
+                 ek=[(256, 8), (384, 8), (896, 16)], maxvio=[0, 0.25, 0.5, 1, 2, 4], slack=[0.0, 0.02, 0.05],
+                 placement=["random", "clustered"]),
+    # What tests/test_bench.py runs.
+    "tiny": dict(tokens=[32], hidden=[64], ek=[(16, 4)], maxvio=[0, 2], slack=[0.0, 0.05], ffn=32, iters=2,
+                 warmup=1),
+}
 
 
-def run(args) -> list[dict]:
-    rt = moonep.init(device=args.device)
-    R, E, K, H, s = rt.world_size, args.experts, args.topk, args.hidden, args.tokens
-    dtype = DTYPES[args.dtype]
-    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=dtype,
-                               transport=args.transport)
-    x = torch.randn(s, H, device=rt.device).to(dtype)
-    rows = []
-    for target in args.maxvio:
-        a = zipf_exponent(target, E, K)
-        idx, w = make_routing(s, E, K, a, seed=1000 + rt.rank, device=rt.device)
-        t_disp, h = timed(lambda: ep.dispatch(x, idx, w), rt, args.iters, args.warmup)
-        t_comb, _ = timed(lambda: ep.combine(h.tokens, h), rt, args.iters, args.warmup)
-        routing = h.routing
-        n_send = sum(routing.send_splits)
-        flat = x[routing.pair_token]
-        t_raw, _ = timed(lambda: ep.transport.all_to_all(flat, routing.send_splits, routing.recv_splits),
-                         rt, args.iters, args.warmup)
-        # Megatron-style: every copy travels, grouped by destination rank of its expert's home.
-        home = (idx // (E // R)).reshape(-1)
-        order = torch.argsort(home, stable=True)
-        copies = x.repeat_interleave(K, dim=0)[order]
-        c_send = torch.bincount(home, minlength=R)
-        c_recv = ep.transport.all_to_all(c_send[:, None], [1] * R, [1] * R)[:, 0].tolist()
-        c_send = c_send.tolist()
-        t_copy, _ = timed(lambda: ep.transport.all_to_all(copies, c_send, c_recv), rt, args.iters, args.warmup)
-        stats = torch.tensor([n_send, s * K, h.num_rows], dtype=torch.int64)
-        gathered = [torch.zeros_like(stats) for _ in range(R)]
-        dist.all_gather(gathered, stats, group=rt.cpu_group)
-        g = torch.stack(gathered)
-        counts = h.plan.counts if hasattr(h.plan, "counts") else None
-        row = {
-            "maxvio_target": target, "maxvio": round(maxvio(h.plan.assignment.t().cpu()) if counts is None
-                                                     else maxvio(counts.cpu()), 4),
-            "dispatch_us": t_disp * 1e6, "combine_us": t_comb * 1e6, "raw_us": t_raw * 1e6,
-            "per_copy_us": t_copy * 1e6,
-            "wire_rows": int(g[:, 0].sum()), "token_copies": int(g[:, 1].sum()),
-            "max_rows_received": int(g[:, 2].max()), "min_rows_received": int(g[:, 2].min()),
-            "replicas": int((h.plan.replica_experts >= 0).sum()),
-            "logical_GBps": s * K * H * x.element_size() / t_disp / 1e9,
-        }
-        row["dedup_ratio"] = row["token_copies"] / max(row["wire_rows"], 1)
-        row["overhead_vs_raw"] = (t_disp + t_comb) / (2 * t_raw)
-        rows.append(row)
-        if rt.rank == 0:
-            print(f"\r  maxvio {target:>5} done", end="", file=sys.stderr, flush=True)
-    if rt.rank == 0:
-        print(file=sys.stderr)
-    rt.shutdown()
-    return rows if rt.rank == 0 else []
+def _ek(text: str):
+    try:
+        e, k = text.lower().split("x")
+        return int(e), int(k)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ExK such as 256x8, got {text!r}") from None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m moonep.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep; explicit flags override it")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128], help="tokens per rank (sweep)")
+    ap.add_argument("--hidden", type=int, nargs="+", default=[1024], help="hidden width (sweep)")
+    ap.add_argument("--ek", type=_ek, nargs="+", default=[(256, 8)], metavar="ExK",
+                    help="experts x top-k (sweep), e.g. 256x8 384x8 896x16")
+    ap.add_argument("--maxvio", type=float, nargs="+", default=[0, 1, 4], help="target maxvio (sweep)")
+    ap.add_argument("--slack", type=float, nargs="+", default=[0.0, 0.05], help="moonep slack (sweep; the "
+                    "first one is used for the layer step and the ceiling)")
+    ap.add_argument("--placement", nargs="+", choices=["random", "clustered"], default=["random"],
+                    help="where the popular experts live: random ranks, or all on rank 0")
+    ap.add_argument("--ffn", type=int, default=128, help="expert FFN width of the three projections used "
+                    "for prefetch and the layer step (the issue: 2048); 0 skips both")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="auto: CUDA when available")
+    ap.add_argument("--transport", default="auto", help="moonep transport: auto, mpi, torch, nvlink")
+    ap.add_argument("--num-sms", type=int, default=24, help="moonep NVLink kernels' SM budget")
+    ap.add_argument("--ceiling-blocks", type=int, default=32, help="CTAs per peer of the peer-store kernel")
+    ap.add_argument("--no-symm", dest="symm", action="store_false", help="skip the symm_mem baseline")
+    ap.add_argument("--no-layer", dest="layer", action="store_false", help="skip the layer step")
+    ap.add_argument("--out", default=None,
+                    help="JSON path (default benchmarks/results/suite_<device>_np<R>.json)")
+    ap.add_argument("--plot", action="store_true", help="also write <out>.png (matplotlib)")
+    ap.add_argument("--report", metavar="JSON", default=None,
+                    help="print the tables of an earlier run's JSON (with --plot: redraw its PNG) and exit")
+    return ap
+
+
+def parse(argv):
+    ap = parser()
+    first, _ = ap.parse_known_args(argv)
+    if first.preset:
+        ap.set_defaults(**PRESETS[first.preset])
+    return ap.parse_args(argv)
+
+
+def _launcher_prefix() -> tuple[str, int]:
+    env = os.environ
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        root = " --allow-run-as-root" if hasattr(os, "geteuid") and os.geteuid() == 0 else ""
+        return f"mpirun{root} -n {env['OMPI_COMM_WORLD_SIZE']}", int(env["OMPI_COMM_WORLD_SIZE"])
+    if "PMI_SIZE" in env:
+        return f"mpiexec -n {env['PMI_SIZE']}", int(env["PMI_SIZE"])
+    if "WORLD_SIZE" in env and "TORCHELASTIC_RUN_ID" in env:
+        return f"torchrun --nproc-per-node {env['WORLD_SIZE']}", int(env["WORLD_SIZE"])
+    return "", 1
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moonep.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per rank")
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--maxvio", type=float, nargs="+", default=[0, 0.5, 1, 2, 4])
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--transport", default="auto")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu_a2a_np<R>.json)")
-    args = ap.parse_args(argv)
-    rows = run(args)
-    if not rows:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse(argv)
+    if args.report:
+        import json
+
+        from moonep.bench import report
+
+        doc = json.loads(Path(args.report).read_text())
+        print(report.tables(doc))
+        if args.plot:
+            print(f"# wrote {report.plot(doc, Path(args.report))}")
         return 0
-    R = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))))
-    print(f"# moonep dispatch/combine  ranks={R} tokens/rank={args.tokens} hidden={args.hidden} "
-          f"E={args.experts} K={args.topk} {args.dtype} device={args.device}")
-    print(f"# {'maxvio':>7} {'disp_us':>9} {'comb_us':>9} {'raw_us':>9} {'percopy_us':>10} "
-          f"{'wire/copies':>11} {'max_recv':>8} {'min_recv':>8} {'replicas':>8} {'vs_raw':>6}")
-    for r in rows:
-        print(f"  {r['maxvio']:>7.2f} {r['dispatch_us']:>9.0f} {r['combine_us']:>9.0f} {r['raw_us']:>9.0f} "
-              f"{r['per_copy_us']:>10.0f} {r['wire_rows']:>5}/{r['token_copies']:<5} {r['max_rows_received']:>8} "
-              f"{r['min_rows_received']:>8} {r['replicas']:>8} {r['overhead_vs_raw']:>6.2f}")
-    out = Path(args.out or f"benchmarks/results/{args.device}_a2a_np{R}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    launcher = "mpiexec -n %d " % R if "PMI_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ else ""
-    out.write_text(json.dumps({
-        "command": launcher + "python -m moonep.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "git_commit": git_commit(), "machine": machine(), "ranks": R, "config": vars(args), "results": rows,
-    }, indent=1))
-    print(f"# wrote {out}")
+    # Settings the shared GPU machines require; harmless elsewhere. Set before any NCCL/NVSHMEM init.
+    for k, v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(k, v)
+    from moonep.bench import report
+    from moonep.bench.provenance import command
+    from moonep.bench.suite import Suite
+
+    prefix, R = _launcher_prefix()
+    device = args.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out or f"benchmarks/results/suite_{device}_np{R}.json")
+    cmd = command([Path(sys.executable).name, "-m", "moonep.bench", *argv], launcher=prefix)
+
+    def emit(doc):
+        doc["command"] = cmd
+        report.write_json(doc, out)
+
+    def checkpoint(doc):
+        emit(doc)
+        if args.plot:
+            report.plot(doc, out)
+        print("# main sweep done; the symm_mem baseline follows (tables at the end; if it dies, run "
+              f"python -m moonep.bench --report {out})", file=sys.stderr, flush=True)
+
+    suite = Suite(args, emit, checkpoint)
+    doc = suite.run()
+    if suite.rank == 0:  # everything is saved before the collective teardown
+        emit(doc)
+        print(report.tables(doc))
+        print(f"# wrote {out}")
+        if args.plot:
+            print(f"# wrote {report.plot(doc, out)}")
+        sys.stdout.flush()
+    suite.shutdown()
     return 0
 
 

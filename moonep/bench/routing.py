@@ -4,6 +4,14 @@
 ``p_e ~ (1 + perm(e))^-a``; the exponent ``a`` is found by bisection so that the *expected* loads of
 top-K sampling without replacement hit the target, then each token draws K distinct experts by Gumbel
 top-K on ``log p``. The achieved maxvio of the sampled batch is measured and reported, never assumed.
+(A target above ``E/K - 1`` is unreachable: an expert takes at most one copy per token.)
+
+Placement of the popular experts:
+
+* ``"random"``: popularity ranks are a random permutation of the experts (the same on every rank), so
+  with few ranks the rank-level load stays close to even even when the expert-level maxvio is large;
+* ``"clustered"``: expert ``e`` is the ``e``-th most popular, so the hottest experts are all homed on
+  rank 0 (correlated experts on one device): the rank-level imbalance a per-copy all-to-all suffers.
 """
 from __future__ import annotations
 
@@ -32,13 +40,19 @@ def zipf_exponent(target: float, E: int, K: int) -> float:
     return (lo + hi) / 2
 
 
-def make_routing(s: int, E: int, K: int, a: float, seed: int, device="cpu", popularity_seed: int = 0):
+def make_routing(s: int, E: int, K: int, a: float, seed: int, device="cpu", popularity_seed: int = 0,
+                 placement: str = "random"):
     """``topk_idx`` int64 ``[s, K]`` and ``topk_weights`` float32 ``[s, K]`` (renormalised).
 
     ``popularity_seed`` must be equal on every rank (the same experts are hot everywhere, as with a
-    real router); ``seed`` differs per rank.
+    real router); ``seed`` differs per rank. ``placement``: ``"random"`` or ``"clustered"`` (see above).
     """
-    perm = torch.randperm(E, generator=torch.Generator().manual_seed(popularity_seed))  # hot experts: random ranks
+    if placement == "clustered":
+        perm = torch.arange(E)
+    elif placement == "random":  # hot experts: random ranks
+        perm = torch.randperm(E, generator=torch.Generator().manual_seed(popularity_seed))
+    else:
+        raise ValueError(f"placement: expected 'random' or 'clustered', got {placement!r}")
     gen = torch.Generator().manual_seed(seed)
     logp = -a * torch.log(1 + perm.double())
     g = -torch.log(-torch.log(torch.rand(s, E, generator=gen, dtype=torch.float64).clamp_min(1e-300)))

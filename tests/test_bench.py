@@ -1,0 +1,104 @@
+"""``python -m moonep.bench`` end to end: 2 CPU ranks under mpiexec, a tiny sweep, the JSON checked."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from moonep.testing.mp import REPO_ROOT, mpiexec_cmd
+
+
+def _run(cmd, timeout):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=REPO_ROOT, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # hydra proxies and ranks share the launch's session
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    return out, err
+
+
+@pytest.fixture(scope="module")
+def run_tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    stdout, stderr = _run(mpiexec_cmd(2) + [sys.executable, "-m", "moonep.bench", "--preset", "tiny",
+                                            "--device", "cpu", "--out", str(out), "--plot"], timeout=120)
+    return json.loads(out.read_text()), out, stdout, stderr
+
+
+def test_provenance_and_header(run_tiny):
+    doc, out, stdout, stderr = run_tiny
+    assert "-m moonep.bench --preset tiny" in doc["command"] and doc["command"].split()[0].startswith("mpi")
+    assert doc["git_commit"] and doc["git_commit"] != "unknown"
+    assert {"host", "cpu", "cores", "torch"} <= set(doc["machine"])
+    assert doc["ranks"] == 2 and doc["device"] == "cpu" and doc["dtype"] == "bf16"
+    assert doc["transport"] in ("mpi", "torch") and doc["ceiling_kind"] and doc["megatron_backend"]
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert "2/2" in stderr  # the progress bar
+    assert "# tokens" in stdout and "megD_us" in stdout  # the tables
+
+
+def test_points(run_tiny):
+    doc = run_tiny[0]
+    pts = doc["points"]
+    assert [p["maxvio_target"] for p in pts] == [0, 2]
+    for p in pts:
+        s, K, R = p["tokens"], p["topk"], doc["ranks"]
+        assert (p["tokens"], p["hidden"], p["experts"], p["topk"]) == (32, 64, 16, 4)
+        assert p["maxvio"] >= 0
+        assert [m["slack"] for m in p["moonep"]] == [0.0, 0.05]
+        for m in p["moonep"]:
+            for k in ("dispatch_us", "combine_us", "prefetch_us", "dispatch_prefetch_us"):
+                assert 0 < m[k] < 60e6, (k, m[k])
+            for k in ("dispatch_logical_GBps", "dispatch_wire_GBps", "dispatch_efficiency", "combine_efficiency",
+                      "dispatch_prefetch_efficiency", "vs_megatron_dispatch", "vs_megatron_combine"):
+                assert m[k] > 0, (k, m[k])
+            assert m["check_rel_err"] < 2e-2
+            assert sum(m["recv_rows_per_rank"]) == R * s * K
+            assert m["replicas"] == sum(m["replicas_per_rank"]) and m["replica_weight_bytes"] >= 0
+            assert 0 < m["remote_pairs"] <= m["token_copies"] == R * s * K
+        exact = p["moonep"][0]
+        assert exact["recv_rows_max"] == exact["recv_rows_min"] == s * K  # the guarantee at slack 0
+        assert p["moonep"][1]["recv_rows_max"] <= 1.05 * s * K + 1
+        g = p["megatron"]
+        assert g["dispatch_us"] > 0 and g["combine_us"] > 0 and g["check_rel_err"] < 2e-2
+        assert sum(g["recv_rows_per_rank"]) == R * s * K
+        assert p["ceiling"]["dispatch_us"] > 0 and p["ceiling"]["combine_us"] > 0
+        lay = p["layer"]
+        assert lay["moonep_us"] > 0 and lay["megatron_us"] > 0 and len(lay["megatron_expert_us"]) == R
+        assert lay["megatron_rows_per_rank"] == g["recv_rows_per_rank"]
+        assert "symm_mem" not in p  # CPU run: the NVSHMEM baseline is GPU only
+    # the skewed routing is skewed, the uniform one is not
+    assert pts[1]["maxvio"] > pts[0]["maxvio"] and pts[1]["maxvio"] > 1.0
+
+
+def test_report_reprints_tables(run_tiny):
+    out = run_tiny[1]
+    stdout, _ = _run([sys.executable, "-m", "moonep.bench", "--report", str(out)], timeout=60)
+    assert "megD_us" in stdout and "xMeg_d" in stdout
+
+
+def test_preset_and_flags_parse():
+    from moonep.bench.__main__ import parse
+
+    a = parse(["--preset", "h200"])
+    assert (a.tokens, a.hidden, a.ek, a.ffn, a.device) == ([4096], [7168], [(256, 8)], 2048, "cuda")
+    assert a.maxvio == [0, 0.25, 0.5, 1, 2, 4] and a.slack == [0.0, 0.02, 0.05]
+    a = parse(["--preset", "h200", "--maxvio", "1", "--ek", "384x8", "896x16"])
+    assert a.maxvio == [1.0] and a.ek == [(384, 8), (896, 16)] and a.tokens == [4096]
+    a = parse([])
+    assert a.device == "auto" and a.tokens == [128]
