@@ -12,11 +12,18 @@ an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
 * logical bandwidth ``s*K*H*2 / t`` (MoonEP/DeepEP v2 convention) and wire bandwidth (bytes that cross
   NVLink: one bf16 row per (token, remote rank) in each direction), and efficiency against the measured
   ~360 GB/s one-way peer-store ceiling (``--ceiling``);
-* ``phases_us``: CUDA events around every kernel of full steps (plan, dispatch, combine) run back to back:
-  ``validate`` (routing checks and counts, torch ops), ``gather`` (counts all-gather kernel, with its entry
-  barrier), ``planner``, ``layout``, ``send``, ``expand``, ``reduce_push`` (local reduce + NVLink push),
-  ``sum`` (local rank-order sum), ``gaps`` (GPU idle between kernels: launch/Python overhead, small ops);
+* ``phases_us``: CUDA events around every kernel of full steps (plan, dispatch, combine) run back to back.
+  Fused kernels (default): ``route_gather`` (validation + histogram + counts all-gather, one kernel; its
+  time includes waiting for the slower peer), ``planner``, ``layout``, ``dispatch`` (send on ``num_sms``
+  SMs overlapped with the local expansion on the others, chunk-pipelined), ``zero`` (unwritten rows),
+  ``combine`` (reduce + push overlapped with the local rank-order sums), ``gaps`` (GPU idle between
+  kernels: launch/Python overhead, small ops).  With ``MOONEP_NVLINK_FUSED=0``: ``validate``, ``gather``,
+  ``send``, ``expand``, ``reduce_push``, ``sum`` as before;
 * ``copy_*``: the same dispatch/combine in copy mode (fresh output tensors) against zero-copy.
+
+``--maxvio 0 1 4`` sweeps routing imbalance with the generator of ``python -m moonep.bench``
+(``moonep.bench.routing``: Zipf popularity, exponent bisected to the target) and reports the achieved
+maxvio of the global batch; without it, ``--skew`` (a Zipf exponent, 0 = uniform) picks one routing.
 """
 from __future__ import annotations
 
@@ -56,7 +63,9 @@ def _time(fn, iters):
 
 _PHASES = {"validate": "validate", "moonep_gather": "gather", "planner": "planner", "layout": "layout",
            "moonep_dispatch_send": "send", "moonep_dispatch_expand": "expand",
-           "moonep_combine_reduce": "reduce_push", "moonep_combine_sum": "sum", "gap": "gaps"}
+           "moonep_combine_reduce": "reduce_push", "moonep_combine_sum": "sum", "gap": "gaps",
+           "moonep_route_gather": "route_gather", "moonep_dispatch_fused": "dispatch",
+           "moonep_dispatch_zero": "zero", "moonep_combine_fused": "combine"}
 
 
 def _phases(eng, step, iters):
@@ -85,6 +94,8 @@ def main() -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--sms", default="16,24,32")
     ap.add_argument("--skew", type=float, default=0.0, help="zipf exponent of expert popularity (0: uniform)")
+    ap.add_argument("--maxvio", type=float, nargs="*", default=None,
+                    help="sweep target maxvio values (moonep.bench.routing generator), e.g. --maxvio 0 1 4")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -96,13 +107,24 @@ def main() -> int:
     s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     gen = torch.Generator().manual_seed(1234 + rank)
     x = torch.randn(s, H, generator=gen).to(torch.bfloat16).to(d)
-    idx = _routing(s, E, K, args.skew, gen).to(d)
-    w = torch.rand(s, K, generator=gen).to(d)
+    routings = []  # (target maxvio or None, idx, w)
+    if args.maxvio:
+        from moonep.bench.routing import make_routing, zipf_exponent
+
+        for mv in args.maxvio:
+            ri, rw = make_routing(s, E, K, zipf_exponent(mv, E, K), seed=1234 + rank, popularity_seed=0)
+            routings.append((mv, ri.to(d), rw.to(d)))
+    else:
+        routings.append((None, _routing(s, E, K, args.skew, gen).to(d), torch.rand(s, K, generator=gen).to(d)))
     rows = []
-    for sms in [int(v) for v in args.sms.split(",")]:
+    sms_list = [int(v) for v in args.sms.split(",")]
+    for (mv_target, idx, w), sms in [(r, m) for r in routings for m in sms_list]:
         with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
                                    transport="nvlink", zero_copy=True, num_sms=sms) as ep, torch.no_grad():
             eng = ep._engine
+            counts = torch.bincount(idx.reshape(-1).cpu(), minlength=E)
+            load = sum(ep.transport.all_gather_object(counts)).double()
+            mv_achieved = float(load.max() / load.mean() - 1)
             h = ep.dispatch(x, idx, w)
             st = h.routing
             w32 = w.float().contiguous()
@@ -135,7 +157,9 @@ def main() -> int:
             logical = s * K * H * 2
             wire = remote * H * 2  # bf16 rows each way (combine partials travel in the token dtype)
             ceil_us = wire / (args.ceiling * 1e3)
-            rows.append(dict(rank=rank, sms=sms, plan_us=round(plan_us, 1), dispatch_us=round(disp_us, 1),
+            rows.append(dict(rank=rank, sms=sms, maxvio_target=mv_target, maxvio=round(mv_achieved, 3),
+                             fused=bool(eng.fused), nnv_dispatch=eng.nnv_dispatch, nnv_combine=eng.nnv_combine,
+                             chunks=eng.nch, plan_us=round(plan_us, 1), dispatch_us=round(disp_us, 1),
                              dispatch_full_us=round(full_us, 1), combine_us=round(comb_us, 1),
                              step_us=round(step_us, 1),
                              copy_dispatch_us=round(copy_disp_us, 1), copy_combine_us=round(copy_comb_us, 1),
@@ -159,7 +183,7 @@ def main() -> int:
             machine=dict(gpu=torch.cuda.get_device_name(d), gpus=torch.cuda.device_count(), torch=torch.__version__,
                          cuda=torch.version.cuda, python=platform.python_version(),
                          cupy=__import__("cupy").__version__),
-            config=dict(tokens=s, hidden=H, experts=E, topk=K, dtype="bfloat16", skew=args.skew,
+            config=dict(tokens=s, hidden=H, experts=E, topk=K, dtype="bfloat16", skew=args.skew, maxvio=args.maxvio,
                         iters=args.iters, warmup=args.warmup, ceiling_GBps=args.ceiling),
             results=[r for per_rank in everything for r in per_rank])
         out = Path(args.out)

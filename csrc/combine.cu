@@ -217,3 +217,281 @@ extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const v
     store_f(out, q, dt, a);
   }
 }
+
+// ===================================================================================================
+// Fused path (default; MOONEP_NVLINK_FUSED=0 selects the kernels above).
+// ===================================================================================================
+
+// fp32 sums, in k order, of words j0 and j0+32 (if has2) of the n (weighted) rows, 4 rows at a time: up to
+// 8 16-byte loads per lane in flight.  Arithmetic (and k order) as in reduce_rows16.
+template <int DT>
+__device__ __forceinline__ void partial2(const char* out, i64 row_bytes, const int* rows, const float* ws, int n,
+                                         bool weighted, i64 j0, bool has2, float (&a)[2][8]) {
+  constexpr int G = DT == DT_F32 ? 4 : 8;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int u = 0; u < 8; ++u) a[h][u] = 0.f;
+  for (int k0 = 0; k0 < n; k0 += 4) {
+    int4 v[4][2];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      if (k0 + t < n) {
+        const int4* rp = (const int4*)(out + (i64)rows[k0 + t] * row_bytes);
+        v[t][0] = rp[j0];
+        if (has2) v[t][1] = rp[j0 + 32];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      if (k0 + t < n) {
+        const float wk = weighted ? ws[k0 + t] : 1.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (h == 0 || has2) {
+            float o[8];
+            unpack16<DT>(v[t][h], o);
+#pragma unroll
+            for (int u = 0; u < G; ++u) a[h][u] = __fadd_rn(a[h][u], weighted ? __fmul_rn(o[u], wk) : o[u]);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The warp's list of this rank's rows of a token (k order) and their weights, in shared memory.
+__device__ __forceinline__ int stage_rows(int row, bool valid, const float* weights, int* s_rows, float* s_w,
+                                          int lane) {
+  const unsigned vm = __ballot_sync(FULL_MASK, valid);
+  if (valid) {
+    const int q = __popc(vm & ((1u << lane) - 1u));
+    s_rows[q] = row;
+    s_w[q] = weights != nullptr ? weights[row] : 1.f;
+  }
+  __syncwarp();
+  return __popc(vm);
+}
+
+// NVLink side, one token received from rank p (first row f here): reduce its rows here and push the
+// partial (wire dtype = row dtype) to back[p][me*S + i], with 16-byte stores.
+template <int DT>
+__device__ __forceinline__ void push_token16(char* dst, const char* out, i64 row_bytes, const int* rows,
+                                             const float* ws, int n, bool weighted, int lane) {
+  const i64 nw = row_bytes >> 4;
+  for (i64 j0 = lane; j0 < nw; j0 += 64) {
+    const bool has2 = j0 + 32 < nw;
+    float a[2][8];
+    partial2<DT>(out, row_bytes, rows, ws, n, weighted, j0, has2, a);
+    ((int4*)dst)[j0] = pack16<DT>(a[0]);
+    if (has2) ((int4*)dst)[j0 + 32] = pack16<DT>(a[1]);
+  }
+}
+
+// Local side, words [jlo, jhi) of this rank's token i: y = sum over its destination ranks p (ascending) of
+// partial_p, where this rank's own partial is computed here from its rows (rounded to the wire dtype,
+// exactly what the unfused path stores and reloads) and the peers' come from back[p*S + i] (L2 loads).
+template <int DT>
+__device__ __forceinline__ void sum_token16(const Ctx* c, i64 i, u64 mask, const char* out, i64 row_bytes,
+                                            const int* rows, const float* ws, int n, bool weighted,
+                                            const char* back, void* y, int y_dt, i64 jlo, i64 jhi, int lane) {
+  constexpr int G = DT == DT_F32 ? 4 : 8;
+  const int me = (int)c->rank;
+  const i64 S = c->S, H = c->H;
+  // The first peer's words are loaded before this rank's rows (loads in any order, adds in rank order).
+  const u64 peers = mask & ~(1ull << me);
+  const int pp = peers ? __ffsll((long long)peers) - 1 : -1;
+  const char* ppr = pp >= 0 ? back + ((i64)pp * S + i) * row_bytes : nullptr;
+  for (i64 j0 = jlo + lane; j0 < jhi; j0 += 64) {
+    const bool has2 = j0 + 32 < jhi;
+    int4 pq0 = make_int4(0, 0, 0, 0), pq1 = make_int4(0, 0, 0, 0);
+    if (pp >= 0) {
+      pq0 = ld_cg_v4((const int4*)ppr + j0);
+      if (has2) pq1 = ld_cg_v4((const int4*)ppr + j0 + 32);
+    }
+    float a[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int u = 0; u < 8; ++u) a[h][u] = 0.f;
+    for (u64 m = mask; m; m &= m - 1) {
+      const int p = __ffsll((long long)m) - 1;
+      float o[2][8];
+      if (p == pp) {
+        unpack16<DT>(pq0, o[0]);
+        unpack16<DT>(pq1, o[1]);
+      } else if (p == me) {
+        partial2<DT>(out, row_bytes, rows, ws, n, weighted, j0, has2, o);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int u = 0; u < G; ++u) o[h][u] = round_to(o[h][u], DT);
+      } else {
+        const char* pr = back + ((i64)p * S + i) * row_bytes;
+        int4 q0 = ld_cg_v4((const int4*)pr + j0), q1 = make_int4(0, 0, 0, 0);
+        if (has2) q1 = ld_cg_v4((const int4*)pr + j0 + 32);
+        unpack16<DT>(q0, o[0]);
+        unpack16<DT>(q1, o[1]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int u = 0; u < G; ++u) a[h][u] = __fadd_rn(a[h][u], o[h][u]);
+    }
+    store_n(y, i * H + j0 * G, y_dt, a[0], G);
+    if (has2) store_n(y, i * H + (j0 + 32) * G, y_dt, a[1], G);
+  }
+}
+
+// Fused combine.  Double-buffered receive-back area as in moonep_combine_reduce (barrier: see nvlink.py).
+//   Blocks [0, nnv) (NVLink): for each chunk, every first row here of a token from a PEER whose source index
+//     falls in the chunk: k-ordered fp32 reduce of its rows, rounded to the wire dtype, pushed to the
+//     source rank (plus the per-choice weight gradients, K-aligned); then the chunk signal.
+//   Blocks [nnv, grid) (local): for each chunk, after every peer's signal, y[i] for this rank's tokens of
+//     the chunk, the own partial computed on the spot (so it never goes through memory).  A token's
+//     columns are split into `parts` pieces (one warp each) so that the last chunk's tail is short.
+//   out: [cap, H] of out_dt (= wire dtype); weights: fp32 [cap] or null; gw_in: fp32 [cap] or null;
+//   dst_rank/dst_row: int64 [s, K] (this rank's routing); y: [s, H] of y_dt; gw_out: fp32 [s, K] or null.
+extern "C" __global__ void __launch_bounds__(512, 1) moonep_combine_fused(
+    const Ctx* c, const void* out, int out_dt, const float* weights, const float* gw_in, const int* row_first,
+    const int* rec, const int* src, int vec, int barrier, i64 acc_off, i64 gw_off, int s, const i64* dst_rank,
+    const i64* dst_row, void* y, int y_dt, float* gw_out, int nnv, int nch) {
+  __shared__ int s_rows[MAX_WARPS][32];
+  __shared__ float s_w[MAX_WARPS][32];
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  const int K = (int)c->K, R = (int)c->R, me = (int)c->rank;
+  const i64 cap = c->cap, H = c->H, S = c->S, nsrc = (i64)R * S;
+  const int esz = out_dt == DT_F32 ? 4 : 2;
+  const i64 row_bytes = H * esz;
+  const bool weighted = weights != nullptr;
+  const u64 de = ld_volatile(&c->ctr[CTR_DATA]) + 1;
+  u64 ne;
+  if ((int)blockIdx.x < nnv) {
+    // ------------------------------------------------------------------ NVLink blocks
+    bool ok = maybe_entry_barrier(c, barrier, &ne);
+    const int w0 = blockIdx.x * wpb + wib, nw = nnv * wpb;
+    for (int ch = 0; ch < nch; ++ch) {
+      if (ok) {
+        for (i64 b0 = (i64)w0 * 32; b0 < cap; b0 += (i64)nw * 32) {
+          const i64 f = b0 + lane;
+          int sr = -1;
+          bool cand = false;
+          if (f < cap && row_first[f] == f) {
+            sr = src[f];
+            if (sr >= 0 && (i64)sr < nsrc) {
+              const int p = (int)(sr / S);
+              cand = p != me && chunk_of(sr - (i64)p * S, S, nch) == ch;
+            }
+          }
+          unsigned cm = __ballot_sync(FULL_MASK, cand);
+          while (cm) {
+            const int l = __ffs(cm) - 1;
+            cm &= cm - 1;
+            const i64 ff = b0 + l;
+            const int srr = __shfl_sync(FULL_MASK, sr, l);
+            const int p = srr / (int)S;
+            const i64 slot = (i64)me * S + (srr - (i64)p * S);
+            int row = -1;
+            if (lane < K) {
+              row = rec[ff * K + lane];
+              if (row >= cap) row = -1;
+            }
+            const int n = stage_rows(row, row >= 0, weights, s_rows[wib], s_w[wib], lane);
+            if (gw_in != nullptr && lane < K)
+              ((float*)(c->base[p] + gw_off))[slot * K + lane] = row >= 0 ? gw_in[row] : 0.f;
+            char* d = c->base[p] + acc_off + slot * row_bytes;
+            if (vec) {
+              if (out_dt == DT_F32) push_token16<DT_F32>(d, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, lane);
+              else if (out_dt == DT_BF16) push_token16<DT_BF16>(d, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, lane);
+              else push_token16<DT_F16>(d, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, lane);
+            } else {
+              for (i64 h = lane; h < H; h += 32) {
+                float a = 0.f;
+                for (int t = 0; t < n; ++t) {
+                  float o = load_f(out, (i64)s_rows[wib][t] * H + h, out_dt);
+                  if (weighted) o = __fmul_rn(o, s_w[wib][t]);
+                  a = __fadd_rn(a, o);
+                }
+                store_f(d, h, out_dt, a);
+              }
+            }
+            __syncwarp();
+          }
+        }
+      }
+      chunk_done(c, ch, nnv, de);
+    }
+  } else {
+    // ------------------------------------------------------------------ local blocks
+    ne = ld_volatile(&c->ctr[CTR_ENTRY]) + (barrier ? 1 : 0);
+    const int lw0 = ((int)blockIdx.x - nnv) * wpb + wib, nlw = ((int)gridDim.x - nnv) * wpb;
+    const char* back = c->base[me] + acc_off;
+    const float* gwb = (const float*)(c->base[me] + gw_off);
+    const i64 nwords = vec ? (row_bytes >> 4) : H;  // 16-byte words, or elements on the scalar path
+    const int parts = (vec && nwords >= 256) ? 4 : 1;
+    const i64 pw = parts == 1 ? nwords : (((nwords + parts - 1) / parts + 63) / 64) * 64;
+    for (int ch = 0; ch < nch; ++ch) {
+      if (!wait_chunk(c, ch, de)) break;
+      int lo, hi;
+      chunk_range(S, nch, ch, s, &lo, &hi);
+      const i64 units = (i64)(hi - lo) * parts;
+      for (i64 u = lw0; u < units; u += nlw) {
+        const i64 i = lo + u / parts;
+        const int part = (int)(u % parts);
+        const i64 jlo = part * pw, jhi = jlo + pw < nwords ? jlo + pw : nwords;
+        int r = -1, row = -1;
+        if (lane < K) {
+          const i64 rr = dst_rank[i * K + lane], rw = dst_row[i * K + lane];
+          if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
+            r = (int)rr;
+            row = (int)rw;
+          }
+        }
+        const unsigned lo32 = __reduce_or_sync(FULL_MASK, (r >= 0 && r < 32) ? (1u << r) : 0u);
+        const unsigned hi32 = __reduce_or_sync(FULL_MASK, (r >= 32) ? (1u << (r - 32)) : 0u);
+        const u64 mask = ((u64)hi32 << 32) | lo32;
+        const int n = stage_rows(row, r == me, weights, s_rows[wib], s_w[wib], lane);
+        if (jlo < jhi) {
+          if (vec) {
+            if (out_dt == DT_F32) sum_token16<DT_F32>(c, i, mask, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, back, y, y_dt, jlo, jhi, lane);
+            else if (out_dt == DT_BF16) sum_token16<DT_BF16>(c, i, mask, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, back, y, y_dt, jlo, jhi, lane);
+            else sum_token16<DT_F16>(c, i, mask, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, back, y, y_dt, jlo, jhi, lane);
+          } else {
+            for (i64 h = jlo + lane; h < jhi; h += 32) {
+              float a = 0.f;
+              for (u64 m = mask; m; m &= m - 1) {
+                const int p = __ffsll((long long)m) - 1;
+                float v;
+                if (p == me) {
+                  float o = 0.f;
+                  for (int t = 0; t < n; ++t) {
+                    float e = load_f(out, (i64)s_rows[wib][t] * H + h, out_dt);
+                    if (weighted) e = __fmul_rn(e, s_w[wib][t]);
+                    o = __fadd_rn(o, e);
+                  }
+                  v = round_to(o, out_dt);
+                } else {
+                  v = load_f_cg(back + ((i64)p * S + i) * row_bytes, h, out_dt);
+                }
+                a = __fadd_rn(a, v);
+              }
+              store_f(y, i * H + h, y_dt, a);
+            }
+          }
+        }
+        if (gw_out != nullptr && part == 0 && lane < K) {
+          float g = 0.f;
+          for (u64 m = mask; m; m &= m - 1) {
+            const int p = __ffsll((long long)m) - 1;
+            float v = 0.f;
+            if (r == p) v = p == me ? gw_in[row] : ld_cg_f32(gwb + ((i64)p * S + i) * K + lane);
+            g = __fadd_rn(g, v);
+          }
+          gw_out[i * K + lane] = g;
+        }
+        __syncwarp();
+      }
+    }
+  }
+  finish_fused(c, ne, de, false);
+}

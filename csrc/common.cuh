@@ -42,6 +42,17 @@ typedef long long i64;
 #define CTR_DATA 1
 #define CTR_TAG 2
 #define CTR_DONE 3
+#define CTR_GATHER 4       // counts gathers so far (parity picks the half of the gather area)
+#define CTR_CHUNK 8        // 8..15: per-chunk arrival counters of the fused kernels' NVLink blocks
+#define CTR_WORDS 16
+
+// Fused dispatch/combine: the NVLink blocks publish their work in MAX_CHUNKS chunks of source tokens,
+// chunk(i) = i * nch / S, each with its own signal array csig[chunk][R] (values: the kernel's data epoch).
+#define MAX_CHUNKS 8
+// Dispatch tags: epoch (bits 63..32) | chunk (bits 31..28, TAG_OWN for rows of this rank's own tokens)
+// | first row (bits 27..0).
+#define TAG_OWN 15u
+#define TAG_ROW_MASK 0x0fffffffull
 
 // Field order must match nvlink.py (_CTX_FIELDS); every field is 8 bytes.
 struct Ctx {
@@ -50,7 +61,8 @@ struct Ctx {
   int* derr;                                                           // 9: local fatal word
   int* herr;                                                           // 10: host-mapped [0]=fatal, [1]=input
   i64 off_esig, off_dsig, off_gather, off_recv, off_w, off_tag, off_meta, off_msrc, off_acc, off_gwacc;  // 11..20
-  i64 pad[11];                                                         // 21..31
+  i64 off_csig;                                                        // 21: chunk signals [MAX_CHUNKS][R]
+  i64 pad[10];                                                         // 22..31
   char* base[MOONEP_MAXR];                                             // 32..95   main allocation per rank
   char* gbase[MOONEP_MAXR];                                            // 96..159  gradient receive buffer
   char* pbase[MOONEP_MAXR];                                            // 160..223 replica weight pool
@@ -180,6 +192,98 @@ __device__ void finish_send(const Ctx* c, u64 entry_epoch, bool bump_tag) {
 __device__ __forceinline__ bool wait_data(const Ctx* c) {
   return wait_all(c, c->off_dsig, ld_volatile(&c->ctr[CTR_DATA]));
 }
+
+// ---------------------------------------------------------------------------------------------------
+// Fused kernels (moonep_dispatch_fused, moonep_combine_fused).  Blocks [0, nnv) drive NVLink and publish
+// chunk c of the source tokens with a signal in csig[c][me] on every peer; blocks [nnv, grid) do the
+// local HBM work and wait for chunk signals of the peers (never of their own rank's blocks, never of a
+// higher-numbered block: no block waits for one that may not be scheduled yet).  The last block of the
+// grid to finish commits the counters.  Every block reads the counters at its start: they change only in
+// finish_fused, after every block arrived.
+// ---------------------------------------------------------------------------------------------------
+__device__ __forceinline__ u64* chunk_sig(const Ctx* c, int p, int ch) {
+  return (u64*)(c->base[p] + c->off_csig) + (i64)ch * c->R;
+}
+
+// Called by every thread of an NVLink block when it finished chunk ch: the last of the nnv NVLink blocks
+// to get here signals chunk ch (value de) to every peer.
+__device__ void chunk_done(const Ctx* c, int ch, int nnv, u64 de) {
+  __shared__ int s_last_ch;
+  __threadfence_system();  // this block's peer stores of chunk ch are visible system-wide
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    u64 prev = atomicAdd(&c->ctr[CTR_CHUNK + ch], 1ull);
+    s_last_ch = prev == (u64)(nnv - 1);
+    if (s_last_ch) {
+      c->ctr[CTR_CHUNK + ch] = 0;  // the next fused kernel is stream-ordered after this one
+      __threadfence_system();      // cumulativity: every NVLink block's fenced stores before the signal
+    }
+  }
+  __syncthreads();
+  if (s_last_ch) {
+    __threadfence_system();
+    const int me = (int)c->rank;
+    for (int p = threadIdx.x; p < (int)c->R; p += blockDim.x)
+      if (p != me) st_release_sys(chunk_sig(c, p, ch) + me, de);
+  }
+}
+
+// Wait (every thread of the block) until every peer signalled chunk ch with an epoch >= de.  Returns false
+// on a fatal error or a timeout (recorded).
+__device__ bool wait_chunk(const Ctx* c, int ch, u64 de) {
+  __shared__ int s_bad_ch;
+  if (threadIdx.x == 0) s_bad_ch = is_fatal(c) ? 1 : 0;
+  __syncthreads();
+  if (s_bad_ch) return false;
+  const int me = (int)c->rank;
+  const u64* sig = chunk_sig(c, me, ch);
+  for (int p = threadIdx.x; p < (int)c->R; p += blockDim.x) {
+    if (p == me) continue;
+    u64 t0 = now_ns();
+    unsigned spins = 0;
+    while (ld_acquire_sys(sig + p) < de) {
+      if ((++spins & 255u) == 0) {
+        if (is_fatal(c)) { s_bad_ch = 1; break; }
+        if ((i64)(now_ns() - t0) > c->timeout_ns) {
+          set_fatal(c, ERR_TIMEOUT | (p << 8));
+          s_bad_ch = 1;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  __threadfence();
+  int bad = s_bad_ch;
+  __syncthreads();
+  return bad == 0;
+}
+
+// End of a fused kernel (every block, every thread): the last block commits the entry epoch, the data
+// epoch and (bump_tag) the dispatch tag epoch.  No signal: the chunk signals carried the data.
+__device__ void finish_fused(const Ctx* c, u64 entry_epoch, u64 de, bool bump_tag) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    u64 prev = atomicAdd(&c->ctr[CTR_DONE], 1ull);
+    if (prev == (u64)(gridDim.x - 1)) {
+      __threadfence();
+      c->ctr[CTR_DONE] = 0;
+      c->ctr[CTR_ENTRY] = entry_epoch;
+      c->ctr[CTR_DATA] = de;
+      if (bump_tag) c->ctr[CTR_TAG] = ld_volatile(&c->ctr[CTR_TAG]) + 1;
+      __threadfence();
+    }
+  }
+}
+
+// Token range [lo, hi) of chunk ch (chunk(i) = i * nch / S), clipped to s.
+__device__ __forceinline__ void chunk_range(i64 S, int nch, int ch, int s, int* lo, int* hi) {
+  i64 a = ((i64)ch * S + nch - 1) / nch, b = ((i64)(ch + 1) * S + nch - 1) / nch;
+  *lo = (int)(a < s ? a : s);
+  *hi = (int)(b < s ? b : s);
+}
+__device__ __forceinline__ int chunk_of(i64 i, i64 S, int nch) { return (int)((i * nch) / S); }
 
 // ---------------------------------------------------------------------------------------------------
 // Element conversions (round to nearest even, as torch's casts do)
@@ -349,6 +453,74 @@ __device__ __forceinline__ void store_n(void* p, i64 idx, int dt, const float* v
       for (int u = 0; u < 4; ++u) h[u] = dt == DT_BF16 ? f_to_bf16(v[b + u]) : f_to_f16(v[b + u]);
       *(uint2*)((unsigned short*)p + idx + b) = make_uint2((unsigned)h[0] | ((unsigned)h[1] << 16),
                                                            (unsigned)h[2] | ((unsigned)h[3] << 16));
+    }
+  }
+}
+
+// L2-only loads (ld.global.cg) for memory that peers write while this kernel runs: the L1 of this SM
+// may hold a line from before the peer's chunk signal (small rows share lines).
+__device__ __forceinline__ int4 ld_cg_v4(const void* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_cg_u64(const void* p) {
+  u64 v;
+  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_cg_u32(const void* p) {
+  unsigned v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned short ld_cg_u16(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_cg_i32(const void* p) { return (int)ld_cg_u32(p); }
+__device__ __forceinline__ float ld_cg_f32(const void* p) { return __uint_as_float(ld_cg_u32(p)); }
+__device__ __forceinline__ float load_f_cg(const void* p, i64 i, int dt) {
+  if (dt == DT_F32) return ld_cg_f32((const float*)p + i);
+  unsigned short v = ld_cg_u16((const unsigned short*)p + i);
+  return dt == DT_BF16 ? bf16_to_f(v) : f16_to_f(v);
+}
+
+// warp_copy / warp_fanout16 with L2-only loads of the source (a row a peer wrote during this kernel).
+__device__ __forceinline__ void warp_copy_cg(void* dst, const void* src, i64 nbytes, int vec, int lane) {
+  if (vec == 16) {
+    const i64 n = nbytes >> 4;
+    for (i64 j = lane; j < n; j += 32 * 4) {
+      int4 v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < n) v[u] = ld_cg_v4((const int4*)src + j + u * 32);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < n) ((int4*)dst)[j + u * 32] = v[u];
+    }
+  } else if (vec == 4) {
+    for (i64 j = lane; j < (nbytes >> 2); j += 32) ((unsigned*)dst)[j] = ld_cg_u32((const unsigned*)src + j);
+  } else {
+    for (i64 j = lane; j < (nbytes >> 1); j += 32)
+      ((unsigned short*)dst)[j] = ld_cg_u16((const unsigned short*)src + j);
+  }
+}
+
+__device__ __forceinline__ void warp_fanout16_cg(char* const* dsts, int n, const void* src, i64 nbytes, int lane) {
+  const int4* s = (const int4*)src;
+  const i64 nw = nbytes >> 4;
+  for (i64 j = lane; j < nw; j += 32 * 4) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (j + u * 32 < nw) v[u] = ld_cg_v4(s + j + u * 32);
+    for (int t = 0; t < n; ++t) {
+      int4* d = (int4*)dsts[t];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < nw) d[j + u * 32] = v[u];
     }
   }
 }

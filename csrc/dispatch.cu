@@ -219,3 +219,353 @@ extern "C" __global__ void moonep_prefetch_finish(const Ctx* c, char* out, const
     else grid_zero(d, row_bytes, vec);
   }
 }
+
+// ===================================================================================================
+// Fused path (default; MOONEP_NVLINK_FUSED=0 selects the kernels above).
+// ===================================================================================================
+
+#define MAXE_SMEM 4096
+
+// Routing validation + this rank's expert histogram + counts all-gather, one launch.  Every block checks a
+// grid-stride share of the s*K choices:
+//   expert ids outside [-1, E) -> ERR_BAD_IDX, masked to -1 in idx_out; a repeated expert in one token
+//   -> ERR_DUP_IDX (kept, counted twice, as the host path does); a non-finite weight -> ERR_NONFINITE;
+//   idx_out: int64 [s, K] masked ids; w_out: fp32 [s, K] weights (exact widening of bf16/fp16).
+// The histogram goes to shared memory, then to scratch (int32 [E + 2]: counts, flags, block counter; zero
+// between calls: the last block resets it).  The last block to finish gathers [counts, s, flags] from
+// every rank through peer stores into one half of the gather area (halves alternate between calls, so
+// no entry barrier is needed: a peer writes half h again only after it saw this rank's signal of the
+// gather in between, which this rank sent after reading h), signals, waits for every rank's data and
+// copies the [R, E+2] table to `out`.  The data wait also stands for the entry barrier of the dispatch
+// that follows: every peer has finished its earlier kernels (which read the receive buffers).
+extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
+    const Ctx* c, const void* idx, int idx64, const void* w, int w_dt, int s, i64* idx_out, float* w_out,
+    int* scratch, i64* out, i64 expected_total) {
+  __shared__ int s_hist[MAXE_SMEM];
+  __shared__ int s_flag, s_last, s_fatal;
+  const int K = (int)c->K, E2 = (int)c->E2, E = E2 - 2, R = (int)c->R, me = (int)c->rank;
+  int* g_hist = scratch;
+  int* g_flag = scratch + E;
+  int* g_cnt = scratch + E + 1;
+  const bool use_smem = E <= MAXE_SMEM;
+  if (use_smem)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
+  if (threadIdx.x == 0) s_flag = 0;
+  __syncthreads();
+  int* hist = use_smem ? s_hist : g_hist;
+  int flag = 0;
+  const i64 n = (i64)s * K;
+  for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
+    i64 v = idx64 ? ((const i64*)idx)[j] : (i64)((const int*)idx)[j];
+    if (v < -1 || v >= E) {
+      flag |= ERR_BAD_IDX;
+      v = -1;
+    }
+    idx_out[j] = v;
+    if (v >= 0) {
+      atomicAdd(&hist[v], 1);
+      const int k = (int)(j % K);
+      const i64 b = j - k;
+      for (int q = 0; q < k; ++q) {
+        i64 u = idx64 ? ((const i64*)idx)[b + q] : (i64)((const int*)idx)[b + q];
+        if (u == v) flag |= ERR_DUP_IDX;
+      }
+    }
+    float wf;
+    bool fin;
+    if (w_dt == DT_F32) {
+      unsigned u = ((const unsigned*)w)[j];
+      wf = __uint_as_float(u);
+      fin = (u & 0x7f800000u) != 0x7f800000u;
+    } else {
+      unsigned short h = ((const unsigned short*)w)[j];
+      if (w_dt == DT_BF16) {
+        wf = bf16_to_f(h);
+        fin = (h & 0x7f80u) != 0x7f80u;
+      } else {
+        wf = f16_to_f(h);
+        fin = (h & 0x7c00u) != 0x7c00u;
+      }
+    }
+    if (!fin) flag |= ERR_NONFINITE;
+    w_out[j] = wf;
+  }
+  if (flag) atomicOr(&s_flag, flag);
+  __syncthreads();
+  if (use_smem)
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      if (s_hist[e]) atomicAdd(&g_hist[e], s_hist[e]);
+  if (threadIdx.x == 0 && s_flag) atomicOr(g_flag, s_flag);
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    s_last = atomicAdd(g_cnt, 1) == (int)gridDim.x - 1;
+    s_fatal = is_fatal(c) ? 1 : 0;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  // ---- last block: gather ----
+  __threadfence();
+  const u64 gen = ld_volatile(&c->ctr[CTR_GATHER]) + 1;
+  const i64 half = (i64)(gen & 1ull) * R * E2;
+  const u64 nd = ld_volatile(&c->ctr[CTR_DATA]) + 1;
+  for (int q = threadIdx.x; q < E2; q += blockDim.x) {
+    i64 v;
+    if (q < E) v = (i64)atomicExch(&g_hist[q], 0);  // read and reset for the next call
+    else if (q == E) v = s;
+    else v = (i64)atomicExch(g_flag, 0);
+    if (!s_fatal)
+      for (int p = 0; p < R; ++p) ((i64*)(c->base[p] + c->off_gather))[half + (i64)me * E2 + q] = v;
+  }
+  if (threadIdx.x == 0) atomicExch(g_cnt, 0);
+  signal_all(c, c->off_dsig, nd);  // begins with a system fence + __syncthreads: the stores above first
+  bool ok = wait_all(c, c->off_dsig, nd);
+  const volatile i64* g = (const volatile i64*)(c->base[me] + c->off_gather) + half;
+  for (int j = threadIdx.x; j < R * E2; j += blockDim.x) out[j] = ok ? g[j] : 0;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    c->ctr[CTR_DATA] = nd;
+    c->ctr[CTR_GATHER] = gen;
+    if (ok) {
+      i64 total = 0;
+      int code = 0;
+      for (int r = 0; r < R; ++r) {
+        total += g[r * E2 + E2 - 2];
+        i64 f = g[r * E2 + E2 - 1];
+        if (f != 0 && code == 0) code = (int)f | (r << 8);
+      }
+      if (code == 0 && expected_total >= 0 && total != expected_total) code = ERR_TOTAL | (me << 8);
+      if (code) set_input_error(c, code);
+    }
+    __threadfence();
+  }
+}
+
+// Fused dispatch: send + local expansion in one launch.
+//   Blocks [0, nnv) (NVLink): every token once per REMOTE destination rank, into its first row there (with
+//     meta/msrc/w/tag in mode 0), chunk by chunk (chunk(i) = i*nch/S); after each chunk the last of them
+//     signals the chunk to every peer.
+//   Blocks [nnv, grid) (local HBM work):
+//     A. this rank's own tokens: x read once, stored into every local row of the token; in mode 0 they
+//        also write the step-local lists (row_first, rec, src, w_out) and an own-row tag; in mode 1 they
+//        zero the rows without a token (row_first < 0).
+//     B. for each chunk: wait for every peer's chunk signal, then copy each first row of that chunk into
+//        the token's other rows (and into dst itself when copying); mode 0 also exports the row lists
+//        from the symmetric meta/msrc/w/tag.  Peer-written memory is read with L2-only loads.
+//   Mode 0 rows nobody wrote (padding, unused capacity) are zeroed by moonep_dispatch_zero afterwards.
+//   mode 0: forward (main receive buffer; dst = it (zero-copy) or a fresh tensor; w: fp32 [s, K]).
+//   mode 1: backward of combine (gradient receive buffer; row_first/rec/src are the forward's lists).
+extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
+    const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
+    const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src) {
+  __shared__ char* s_dst[MAX_WARPS_BLOCK][32];
+  __shared__ int s_fat;
+  const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
+  const int K = (int)c->K, R = (int)c->R, me = (int)c->rank;
+  const i64 cap = c->cap, S = c->S;
+  const u64 de = ld_volatile(&c->ctr[CTR_DATA]) + 1;
+  const u64 tag_epoch = (ld_volatile(&c->ctr[CTR_TAG]) + 1) & 0xffffffffull;
+  const char* sbuf = mode == 0 ? c->base[me] + c->off_recv : c->gbase[me];
+  u64 ne;
+  if ((int)blockIdx.x < nnv) {
+    // ------------------------------------------------------------------ NVLink blocks
+    bool ok = maybe_entry_barrier(c, barrier, &ne);
+    const int w0 = blockIdx.x * wpb + wib, nw = nnv * wpb;
+    for (int ch = 0; ch < nch; ++ch) {
+      if (ok) {
+        int lo, hi;
+        chunk_range(S, nch, ch, s, &lo, &hi);
+        for (int i = lo + w0; i < hi; i += nw) {
+          int r = -1, row = -1;
+          float wk = 0.f;
+          if (lane < K) {
+            i64 rr = dst_rank[(i64)i * K + lane], rw = dst_row[(i64)i * K + lane];
+            if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
+              r = (int)rr;
+              row = (int)rw;
+            }
+            if (mode == 0 && w != nullptr) wk = w[(i64)i * K + lane];
+          }
+          unsigned same = __match_any_sync(FULL_MASK, r);
+          int first_lane = __ffs(same) - 1;
+          const bool remote = r >= 0 && r != me;
+          const bool is_first = remote && first_lane == lane;
+          int my_first = __shfl_sync(FULL_MASK, row, first_lane);
+          if (mode == 0 && remote) {
+            char* b = c->base[r];
+            ((float*)(b + c->off_w))[row] = wk;
+            ((u64*)(b + c->off_tag))[row] = (tag_epoch << 32) | ((u64)ch << 28) | (u64)(unsigned)my_first;
+            if (is_first) ((int*)(b + c->off_msrc))[row] = (int)(me * S + i);
+          }
+          unsigned dmask = __ballot_sync(FULL_MASK, is_first);
+          int n = __popc(dmask);
+          if (is_first) {
+            char* dbase = mode == 0 ? c->base[r] + c->off_recv : c->gbase[r];
+            s_dst[wib][__popc(dmask & ((1u << lane) - 1u))] = dbase + (i64)row * row_bytes;
+          }
+          if (mode == 0) {  // K-aligned row lists at the first row of every remote destination rank
+            unsigned firsts = dmask;
+            while (firsts) {
+              int fl = __ffs(firsts) - 1;
+              firsts &= firsts - 1;
+              int dr = __shfl_sync(FULL_MASK, r, fl);
+              int frow = __shfl_sync(FULL_MASK, row, fl);
+              if (lane < K) ((int*)(c->base[dr] + c->off_meta))[(i64)frow * K + lane] = (r == dr) ? row : -1;
+            }
+          }
+          __syncwarp();
+          if (n > 0) {
+            if (vec == 16) {
+              warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
+            } else {
+              for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
+            }
+          }
+          __syncwarp();
+        }
+      }
+      chunk_done(c, ch, nnv, de);  // also when !ok: a fatal error makes every later wait return at once
+    }
+  } else {
+    // ------------------------------------------------------------------ local blocks
+    ne = ld_volatile(&c->ctr[CTR_ENTRY]) + (barrier ? 1 : 0);
+    if (threadIdx.x == 0) s_fat = is_fatal(c) ? 1 : 0;
+    __syncthreads();
+    const int lw0 = ((int)blockIdx.x - nnv) * wpb + wib, nlw = ((int)gridDim.x - nnv) * wpb;
+    const bool inplace = (const char*)dst == sbuf;
+    u64* tag = (u64*)(c->base[me] + c->off_tag);
+    const float* wbuf = (const float*)(c->base[me] + c->off_w);
+    const int* meta = (const int*)(c->base[me] + c->off_meta);
+    const int* msrc = (const int*)(c->base[me] + c->off_msrc);
+    if (!s_fat) {
+      // A. own tokens
+      for (int i = lw0; i < s; i += nlw) {
+        int r = -1, row = -1;
+        float wk = 0.f;
+        if (lane < K) {
+          i64 rr = dst_rank[(i64)i * K + lane], rw = dst_row[(i64)i * K + lane];
+          if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
+            r = (int)rr;
+            row = (int)rw;
+          }
+          if (mode == 0 && w != nullptr) wk = w[(i64)i * K + lane];
+        }
+        const bool local = r == me;
+        const unsigned lm = __ballot_sync(FULL_MASK, local);
+        if (lm == 0u) continue;
+        const int f = __shfl_sync(FULL_MASK, row, __ffs(lm) - 1);
+        if (mode == 0) {
+          if (local) {
+            w_out[row] = wk;
+            row_first[row] = f;
+            tag[row] = (tag_epoch << 32) | ((u64)TAG_OWN << 28) | (u64)(unsigned)f;
+          }
+          if (lane == 0) src[f] = (int)(me * S + i);
+          if (lane < K) rec[(i64)f * K + lane] = local ? row : -1;
+        }
+        if (local) s_dst[wib][__popc(lm & ((1u << lane) - 1u))] = dst + (i64)row * row_bytes;
+        __syncwarp();
+        const int n = __popc(lm);
+        if (vec == 16) warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
+        else for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
+        __syncwarp();
+      }
+      if (mode == 1) {  // rows without a token (known from the forward)
+        for (i64 b0 = (i64)lw0 * 32; b0 < cap; b0 += (i64)nlw * 32) {
+          const i64 row = b0 + lane;
+          unsigned zm = __ballot_sync(FULL_MASK, row < cap && row_first[row] < 0);
+          while (zm) {
+            int l = __ffs(zm) - 1;
+            zm &= zm - 1;
+            warp_zero(dst + (b0 + l) * row_bytes, row_bytes, vec, lane);
+          }
+        }
+      }
+    }
+    // B. rows from peers, chunk by chunk
+    for (int ch = 0; ch < nch; ++ch) {
+      if (!wait_chunk(c, ch, de)) break;
+      for (i64 b0 = (i64)lw0 * 32; b0 < cap; b0 += (i64)nlw * 32) {
+        const i64 row = b0 + lane;
+        bool mine = false;
+        int f = -1;
+        if (row < cap) {
+          if (mode == 0) {
+            u64 t = ld_cg_u64(tag + row);
+            if ((t >> 32) == tag_epoch && (int)((t >> 28) & 15ull) == ch && (i64)(t & TAG_ROW_MASK) < cap) {
+              f = (int)(t & TAG_ROW_MASK);
+              mine = true;
+            }
+          } else if (row_first[row] == row) {
+            const int sr = src[row];
+            if (sr >= 0 && (i64)sr < (i64)R * S) {
+              const int p = (int)(sr / S);
+              if (p != me && chunk_of(sr - (i64)p * S, S, nch) == ch) {
+                f = (int)row;
+                mine = true;
+              }
+            }
+          }
+        }
+        if (mode == 0 && mine) {
+          row_first[row] = f;
+          w_out[row] = ld_cg_f32(wbuf + row);
+        }
+        unsigned fm = __ballot_sync(FULL_MASK, mine && f == row);
+        while (fm) {
+          const int l = __ffs(fm) - 1;
+          fm &= fm - 1;
+          const i64 fr = b0 + l;
+          int rk = -1;
+          if (mode == 0) {
+            if (lane < K) {
+              rk = ld_cg_i32(meta + fr * K + lane);
+              rec[fr * K + lane] = rk;
+            }
+            if (lane == 0) src[fr] = ld_cg_i32(msrc + fr);
+          } else if (lane < K) {
+            rk = rec[fr * K + lane];
+          }
+          const bool want = rk >= 0 && rk < cap && (!inplace || rk != fr);
+          const unsigned dm = __ballot_sync(FULL_MASK, want);
+          if (want) s_dst[wib][__popc(dm & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
+          __syncwarp();
+          const int n = __popc(dm);
+          if (vec == 16) warp_fanout16_cg(s_dst[wib], n, sbuf + fr * row_bytes, row_bytes, lane);
+          else for (int t = 0; t < n; ++t) warp_copy_cg(s_dst[wib][t], sbuf + fr * row_bytes, row_bytes, vec, lane);
+          __syncwarp();
+        }
+      }
+    }
+  }
+  finish_fused(c, ne, de, mode == 0);
+}
+
+// Mode 0 epilogue of the fused dispatch: rows whose tag is not of this dispatch (nobody wrote them) get
+// zeros, weight 0 and row_first -1.  Local memory only, after the fused kernel in stream order.
+extern "C" __global__ void moonep_dispatch_zero(const Ctx* c, char* dst, float* w_out, int* row_first, i64 row_bytes,
+                                                int vec) {
+  if (is_fatal(c)) return;
+  const int lane = threadIdx.x & 31;
+  const i64 cap = c->cap;
+  const u64 epoch = ld_volatile(&c->ctr[CTR_TAG]) & 0xffffffffull;
+  const u64* tag = (const u64*)(c->base[c->rank] + c->off_tag);
+  for (i64 b0 = (i64)warp_id_global() * 32; b0 < cap; b0 += (i64)num_warps_global() * 32) {
+    const i64 row = b0 + lane;
+    bool stale = false;
+    if (row < cap) {
+      const u64 t = tag[row];
+      stale = !((t >> 32) == epoch && (i64)(t & TAG_ROW_MASK) < cap);
+      if (stale) {
+        w_out[row] = 0.f;
+        row_first[row] = -1;
+      }
+    }
+    unsigned zm = __ballot_sync(FULL_MASK, stale);
+    while (zm) {
+      const int l = __ffs(zm) - 1;
+      zm &= zm - 1;
+      warp_zero(dst + (b0 + l) * row_bytes, row_bytes, vec, lane);
+    }
+  }
+}

@@ -16,7 +16,23 @@ GPUs reach each other) routes the data path through :class:`NVLinkEngine`:
                 ``moonep_combine_sum``: each source sums its rows from every destination rank, in rank
                 order, from local memory
 
-Barriers: the counts gather of ``plan_step`` starts with an entry barrier; the dispatch send that follows
+Fused kernels (the default; ``MOONEP_NVLINK_FUSED=0`` selects the two-kernel path above, bit-identical):
+
+    plan_step   ``moonep_route_gather``: one launch validates the routing (range, duplicates, finite
+                weights), writes the masked int64 ids and fp32 weights, builds this rank's histogram and
+                all-gathers [counts, s, flags] through peer stores into one half of a double-buffered area
+                (no entry barrier: its data wait is the barrier)
+    dispatch    ``moonep_dispatch_fused``: blocks [0, num_sms) push each token once per remote rank, in
+                ``nch`` chunks of source tokens with a signal per chunk; the other blocks (every other SM)
+                write this rank's own tokens into their local rows and, chunk by chunk as the peers'
+                signals arrive, expand the peers' first rows locally; ``moonep_dispatch_zero`` then zeroes
+                the rows nobody wrote
+    combine     ``moonep_combine_fused``: blocks [0, 2*num_sms) reduce the tokens received from peers and
+                push one partial per (token, rank), chunk by chunk; the other blocks compute, per chunk as
+                it arrives, y for this rank's tokens in rank order, this rank's own partial computed on the
+                spot (it never goes through memory)
+
+Barriers: the counts gather of ``plan_step`` starts with an entry barrier (fused: ends with a data wait); the dispatch send that follows
 it in the same step skips its own (every peer already finished reading the areas it writes).  Combine's
 receive-back area is double-buffered by call parity, so combine needs no entry barrier: a peer can only
 reach combine n+2 after my combine n+1 pushed, which follows my combine n's reads in stream order.
@@ -60,7 +76,9 @@ from ..errors import MoonepError, expect, expect_tensor
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAXR = 64
 _CTX_WORDS = 224
-_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc")
+_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc", "csig")
+_MAX_CHUNKS = 8   # common.cuh MAX_CHUNKS
+_CTR_WORDS = 16   # common.cuh CTR_WORDS
 _ES = {0: 4, 1: 2, 2: 2}
 _ERR_INPUT = {1: "topk_idx: expected expert ids in [-1, {E})", 2: "topk_idx: expected distinct experts per token",
               4: "topk_weights: expected finite values",
@@ -91,7 +109,9 @@ def kernel_source() -> str:
 _MODULES: dict = {}
 _KERNELS = ("moonep_gather", "moonep_dispatch_send", "moonep_dispatch_expand", "moonep_prefetch_push",
             "moonep_prefetch_finish", "moonep_combine_reduce", "moonep_combine_sum", "moonep_reduce_stage",
-            "moonep_reduce_finish")
+            "moonep_reduce_finish", "moonep_route_gather", "moonep_dispatch_fused", "moonep_dispatch_zero",
+            "moonep_combine_fused")
+_GATHERS = ("moonep_gather", "moonep_route_gather")
 
 
 def _module(device_index: int):
@@ -194,7 +214,7 @@ class NVLinkEngine:
         expect(zero_copy in ("auto", True, False), "zero_copy", '"auto", True or False', repr(zero_copy))
         self.ep, self.rank, self.R, self.K = ep, ep.rank, R, K
         self.S, self.H, self.E, self.epn, self.cap = ep.max_tokens, ep.hidden, ep.num_experts, ep.epn, ep.capacity
-        expect(R * self.S < 2 ** 31 and self.cap < 2 ** 31, "max_tokens", "R*S and capacity below 2**31",
+        expect(R * self.S < 2 ** 31 and self.cap < 2 ** 28, "max_tokens", "R*S below 2**31 and capacity below 2**28",
                (R * self.S, self.cap))
         self.device = ep.device
         self.dev_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -205,6 +225,17 @@ class NVLinkEngine:
         self.sm_count = props.multi_processor_count
         self.num_sms = max(1, min(int(num_sms), self.sm_count))
         self.block = block
+        # Fused kernels (default): one launch for validation + counts gather, one for dispatch (send and
+        # local expansion on disjoint SMs, chunk-pipelined) plus a small zeroing epilogue, one for combine.
+        # MOONEP_NVLINK_FUSED=0 selects the earlier two-kernel path (same results, bit for bit).
+        self.fused = os.environ.get("MOONEP_NVLINK_FUSED", "1") != "0"
+        self.nch = max(1, min(int(os.environ.get("MOONEP_NVLINK_CHUNKS", "4")), _MAX_CHUNKS))
+        # Blocks that drive NVLink in the fused kernels; the rest of the grid (every SM) does local HBM
+        # work.  Combine's NVLink blocks also read ~K/R rows per row they push: twice the dispatch budget.
+        self.grid_fused = max(self.sm_count, self.num_sms + 1)
+        self.nnv_dispatch = self.num_sms
+        comb = int(os.environ.get("MOONEP_NVLINK_COMBINE_SMS", "0")) or 2 * self.num_sms
+        self.nnv_combine = max(1, min(comb, self.grid_fused - 1))
         self.generation = 0
         self._closed = False
         self._gather_obj = ep.transport.all_gather_object
@@ -221,10 +252,10 @@ class NVLinkEngine:
         self._last_op = None
         self.profile = None  # a list to record (label, CUDA event) marks around every kernel (benchmarks)
         # -- main symmetric allocation ---------------------------------------------------------------
-        sizes = dict(esig=R * 8, dsig=R * 8, ctr=64, derr=16, gather=R * self.E2 * 8,
+        sizes = dict(esig=R * 8, dsig=R * 8, ctr=_CTR_WORDS * 8, derr=16, gather=2 * R * self.E2 * 8,
                      recv=self.cap * self.H * self.es, w=self.cap * 4, tag=self.cap * 8,
                      meta=self.cap * K * 4, msrc=self.cap * 4, acc=2 * self.acc_half,
-                     gwacc=2 * self.gw_half)
+                     gwacc=2 * self.gw_half, csig=_MAX_CHUNKS * R * 8)
         self.off, total = {}, 0
         for name, n in sizes.items():
             self.off[name] = total
@@ -238,6 +269,8 @@ class NVLinkEngine:
         self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
         self._grad_views = {}
         self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
+        # route_gather's histogram/flag/block-counter scratch (zero between calls)
+        self._scratch = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
         self._ctx = torch.zeros(_CTX_WORDS, dtype=torch.int64, device=self.device)
         self._write_ctx()
         self._barrier()
@@ -355,6 +388,33 @@ class NVLinkEngine:
         expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=dev, shape=(s, K))
         expect_tensor(topk_weights, "topk_weights", dtypes=(torch.float32, torch.bfloat16, torch.float16),
                       device=dev, shape=(s, K))
+        total = -1 if num_global_tokens is None else int(num_global_tokens)
+        if self.fused:
+            # One kernel: range/duplicate/finite checks, masked int64 ids, fp32 weights, this rank's
+            # histogram and the all-gather of [counts, s, flags] (no torch ops, no entry barrier).
+            ti, tw = topk_idx.contiguous(), topk_weights.contiguous()
+            idx = torch.empty((s, K), dtype=torch.int64, device=dev)
+            w32 = torch.empty((s, K), dtype=torch.float32, device=dev)
+            gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
+            grid = max(1, min(self.sm_count, -(-s * K // 2048)))
+            self._launch("moonep_route_gather", grid,
+                         (_p(ti), np.int32(ti.dtype == torch.int64), _p(tw), np.int32(_DT[tw.dtype]), np.int32(s),
+                          _p(idx), _p(w32), _p(self._scratch), _p(gathered), np.int64(total)))
+        else:
+            idx, w32, gathered = self._validate_gather(s, topk_idx, topk_weights, total)
+        plan = plan_balanced(gathered[:, :E].contiguous(), slack=ep.slack)
+        self.mark("planner")
+        dst_rank, dst_row = layout.token_destinations(plan, self.rank, idx, align=ep.align)
+        st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
+        st.extra["w32"] = w32
+        self.mark("layout")
+        # the planner's kernels are local: the gather's barrier (its data wait) still holds for dispatch
+        self._last_op = "moonep_route_gather" if self.fused else "moonep_gather"
+        return plan, st
+
+    def _validate_gather(self, s, topk_idx, topk_weights, total):
+        """Unfused: checks and counts in torch ops, then ``moonep_gather`` (entry barrier + peer stores)."""
+        E, K, dev = self.E, self.K, self.device
         idx = topk_idx.to(torch.int64)
         inr = (idx >= -1) & (idx < E)
         idx = torch.where(inr, idx, torch.full_like(idx, -1))
@@ -370,16 +430,9 @@ class NVLinkEngine:
         # Built with device ops only: writing a Python int into a CUDA tensor is a host-to-device copy.
         mine = torch.cat([counts[:E], torch.full((1,), s, dtype=torch.int64, device=dev), flag.reshape(1)])
         gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
-        total = -1 if num_global_tokens is None else int(num_global_tokens)
         self.mark("validate")
         self._launch("moonep_gather", 1, (_p(mine), _p(gathered), np.int64(total)), block=256)
-        plan = plan_balanced(gathered[:, :E].contiguous(), slack=ep.slack)
-        self.mark("planner")
-        dst_rank, dst_row = layout.token_destinations(plan, self.rank, idx, align=ep.align)
-        st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
-        self.mark("layout")
-        self._last_op = "moonep_gather"  # the planner's kernels are local: the gather's barrier still holds
-        return plan, st
+        return idx, topk_weights.to(torch.float32).contiguous(), gathered
 
     # -- dispatch --------------------------------------------------------------------------------------
     def dispatch(self, x, w32, st: NvStep, zero_copy: bool):
@@ -391,7 +444,9 @@ class NVLinkEngine:
         st.generation, st.zero_copy = self.generation, zero_copy
         # Right after this step's counts gather (plan_step), every peer has passed an entry barrier after
         # its last read of the receive buffers: no second barrier.  Same call sequence on every rank.
-        barrier = 0 if self._last_op == "moonep_gather" else 1
+        barrier = 0 if self._last_op in _GATHERS else 1
+        if self.fused:
+            return self._dispatch_fused(x, w32, st, zero_copy, rb, barrier)
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
                       _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0)))
@@ -408,6 +463,28 @@ class NVLinkEngine:
                       np.int64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0)))
         return tokens, weights
 
+    def _step_lists(self, st: NvStep) -> None:
+        # row_first [cap], rec [cap, K], src [cap] in one allocation (entries of non-first rows are unused)
+        cap, K = self.cap, self.K
+        lists = torch.empty(cap * (K + 2), dtype=torch.int32, device=self.device)
+        st.row_first, st.rec, st.src = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K), lists[cap * (K + 1):]
+
+    def _dispatch_fused(self, x, w32, st: NvStep, zero_copy: bool, rb: int, barrier: int):
+        if zero_copy:
+            tokens, weights = self.recv, self.wbuf
+        else:
+            tokens = torch.empty((self.cap, self.H), dtype=self.ep.dtype, device=self.device)
+            weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
+        self._step_lists(st)
+        vec = np.int32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
+        self._launch("moonep_dispatch_fused", self.grid_fused,
+                     (np.int32(0), _p(x), np.int64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
+                      _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
+                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src)))
+        self._launch("moonep_dispatch_zero", self.sm_count,
+                     (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
+        return tokens, weights
+
     def dispatch_grad(self, gy, st: NvStep):
         """Backward of combine: send ``gy [s, H]`` over the forward's routing.  Returns ``[cap, H]`` (a view
         of the gradient receive buffer, consumed before the next collective)."""
@@ -419,6 +496,14 @@ class NVLinkEngine:
             self._grow("grad", self.cap * rb)
         if gy.dtype not in self._grad_views:  # views are made once: wrapping memory is not free of syncs
             self._grad_views[gy.dtype] = self.grad.view(0, (self.cap, self.H), gy.dtype)
+        if self.fused:
+            out = self._grad_views[gy.dtype]
+            self._launch("moonep_dispatch_fused", self.grid_fused,
+                         (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
+                          np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1),
+                          np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), np.uint64(0), _p(st.row_first),
+                          _p(st.rec), _p(st.src)))
+            return out
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
                       _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1), np.int32(1)))
@@ -451,6 +536,15 @@ class NVLinkEngine:
             # its half overlaps what this one's sum still reads)
             barrier, acc_off, gw_off = 1, self.off["acc"], self.off["gwacc"]
             self._comb_barrier_next = True
+        if self.fused:
+            y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
+            gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
+            self._launch("moonep_combine_fused", self.grid_fused,
+                         (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec), _p(st.src),
+                          np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off),
+                          np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), _p(y), np.int32(_DT[y_dtype]),
+                          _p(gw), np.int32(self.nnv_combine), np.int32(self.nch)))
+            return y, gw
         self._launch("moonep_combine_reduce", self.sm_count,
                      (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
                       _p(st.src), np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off)))
@@ -503,13 +597,19 @@ class NVLinkEngine:
         return out
 
 
+def _w32(st: NvStep, topk_weights):
+    """fp32 routing weights: plan_step's copy (written by the validation kernel) when there is one."""
+    w = st.extra.get("w32")
+    return w if w is not None else topk_weights.to(torch.float32).contiguous()
+
+
 # -- autograd -------------------------------------------------------------------------------------------
 class _NvDispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, eng, st, zero_copy):
         ctx.eng, ctx.st = eng, st
         ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
-        tokens, weights = eng.dispatch(x, topk_weights.to(torch.float32).contiguous(), st, zero_copy)
+        tokens, weights = eng.dispatch(x, _w32(st, topk_weights), st, zero_copy)
         return tokens, weights.to(topk_weights.dtype)
 
     @staticmethod
@@ -581,7 +681,7 @@ def dispatch(ep, x, topk_idx, topk_weights, num_global_tokens=None):
     if tracked:
         tokens, weights = _NvDispatchFn.apply(x, topk_weights, eng, st, zero_copy)
     else:
-        tokens, w32 = eng.dispatch(x, topk_weights.to(torch.float32).contiguous(), st, zero_copy)
+        tokens, w32 = eng.dispatch(x, _w32(st, topk_weights), st, zero_copy)
         weights = w32 if topk_weights.dtype == torch.float32 else w32.to(topk_weights.dtype)
     if ep.apply_weights == "dispatch":
         from ..combine import acc_dtype
