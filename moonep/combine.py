@@ -11,11 +11,15 @@ order, and rounds once more to the output dtype.  For bf16/fp16 this adds at mos
 partial (relative error ~2^-8 resp. 2^-11 per partial, the precision of the output itself); fp32 and fp64
 results are unchanged and exact with respect to the fixed summation order.  Every transport (host and
 NVLink) applies the same rule, so results stay bitwise equal across transports.
+
+CPU tensors go through the numba kernels of :mod:`moonep.cpu_kernels`, which perform exactly these
+operations in exactly this order (the torch code below is the reference and the path for other devices).
 """
 from __future__ import annotations
 
 import torch
 
+from . import cpu_kernels as ck
 from .dispatch import Routing
 from .transport import Transport
 
@@ -69,9 +73,92 @@ def sum_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
     return y
 
 
-def combine_rows(out: torch.Tensor, weights, routing: Routing, transport: Transport) -> torch.Tensor:
-    """Full combine: ``[cap, H]`` expert outputs -> ``[s, H]`` in the accumulation dtype."""
+def gather_choices(buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[n, K]``: ``buf[rows[:, k]]`` for a ``[cap]`` per-row tensor, zero where ``rows[:, k] == -1``."""
+    if buf.device.type == "cpu":
+        out = buf.new_empty(rows.shape)
+        ck.gather_choices(ck.u8(buf), rows.contiguous().numpy(), ck.u8_choices(out))
+        return out
+    return torch.stack(gather_rows(buf, rows), dim=1)
+
+
+def _cpu_fast(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def reduce_to_wire(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`reduce_local` rounded to :func:`wire_dtype`: the partial rows a destination sends back."""
+    wdt = wire_dtype(out.dtype)
+    if out.device.type != "cpu" or not _cpu_fast(out.dtype):
+        return reduce_local(out, weights, rows).to(wdt)
     adt = acc_dtype(out.dtype)
-    acc = reduce_local(out, weights, routing.recv_rows).to(wire_dtype(out.dtype))
-    back = transport.all_to_all(acc.contiguous(), routing.recv_splits, routing.send_splits)
-    return sum_by_rank(back.to(adt), routing)
+    rows_np = rows.contiguous().numpy()
+    w = (weights.detach().to(adt).contiguous() if weights is not None else torch.zeros(1, dtype=adt)).numpy()
+    use_w = weights is not None
+    out = out.detach().contiguous()
+    H = 1
+    for d in out.shape[1:]:
+        H *= d
+    if out.dtype == torch.bfloat16:
+        part = torch.empty((rows.shape[0], *out.shape[1:]), dtype=wdt)
+        ck.reduce_pairs_bf16(ck.bits16(out).reshape(out.shape[0], H), w, use_w, rows_np,
+                             ck.bits16(part).reshape(part.shape[0], H), ck.bf16_nan_bits())
+        return part
+    src = out.to(adt)  # fp16 widens exactly; fp32/fp64: no copy
+    part = torch.empty((rows.shape[0], *out.shape[1:]), dtype=adt)
+    ck.reduce_pairs_float(src.numpy().reshape(src.shape[0], H), w, use_w, rows_np,
+                          part.numpy().reshape(part.shape[0], H))
+    return part.to(wdt)
+
+
+def sum_by_rank_to(back: torch.Tensor, routing: Routing, out_dtype: torch.dtype) -> torch.Tensor:
+    """``sum_by_rank(back.to(acc_dtype)).to(out_dtype)`` (the source side of combine)."""
+    adt = acc_dtype(back.dtype)
+    if back.device.type != "cpu" or not _cpu_fast(back.dtype) or not _cpu_fast(out_dtype):
+        return sum_by_rank(back.to(adt), routing).to(out_dtype)
+    start, pairs = token_order(routing)
+    s = routing.num_tokens
+    back = back.detach().contiguous()
+    H = 1
+    for d in back.shape[1:]:
+        H *= d
+    if back.dtype == torch.bfloat16 and out_dtype == torch.bfloat16:
+        y = torch.empty((s, *back.shape[1:]), dtype=torch.bfloat16)
+        ck.sum_by_rank_bf16(ck.bits16(back).reshape(back.shape[0], H), start, pairs,
+                            ck.bits16(y).reshape(s, H), ck.bf16_nan_bits())
+        return y
+    src = back.to(adt)
+    y = torch.empty((s, *back.shape[1:]), dtype=adt)
+    ck.sum_by_rank_float(src.numpy().reshape(src.shape[0], H), start, pairs, y.numpy().reshape(s, H))
+    return y.to(out_dtype)
+
+
+def sum_choices_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """:func:`sum_by_rank` in ``back``'s own dtype (the per-choice weight gradients, ``[n_send, K]``)."""
+    if back.device.type == "cpu" and back.dtype in (torch.float32, torch.float64):
+        start, pairs = token_order(routing)
+        back = back.detach().contiguous()
+        y = back.new_empty((routing.num_tokens, back.shape[1]))
+        ck.sum_by_rank_float(back.numpy(), start, pairs, y.numpy())
+        return y
+    return sum_by_rank(back, routing)
+
+
+def token_order(routing: Routing):
+    """The pairs of each local token in rank order, as a CSR ``(start [s+1], pairs [n_send])`` (cached)."""
+    got = routing.cache.get("token_order")
+    if got is None:
+        got = ck.token_order(routing.pair_token.numpy(), routing.num_tokens)
+        routing.cache["token_order"] = got
+    return got
+
+
+def combine_rows(out: torch.Tensor, weights, routing: Routing, transport: Transport,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Full combine: ``[cap, H]`` expert outputs -> ``[s, H]`` in ``out_dtype`` (default: the acc dtype).
+
+    The result is the acc-dtype sum rounded once to ``out_dtype``."""
+    adt = acc_dtype(out.dtype)
+    part = reduce_to_wire(out, weights, routing.recv_rows)
+    back = transport.all_to_all(part.contiguous(), routing.recv_splits, routing.send_splits)
+    return sum_by_rank_to(back, routing, adt if out_dtype is None else out_dtype)

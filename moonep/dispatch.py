@@ -5,14 +5,16 @@ the K-aligned list of its rows on that rank (``-1`` for choices that go elsewher
 it into all of those rows: that local expansion is the dispatch epilogue, and local copies are far
 cheaper than wire bytes.
 
-All functions take and return plain tensors; the autograd wiring lives in ``moonep.ep``.
+All functions take and return plain tensors; the autograd wiring lives in ``moonep.ep``. CPU tensors go
+through the numba kernels of :mod:`moonep.cpu_kernels` (byte copies, same results), others through torch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from . import cpu_kernels as ck
 from . import layout
 from .transport import Transport
 
@@ -28,7 +30,8 @@ class Routing:
         send_rows: int64 ``[n_send, K]``: for each pair, the rows on the destination of choices
             ``k = 0..K-1`` (``-1`` where choice ``k`` goes to another rank or is masked).
         send_splits: ``R`` ints, pairs sent to each rank.
-        recv_rows: int64 ``[n_recv, K]``: the same lists as received, rows of this rank's buffer.
+        recv_rows: int64 ``[n_recv, K]``: the same lists as received, rows of this rank's buffer (``None``
+            until the dispatch exchange when :func:`dispatch_packed` carries them).
         recv_splits: ``R`` ints, pairs received from each rank.
         capacity: rows of the receive buffer.
     """
@@ -40,19 +43,30 @@ class Routing:
     recv_rows: torch.Tensor
     recv_splits: list
     capacity: int
+    cache: dict = field(default_factory=dict, repr=False)  # derived index arrays (e.g. the token order)
 
 
 def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport, capacity: int,
-                  align: int = 1) -> Routing:
+                  align: int = 1, exchange_rows: bool = True) -> Routing:
     """Compute this rank's destinations from the plan, then swap row lists with the peers.
 
     Args:
         plan: the :class:`moonep.planner.Plan` every rank computed from the same counts.
         topk_idx: int64 ``[s, K]`` expert ids, ``-1`` for masked choices.
+        exchange_rows: ``False`` (CPU tensors only) leaves ``recv_rows`` ``None``: :func:`dispatch_packed`
+            then carries the row lists in the same message as the tokens (one collective fewer).
     """
     R = transport.world_size
     s, K = topk_idx.shape
     dst_rank, dst_row = layout.token_destinations(plan, rank, topk_idx, align=align)
+    if dst_rank.device.type == "cpu":
+        pair_token, send_rows, splits = ck.route_pairs(dst_rank.contiguous().numpy(),
+                                                       dst_row.contiguous().numpy(), R)
+        pair_token, send_rows = torch.from_numpy(pair_token), torch.from_numpy(send_rows)
+        send_splits = splits.tolist()
+        recv_splits = transport.all_to_all(torch.from_numpy(splits)[:, None], [1] * R, [1] * R)[:, 0].tolist()
+        recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits) if exchange_rows else None
+        return Routing(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
     hits = torch.zeros(s, R + 1, dtype=torch.bool, device=topk_idx.device)
     col = torch.where(dst_rank >= 0, dst_rank, torch.full_like(dst_rank, R))  # column R: masked choices
     hits[torch.arange(s, device=topk_idx.device).repeat_interleave(K), col.reshape(-1)] = True
@@ -67,6 +81,29 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
     return Routing(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
 
 
+def dispatch_packed(x: torch.Tensor, topk_weights: torch.Tensor, routing: Routing, transport: Transport):
+    """CPU dispatch in one exchange: each wire row is the token's bytes, its K int32 destination rows and
+    its K routing weights (zero for choices that go elsewhere). Fills ``routing.recv_rows``.
+
+    Returns:
+        ``(tokens [capacity, H], weights [capacity])`` exactly as ``expand``/``expand_weights`` of the
+        separate exchanges would.
+    """
+    n, K = routing.send_rows.shape
+    bx = x.shape[1] * x.element_size()  # x is [s, H]
+    bw = topk_weights.element_size()
+    send = torch.empty((n, bx + K * (4 + bw)), dtype=torch.uint8)
+    ck.pack_pairs(ck.u8(x), ck.u8_choices(topk_weights), routing.pair_token.numpy(), routing.send_rows.numpy(),
+                  send.numpy())
+    recv = transport.all_to_all(send, routing.send_splits, routing.recv_splits)
+    tokens = x.new_empty((routing.capacity, *x.shape[1:]))
+    weights = topk_weights.new_empty(routing.capacity)
+    rows = torch.empty((recv.shape[0], K), dtype=torch.int64)
+    ck.unpack_pairs(recv.numpy(), ck.u8(tokens), ck.u8(weights), rows.numpy())
+    routing.recv_rows = rows
+    return tokens, weights
+
+
 def send_tokens(x: torch.Tensor, routing: Routing, transport: Transport) -> torch.Tensor:
     """Send row ``x[i]`` once to each destination rank of token ``i``.
 
@@ -75,7 +112,12 @@ def send_tokens(x: torch.Tensor, routing: Routing, transport: Transport) -> torc
     Returns:
         ``[n_recv, H]``: the rows this rank received, grouped by source rank.
     """
-    return transport.all_to_all(x[routing.pair_token], routing.send_splits, routing.recv_splits)
+    if x.device.type == "cpu":
+        send = torch.empty((routing.pair_token.shape[0], *x.shape[1:]), dtype=x.dtype)
+        ck.gather_rows(ck.u8(x), routing.pair_token.numpy(), ck.u8(send))
+    else:
+        send = x[routing.pair_token]
+    return transport.all_to_all(send, routing.send_splits, routing.recv_splits)
 
 
 def expand(recv: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -87,6 +129,10 @@ def expand(recv: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tenso
     Returns:
         ``[capacity, *D]``, zero in rows nobody writes.
     """
+    if recv.device.type == "cpu":
+        out = recv.new_empty((capacity, *recv.shape[1:]))
+        ck.expand_rows(ck.u8(recv), rows.contiguous().numpy(), ck.u8(out))
+        return out
     out = recv.new_zeros((capacity, *recv.shape[1:]))
     flat = rows.reshape(-1)
     valid = flat >= 0
@@ -95,8 +141,23 @@ def expand(recv: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tenso
     return out
 
 
+def pick_weights(topk_weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """``[n_send, K]``: the routing weights of each sent pair, zero for choices that go elsewhere."""
+    if topk_weights.device.type == "cpu":
+        out = topk_weights.new_empty(routing.send_rows.shape)
+        ck.pick_choices(ck.u8_choices(topk_weights), routing.pair_token.numpy(), routing.send_rows.numpy(),
+                        ck.u8_choices(out))
+        return out
+    return torch.where(routing.send_rows >= 0, topk_weights[routing.pair_token],
+                       torch.zeros((), dtype=topk_weights.dtype, device=topk_weights.device))
+
+
 def expand_weights(recv_w: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tensor:
     """Scatter K-aligned per-choice values ``[n_recv, K]`` to their rows: ``[capacity]`` (zero elsewhere)."""
+    if recv_w.device.type == "cpu":
+        out = recv_w.new_empty(capacity)
+        ck.scatter_choices(ck.u8_choices(recv_w), rows.contiguous().numpy(), ck.u8(out))
+        return out
     out = recv_w.new_zeros(capacity)
     valid = rows >= 0
     out[rows[valid]] = recv_w[valid]

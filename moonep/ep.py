@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import layout
-from .combine import acc_dtype, combine_rows, gather_rows, reduce_local, sum_by_rank
-from .dispatch import Routing, build_routing, expand, expand_weights, send_tokens
+from . import cpu_kernels, layout
+from .combine import acc_dtype, combine_rows, gather_choices, sum_choices_by_rank
+from .dispatch import Routing, build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
 from .errors import expect, expect_tensor
 from .planner import plan_balanced
 from .replicas import prefetch_weights, reduce_replica_grads
@@ -54,12 +54,14 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, topk_weights, ep, routing):
         ctx.ep, ctx.routing = ep, routing
-        recv = send_tokens(x, routing, ep.transport)
-        tokens = expand(recv, routing.recv_rows, routing.capacity)
-        w_pairs = torch.where(routing.send_rows >= 0, topk_weights[routing.pair_token],
-                              torch.zeros((), dtype=topk_weights.dtype, device=x.device))
-        recv_w = ep.transport.all_to_all(w_pairs, routing.send_splits, routing.recv_splits)
-        weights = expand_weights(recv_w, routing.recv_rows, routing.capacity)
+        if routing.recv_rows is None:  # CPU: tokens, row lists and weights travel in one message
+            tokens, weights = dispatch_packed(x, topk_weights, routing, ep.transport)
+        else:
+            recv = send_tokens(x, routing, ep.transport)
+            tokens = expand(recv, routing.recv_rows, routing.capacity)
+            w_pairs = pick_weights(topk_weights, routing)
+            recv_w = ep.transport.all_to_all(w_pairs, routing.send_splits, routing.recv_splits)
+            weights = expand_weights(recv_w, routing.recv_rows, routing.capacity)
         ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
         return tokens, weights
 
@@ -69,13 +71,13 @@ class _DispatchFn(torch.autograd.Function):
         # Gradient of x: a combine of the rows' gradients without weights (sum of the token's copies).
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = combine_rows(g_tokens, None, routing, ep.transport).to(ctx.x_dtype)
+            gx = combine_rows(g_tokens, None, routing, ep.transport, ctx.x_dtype)
         gw = None
         if ctx.needs_input_grad[1]:
             # Per-choice weight gradients travel back K-aligned; each (token, k) is non-zero on one rank.
-            back = torch.stack(gather_rows(g_weights, routing.recv_rows), dim=1)
+            back = gather_choices(g_weights, routing.recv_rows)
             back = ep.transport.all_to_all(back.contiguous(), routing.recv_splits, routing.send_splits)
-            gw = sum_by_rank(back, routing).to(ctx.w_dtype)
+            gw = sum_choices_by_rank(back, routing).to(ctx.w_dtype)
         return gx, gw, None, None
 
 
@@ -84,7 +86,7 @@ class _CombineFn(torch.autograd.Function):
     def forward(ctx, expert_out, weights, ep, routing, out_dtype):
         ctx.ep, ctx.routing = ep, routing
         ctx.save_for_backward(expert_out, weights)
-        return combine_rows(expert_out, weights, routing, ep.transport).to(out_dtype)
+        return combine_rows(expert_out, weights, routing, ep.transport, out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
@@ -241,7 +243,13 @@ class ExpertParallel:
         expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=self.device,
                       shape=(s, K))
         expect_tensor(topk_weights, "topk_weights", dtypes=_FLOAT, device=self.device, shape=(s, K))
-        if s:
+        if s and topk_idx.device.type == "cpu":
+            lo, hi, i = cpu_kernels.check_topk(topk_idx.to(torch.int64).contiguous().numpy())
+            expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
+            if i >= 0:
+                raise ValueError(f"topk_idx: expected distinct experts per token, got {topk_idx[i].tolist()} "
+                                 f"for token {i}")
+        elif s:
             lo, hi = int(topk_idx.min()), int(topk_idx.max())
             expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
             srt = topk_idx.sort(dim=1).values
@@ -250,6 +258,7 @@ class ExpertParallel:
                 i = int(dup.nonzero()[0, 0])
                 raise ValueError(f"topk_idx: expected distinct experts per token, got {topk_idx[i].tolist()} "
                                  f"for token {i}")
+        if s:
             bad = ~torch.isfinite(topk_weights)
             if bool(bad.any()):
                 i = int(bad.any(dim=1).nonzero()[0, 0])
@@ -281,7 +290,7 @@ class ExpertParallel:
                    f"the sum of tokens over ranks ({total})", num_global_tokens)
         plan = plan_balanced(meta[:, :E].contiguous(), slack=self.slack)
         routing = build_routing(plan, self.rank, topk_idx.to(torch.int64), self.transport, self.capacity,
-                                align=self.align)
+                                align=self.align, exchange_rows=x.device.type != "cpu")
         return plan, routing
 
     def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None) -> Dispatched:
