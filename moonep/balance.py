@@ -11,12 +11,18 @@ all-reduce pools the counts, so every rank computes the same bias from the same 
 token split. Every token adds one count to every expert's row, so ``m`` is any row's sum and needs no
 extra message. The quantile is read in the first bin whose cumulative count reaches ``ceil(q)``, with
 linear interpolation inside that bin, so the error is at most one bin width.
+
+CUDA: with CuPy available, recording and the step run as fused kernels (``csrc/balance.cu``: one launch per
+micro-batch, two per step) that repeat the CPU path's float operations one for one, so the counts, the
+range and the uncentred quantiles are bit-identical to it; without CuPy (or ``MOONEP_NO_CUPY=1``) the same
+torch code as on CPU runs on the device. Neither syncs with the host.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from . import cuda_kernels
 from .errors import expect, expect_tensor
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
@@ -94,6 +100,8 @@ class QuantileBalancer(torch.nn.Module):
         self.register_buffer("_lo", torch.zeros((), device=device), persistent=False)      # range of this step
         self.register_buffer("_width", torch.ones((), device=device), persistent=False)
         self.register_buffer("_bad_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # CUDA kernels' scratch: [0:E] uncentred quantiles (float64 bits), [E] m, [E+1] two int32 flags
+        self.register_buffer("_work", torch.zeros(E + 2, dtype=torch.int64, device=device), persistent=False)
         self._recording = False  # host flag: counts recorded since the last step (avoids reading device)
         self._bad_host = self._bad_event = None  # CUDA deferred check: pinned copy of _bad_total + its event
         self._bad_reported = 0
@@ -121,11 +129,16 @@ class QuantileBalancer(torch.nn.Module):
         with torch.no_grad():
             s = scores.detach()
             ctype = torch.promote_types(s.dtype, torch.float32)
-            s = s.to(ctype)
+            fused = record and self._use_kernels(s)
+            if not (s.is_cuda or fused):  # CUDA: the mixed-dtype add below gives the same sums, one pass fewer
+                s = s.to(ctype)
             top = torch.topk(s + self.bias.to(ctype), K + 1 if record else K, dim=1)
             idx = top.indices[:, :K]
             if record:
-                self._record(s, top.values[:, K], scores if mode == "deferred" else None)
+                if fused:  # reads the scores in their own dtype
+                    self._record_cuda(s, top.values, mode == "deferred")
+                else:
+                    self._record(s.to(ctype), top.values[:, K], scores if mode == "deferred" else None)
         w = scores.gather(1, idx)
         denom = w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)  # all-zero picks -> weights 0
         return idx, w / denom
@@ -147,6 +160,72 @@ class QuantileBalancer(torch.nn.Module):
         if raw is not None and raw.numel():  # deferred validation: +1 per micro-batch with bad scores
             mn, mx = torch.aminmax(raw.detach())  # one pass; NaN propagates into both
             self._counts[-1:].add_(~((mn >= 0) & (mx <= 1)))
+
+    # ---------------------------------------------------------------- CUDA kernels
+    _KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
+    _RECORD_THREADS = 512
+    _RECORD_SMEM = 96 * 1024  # per block: two blocks of 512 threads per SM
+
+    def _use_kernels(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and t.dtype in self._KERNEL_DTYPES and cuda_kernels.available()
+
+    def _kernel_step(self) -> bool:
+        return self._counts.is_cuda and cuda_kernels.available()
+
+    def _record_layout(self):
+        """(experts per tile, tiles, shared bytes, privatise): shared-memory histograms of a tile of experts."""
+        E, B = self.num_experts, self.bins
+        et = min(E, self._RECORD_SMEM // (4 * B))
+        if et >= 1:
+            tiles = -(-E // et)
+            et = -(-E // tiles)  # even tiles
+            return et, tiles, et * B * 4, 1
+        et = min(E, 32)  # bins too many for shared memory: global atomics
+        return et, -(-E // et), 0, 0
+
+    def _record_cuda(self, raw: torch.Tensor, values: torch.Tensor, check: bool) -> None:
+        """One fused kernel: r = alpha - s, its bin, the counts (+ the range on the first micro-batch, + the
+        deferred score check). ``values``: the top-(K+1) biased scores ``[s, K+1]`` (alpha = column K)."""
+        import numpy as np
+        E, B, K = self.num_experts, self.bins, self.topk
+        if raw.stride(1) != 1:
+            raw = raw.contiguous()
+        if values.stride(1) != 1:
+            values = values.contiguous()
+        n, dev = raw.shape[0], raw.device
+        et, tiles, smem, priv = self._record_layout()
+        sms = cuda_kernels.num_sms(dev)
+        chunks = max(1, min(-(-n // 64), (2 * sms) // tiles))
+        tpb = max(1, -(-n // chunks))
+        grid_y = max(1, -(-n // tpb))
+        name = "qb_record_" + self._KERNEL_DTYPES[raw.dtype]
+        fn = cuda_kernels.module("balance.cu").get_function(name)
+        i32, p = np.int32, cuda_kernels.ptr
+        alpha = np.uint64(values.data_ptr() + K * values.element_size())
+        flags = np.uint64(self._work.data_ptr() + (E + 1) * 8)
+        with cuda_kernels.stream(dev):
+            cuda_kernels.allow_smem(fn, name, smem, dev.index)
+            fn((tiles, grid_y), (self._RECORD_THREADS,),
+               (p(raw), np.int64(raw.stride(0)), alpha, np.int64(values.stride(0)), i32(n), i32(E), i32(B),
+                i32(et), i32(tpb), p(self.bias), p(self._lo), p(self._width), i32(not self._recording),
+                p(self._counts), i32(bool(check) and n > 0), flags, i32(priv)), shared_mem=smem)
+        self._recording = True
+
+    def _step_cuda(self) -> None:
+        """Two kernels: per-expert quantiles (zeroing rows 1..E-1), then centring/EMA/update/reset."""
+        import numpy as np
+        E, B, K = self.num_experts, self.bins, self.topk
+        dev = self._counts.device
+        mod = cuda_kernels.module("balance.cu")
+        i32, p = np.int32, cuda_kernels.ptr
+        with cuda_kernels.stream(dev):
+            mod.get_function("qb_quantiles")((E,), (256,), (
+                p(self._counts), i32(E), i32(B), i32(K), p(self.bias), p(self._lo), p(self._width),
+                i32(not self._recording), p(self._work)))
+            mod.get_function("qb_finalize")((1,), (512,), (
+                p(self._work), p(self._counts), i32(E), i32(B), p(self.bias), np.float64(self.ema),
+                np.float64(1.0 - self.ema), p(self.num_steps), p(self._bad_total)))
+        self._recording = False
 
     def _set_range(self) -> None:
         lo = self.bias.min() - 1.0
@@ -191,6 +270,12 @@ class QuantileBalancer(torch.nn.Module):
         if self.frozen:
             self._reset_counts()
             return
+        if self._kernel_step():
+            if self._world() > 1:
+                dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
+            self._step_cuda()
+            self._report_bad(None)
+            return
         if not self._recording:  # nothing recorded here: same range as the peers, from the same bias
             self._set_range()
         if self._world() > 1:
@@ -213,14 +298,19 @@ class QuantileBalancer(torch.nn.Module):
 
         CUDA: a running device total is copied (non-blocking) into pinned memory each step; a later
         ``step`` reads it only once its event has completed, so the error surfaces a step or so late.
+        ``bad=None``: the kernels already added it to the total. Inside CUDA-graph capture only the device
+        total moves; the first eager ``step`` after it reports.
         """
-        if bad.device.type != "cuda":
+        if bad is not None and bad.device.type != "cuda":
             n = int(bad)
             if n:
                 raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in {n} "
                                  f"micro-batch(es) of this step (all ranks); the bias was not updated")
             return
-        self._bad_total += bad
+        if bad is not None:
+            self._bad_total += bad
+        if torch.cuda.is_current_stream_capturing():
+            return
         seen = None
         if self._bad_event is not None and self._bad_event.query():
             seen = int(self._bad_host)  # arrived: a host read, no sync

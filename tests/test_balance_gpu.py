@@ -1,8 +1,14 @@
-"""QuantileBalancer on CUDA: no device-to-host sync, same counts as the CPU path, deferred validation."""
+"""QuantileBalancer on CUDA: no device-to-host sync, same counts as the CPU path, deferred validation.
+
+With CuPy the fused kernels of ``csrc/balance.cu`` run; they must give the CPU path's counts, range and
+uncentred quantiles bit for bit, for every score dtype, with and without shared-memory privatisation, and be
+capturable in a CUDA graph. The pure-torch fallback (no CuPy) must give the same counts.
+"""
 import pytest
 import torch
 
-from moonep.balance import QuantileBalancer
+from moonep import cuda_kernels
+from moonep.balance import QuantileBalancer, histogram_quantiles
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -79,3 +85,110 @@ def test_eager_validation_on_cuda():
     qb = QuantileBalancer(8, 2, device="cuda", validate="eager")
     with pytest.raises(ValueError, match=r"scores: expected values in \[0, 1\]"):
         qb.route(torch.full((3, 8), 2.0, device="cuda"))
+
+
+needs_cupy = pytest.mark.skipif(not cuda_kernels.available(), reason="needs cupy (fused kernels)")
+
+
+@needs_cupy
+def test_kernels_in_use():
+    qb = QuantileBalancer(16, 2, device="cuda")
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        assert qb._use_kernels(torch.zeros(1, 16, device="cuda", dtype=dt))
+
+
+def random_bias(E, seed, scale=0.3):
+    b = scale * torch.randn(E, generator=torch.Generator().manual_seed(seed))
+    return b - b.mean()
+
+
+@needs_cupy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("E,K,bins,n", [(896, 16, 1000, 3000), (64, 8, 37, 1500), (256, 8, 1000, 777),
+                                        (8, 3, 30000, 500)])  # last: bins too many for shared memory
+def test_kernels_bit_identical_to_cpu(dtype, E, K, bins, n, monkeypatch):
+    cpu = QuantileBalancer(E, K, bins=bins)
+    gpu = QuantileBalancer(E, K, bins=bins, device="cuda")
+    ref = QuantileBalancer(E, K, bins=bins, device="cuda")  # pure-torch path on the device
+    for step in range(3):
+        bias = random_bias(E, step) if step else torch.zeros(E)
+        for qb in (cpu, gpu, ref):
+            qb.bias.copy_(bias)
+        scores = zipf_scores(n, E, 10 + step).to(dtype)
+        dev = scores.cuda()
+        sizes = [n // 2, 0, 1, n - n // 2 - 1]  # micro-batches, one empty
+        with no_sync():
+            for chunk in dev.split(sizes):
+                gpu.route(chunk)
+        cpu.route(scores)
+        with monkeypatch.context() as m:
+            m.setattr(cuda_kernels, "_AVAILABLE", False)
+            ref.route(dev)
+        assert gpu._lo.item() == cpu._lo.item() and gpu._width.item() == cpu._width.item()
+        counts = cpu._counts
+        assert int(counts[:-1].sum()) == n * E
+        assert torch.equal(gpu._counts.cpu(), counts), f"step {step}: kernel counts differ from the CPU's"
+        assert torch.equal(ref._counts.cpu()[:-1], counts[:-1]) or step > 0  # torch path: range may differ by an ulp
+        raw, m_ = histogram_quantiles(counts[:-1].view(E, bins), K, cpu._lo, cpu._width)
+        with no_sync():
+            gpu.step()
+        cpu.step()
+        ref._reset_counts()
+        got = gpu._work[:E].view(torch.float64).cpu()
+        assert torch.equal(got, raw), f"uncentred quantiles differ: {float((got - raw).abs().max())}"
+        assert int(gpu._work[E]) == int(m_) == n
+        assert torch.allclose(gpu.bias.cpu(), cpu.bias, atol=1e-6, rtol=0)
+        assert int(gpu.num_steps) == int(cpu.num_steps) == step + 1
+        assert int(gpu._counts.abs().sum()) == 0, "step must reset the counts"
+
+
+@needs_cupy
+def test_kernels_ema_and_empty_step():
+    E, K = 96, 4
+    cpu = QuantileBalancer(E, K, ema=0.5)
+    gpu = QuantileBalancer(E, K, ema=0.5, device="cuda")
+    for step in range(4):
+        scores = zipf_scores(1000, E, 20 + step)
+        cpu.route(scores)
+        gpu.route(scores.cuda())
+        assert torch.equal(gpu._counts.cpu(), cpu._counts)
+        cpu.step()
+        gpu.step()
+        assert torch.allclose(gpu.bias.cpu(), cpu.bias, atol=1e-6, rtol=0)
+        gpu.bias.copy_(cpu.bias)  # keep the ranges identical
+    before = gpu.bias.clone()
+    gpu.step()  # nothing recorded: the range comes from the bias, the bias stays
+    cpu.step()
+    assert torch.equal(gpu.bias, before) and gpu._lo.item() == cpu._lo.item()
+    assert gpu._width.item() == cpu._width.item()
+
+
+@needs_cupy
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_cuda_graph_replay(dtype):
+    E, K, n = 256, 8, 2048
+    static = zipf_scores(n, E, 30).to(dtype).cuda()
+    qb = QuantileBalancer(E, K, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            qb.route(static)
+            qb.step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        idx, w = qb.route(static)
+        qb.step()
+    eager = QuantileBalancer(E, K, device="cuda")
+    eager.bias.copy_(qb.bias)
+    for seed in range(3):
+        scores = zipf_scores(n, E, 40 + seed).to(dtype).cuda()
+        static.copy_(scores)
+        g.replay()
+        eidx, ew = eager.route(scores)
+        eager.step()
+        torch.cuda.synchronize()
+        assert torch.equal(idx, eidx) and torch.equal(w, ew)
+        assert torch.equal(qb.bias, eager.bias), f"replay {seed}"
