@@ -2,9 +2,14 @@
 
     PYTHONPATH=. python benchmarks/bench_planner.py [--no-oracle] [--no-gpu] [--out PATH]
 
-GPU times use CUDA events: ``eager`` (plan + token layout of one rank, as launched from Python) and
-``graph`` (the same sequence captured once in a CUDA graph and replayed: device time without
-Python/launch overhead). Writes JSON to benchmarks/results/ with the command, commit and machine.
+GPU times use CUDA events, median over ``--reps`` calls, for the layout of the LAST rank (its global
+copy index needs the counts of every other source, the most work): ``eager_plan_only``,
+``eager_layout_only`` (plan precomputed), ``eager_plan_layout`` (both, as a user calls them from Python)
+and ``graph_plan_layout`` (the same sequence captured once in a CUDA graph and replayed: device time
+without Python/launch overhead). ``host_plan_layout_us`` is the Python-side time of one eager call (no
+sync), the floor of the eager number for small plans. Issue 3 targets: eager plan+layout <= 20 us at
+(256, 8, 8) and <= 100 us at (896, 64, 16). Writes JSON to benchmarks/results/ with the command, commit
+and machine.
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ def tokens_for(E, R):
 
 
 def bench_routing(fam, E, R, K, s, seed=0):
-    """Rank 0's topk int64 [s, K] (Gumbel top-K) and counts int64 [R, E] (other ranks multinomial:
+    """The last rank's topk int64 [s, K] (Gumbel top-K) and counts int64 [R, E] (other ranks multinomial:
     token-level sampling of every rank would need R*s*E random numbers at (8192, 1024))."""
     rng = np.random.default_rng(seed)
     p = expert_probs(fam, E, R, rng)
@@ -63,7 +68,7 @@ def bench_routing(fam, E, R, K, s, seed=0):
         g = rng.gumbel(size=(s, E)) + np.log(p)
     tk = np.argsort(-g, axis=-1, kind="stable")[:, :K].astype(np.int64)
     c = np.stack([rng.multinomial(s * K, p) for _ in range(R)]).astype(np.int64)
-    c[0] = np.bincount(tk.reshape(-1), minlength=E)
+    c[R - 1] = np.bincount(tk.reshape(-1), minlength=E)
     return tk, c
 
 
@@ -77,22 +82,31 @@ def cpu_time(c, n):
     return float(np.median(ts)) * 1e6, float(np.min(ts)) * 1e6
 
 
+def _events(fn, n):
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a, b in ev:
+        a.record(); fn(); b.record()  # noqa: E702
+    torch.cuda.synchronize()
+    return float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
+
+
 def gpu_time(c, tk, n):
     c, tk = c.cuda(), tk.cuda()
-    run = lambda: token_destinations(plan_balanced(c), 0, tk)  # noqa: E731
+    rank = c.shape[0] - 1
+    run = lambda: token_destinations(plan_balanced(c), rank, tk)  # noqa: E731
     for _ in range(3):
         run()
     torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in ev:
-        a.record(); run(); b.record()  # noqa: E702
+    plan = plan_balanced(c)
+    res = {"eager_plan_only_us": _events(lambda: plan_balanced(c), n),
+           "eager_layout_only_us": _events(lambda: token_destinations(plan, rank, tk), n),
+           "eager_plan_layout_us": _events(run, n)}
     torch.cuda.synchronize()
-    eager = float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
-    plan_only = []
-    for a, b in ev:
-        a.record(); plan_balanced(c); b.record()  # noqa: E702
+    t = time.perf_counter()
+    for _ in range(n):
+        run()
+    res["host_plan_layout_us"] = (time.perf_counter() - t) / n * 1e6
     torch.cuda.synchronize()
-    plan_only = float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -103,11 +117,11 @@ def gpu_time(c, tk, n):
         run()
     g.replay()
     torch.cuda.synchronize()
-    for a, b in ev:
-        a.record(); g.replay(); b.record()  # noqa: E702
-    torch.cuda.synchronize()
-    graph = float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
-    return {"eager_plan_layout_us": eager, "eager_plan_only_us": plan_only, "graph_plan_layout_us": graph}
+    res["graph_plan_layout_us"] = _events(g.replay, n)
+    return res
+
+
+TARGET_US = {(256, 8, 8): 20.0, (896, 64, 16): 100.0}
 
 
 def main():
@@ -138,6 +152,19 @@ def main():
             row["families"][fam] = f
             print(E, R, K, fam, json.dumps(f), flush=True)
         res["configs"].append(row)
+        if gpu:
+            fams = row["families"].values()
+            worst = {k: max(f[k] for f in fams) for k in ("eager_plan_only_us", "eager_layout_only_us",
+                                                            "eager_plan_layout_us", "graph_plan_layout_us",
+                                                            "host_plan_layout_us")}
+            med = {k: float(np.median([f[k] for f in fams])) for k in worst}
+            tgt = TARGET_US.get((E, R, K))
+            row["gpu_summary"] = {"worst": worst, "median": med, "target_eager_plan_layout_us": tgt,
+                                  "meets_target": None if tgt is None else worst["eager_plan_layout_us"] <= tgt}
+            print(f"== GPU (E,R,K)=({E},{R},{K}) over families, median / worst [us]: "
+                  + ", ".join(f"{k[:-3]} {med[k]:.1f} / {worst[k]:.1f}" for k in worst)
+                  + (f"; target eager_plan_layout <= {tgt:.0f}: {'MET' if worst['eager_plan_layout_us'] <= tgt else 'MISSED'}"
+                     if tgt else ""), flush=True)
     if not a.no_oracle:
         from moonep.planner.oracle import oracle_plan
         cases, eq, ratios = [], 0, []

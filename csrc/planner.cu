@@ -1,215 +1,614 @@
-// Balanced planner on the GPU: the same algorithm and tie-breaks as moonep/planner/cpu.py, so the
-// results are bit-identical. Compiled at run time by CuPy (NVRTC) from moonep/planner/cuda.py.
+// Balanced planner and token layout on the GPU: the same algorithm and tie-breaks as
+// moonep/planner/cpu.py and the torch layout in moonep/layout.py, so the results are bit-identical.
+// Compiled at run time by CuPy (NVRTC) from moonep/planner/cuda.py; launched with raw pointers into
+// one int64 workspace per plan on torch's current stream (no host sync, CUDA-graph capturable).
 //
-// Why one block: the plan is a short sequential loop (at most R fills), each step a few block-wide
-// reductions over ranks; one block keeps all state in shared memory and needs no grid sync, so it
-// runs without any host involvement and is CUDA-graph capturable. Parallel work (column sums and the
-// [E, R] assignment) runs in separate grid kernels.
+// moonep_plan (one block): column sums + checks, the plan, and everything the layout needs.
+//   Why one block: the plan is a short sequential loop (each rank is filled at most once, so at most
+//   R steps). The loop runs on ONE warp (warp-synchronous: shuffles and __syncwarp, no block barrier
+//   per step); ranks are strided over its lanes. Per rank the home experts are kept sorted by
+//   (remaining desc, id asc) together with their prefix sums, so "k experts needed to cover d" is a
+//   binary search and the largest-first fill is one parallel step (take = min(v, need - prefix)).
+//   The block's other warps only help with the O(R*E) parts before and after the loop.
+//   For large R*E (> 2^18) the column sums and the [E, R] assignment run as grid kernels instead.
+// moonep_layout (grid): every local copy's (dst rank, dst row) in one launch. Block b owns a tile
+//   of copies in (token, k) order; its warps own contiguous sub-tiles. Pass 1 counts copies per
+//   expert per warp; each block publishes its per-expert counts and waits only for LOWER blocks
+//   (flags in the plan workspace, reset by the last block to finish; lower-indexed blocks are
+//   always resident first, the assumption CUB's decoupled look-back makes too). Pass 2 ranks each
+//   copy among its expert's copies with __match_any_sync in (token, k) order, adds the copies of
+//   earlier blocks/warps and of earlier source ranks (prefix blocks), and finds its chunk (rank)
+//   in the plan's per-expert chunk table.
 typedef long long i64;
+#define FULL 0xffffffffu
+#define NONE 0x7fffffff
+#define FLAG_INTS 256
+#define HIST_BLOCKS 64
 
-extern "C" __global__ void colsum_i64(const i64* __restrict__ counts, int R, int E, i64* L, int* err) {
-  int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= E) return;
-  i64 s = 0; bool neg = false;
-  for (int r = 0; r < R; ++r) { i64 v = counts[(i64)r * E + e]; neg |= v < 0; s += v < 0 ? 0 : v; }
-  L[e] = s;
-  if (neg) atomicOr(err, 1);
+// plan flags (mirrored in moonep/planner/cuda.py)
+#define F_C32 1
+#define F_CAP 2
+#define F_COLSUM 4
+#define F_ASSIGN 8
+#define F_DECL_SCALAR 16
+#define F_DECL_PTR 32
+
+// Workspace layout in int64 words; mirrored by _Geo in moonep/planner/cuda.py.
+struct Ws {
+  i64 *A, *rx, *rs, *rc, *L, *rem, *amt, *cst;
+  int *crk, *cseg, *err, *flags;
+  i64* pre;
+  int* hist;
+  i64* c64;
+};
+__device__ __forceinline__ Ws ws_layout(i64* w, i64 R, i64 E) {
+  Ws s;
+  i64 o = 0;
+  s.A = w + o;    o += E * R;     // assignment [E, R]
+  s.rx = w + o;   o += E;         // replica_experts [R, epn]
+  s.rs = w + o;   o += R;         // replica_source [R]
+  s.rc = w + o;   o += R;         // recv_counts [R]
+  s.L = w + o;    o += E;         // expert_counts [E]
+  s.rem = w + o;  o += E;         // copies of e kept home [E]
+  s.amt = w + o;  o += E;         // [R, epn]: copies of donor-local expert j on receiver r
+  s.cst = w + o;  o += 2 * E;     // chunk table: start (global copy index) of each chunk
+  s.crk = (int*)(w + o);  o += E;             // chunk table: rank of each chunk (int32 [2E])
+  s.cseg = (int*)(w + o); o += (E + 2) / 2;   // chunks of expert e: [cseg[e], cseg[e+1]) (int32 [E+1])
+  s.err = (int*)(w + o);  o += 1;             // validation flags (int32)
+  s.flags = (int*)(w + o); o += FLAG_INTS / 2; // layout: [0] done counter, [1 + block] published
+  s.pre = w + o;  o += E;                     // layout: copies of e on source ranks < rank
+  s.hist = (int*)(w + o); o += HIST_BLOCKS * E / 2;  // layout: per-block expert counts [64, E]
+  s.c64 = w + o;                              // int64 copy of int32 counts [R, E] (if F_C32)
+  return s;
 }
 
-extern "C" __global__ void colsum_i32(const int* __restrict__ counts, int R, int E, i64* L, int* err) {
-  int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= E) return;
-  i64 s = 0; bool neg = false;
-  for (int r = 0; r < R; ++r) { int v = counts[(i64)r * E + e]; neg |= v < 0; s += v < 0 ? 0 : v; }
-  L[e] = s;
-  if (neg) atomicOr(err, 1);
+__device__ __forceinline__ i64 warp_sum(i64 v) {
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL, v, off);
+  return v;
 }
-
-// assignment[e, r]: copies kept home, or received as a replica from home(e).
-extern "C" __global__ void assign_kernel(const i64* rem, const i64* amt, const i64* rep_src, int R,
-                                         int epn, i64* assignment) {
-  i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-  i64 E = (i64)R * epn;
-  if (idx >= E * R) return;
-  int e = (int)(idx / R), r = (int)(idx % R), h = e / epn;
-  assignment[idx] = r == h ? rem[e] : (rep_src[r] == h ? amt[(i64)r * epn + (e - h * epn)] : 0);
-}
-
-// lexicographic min over (a, b, i); i == INT_MAX marks "no candidate"
-struct Cand { i64 a, b; int i; };
-__device__ __forceinline__ bool better(const Cand& x, const Cand& y) {
-  if (x.i == 0x7fffffff) return false;
-  if (y.i == 0x7fffffff) return true;
-  if (x.a != y.a) return x.a < y.a;
-  if (x.b != y.b) return x.b < y.b;
-  return x.i < y.i;
-}
-__device__ Cand block_min(Cand c, Cand* sh) {
-  for (int off = 16; off > 0; off >>= 1) {
-    Cand o;
-    o.a = __shfl_down_sync(0xffffffffu, c.a, off);
-    o.b = __shfl_down_sync(0xffffffffu, c.b, off);
-    o.i = __shfl_down_sync(0xffffffffu, c.i, off);
-    if (better(o, c)) c = o;
+__device__ __forceinline__ i64 warp_incl_scan(i64 v, int lane) {
+  for (int off = 1; off < 32; off <<= 1) {
+    i64 y = __shfl_up_sync(FULL, v, off);
+    if (lane >= off) v += y;
   }
+  return v;
+}
+// lexicographic min of (a, i) over the warp; i == NONE: no candidate. All lanes get the result.
+__device__ __forceinline__ void warp_min2(i64& a, int& i) {
+  for (int off = 16; off > 0; off >>= 1) {
+    i64 oa = __shfl_xor_sync(FULL, a, off);
+    int oi = __shfl_xor_sync(FULL, i, off);
+    if (oi != NONE && (i == NONE || oa < a || (oa == a && oi < i))) { a = oa; i = oi; }
+  }
+}
+// lexicographic min of (a, b, i)
+__device__ __forceinline__ void warp_min3(int& a, i64& b, int& i) {
+  for (int off = 16; off > 0; off >>= 1) {
+    int oa = __shfl_xor_sync(FULL, a, off);
+    i64 ob = __shfl_xor_sync(FULL, b, off);
+    int oi = __shfl_xor_sync(FULL, i, off);
+    if (oi != NONE && (i == NONE || oa < a || (oa == a && (ob < b || (ob == b && oi < i))))) {
+      a = oa; b = ob; i = oi;
+    }
+  }
+}
+__device__ __forceinline__ i64 block_sum(i64 v, i64* red) {
+  v = warp_sum(v);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  if (lane == 0) sh[warp] = c;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  i64 t = 0;
+  for (int q = 0; q < nw; ++q) t += red[q];
+  __syncthreads();
+  return t;
+}
+__device__ __forceinline__ i64 tgt_of(int r, bool exact, i64 T, int R, i64 cap) {
+  return exact ? T / R + (r < T % R ? 1 : 0) : cap;
+}
+
+struct PlanSm {
+  i64* rem;    // [E] remaining home copies
+  i64* psum;   // [E] per rank: prefix sums of rem in `order`
+  i64* bal;    // [R] load - target
+  int* order;  // [E] per rank: local expert ids by (rem desc, id asc)
+  int* rsrc;   // [R] replica source
+  int* tj;     // [epn] scratch: experts touched by a fill
+  unsigned char* used;  // [R] cap mode
+  i64* amt;    // global [R*epn]
+  i64* rx;     // global [R*epn]
+  int epn;
+};
+
+// warp: psum[base + a] = sum of rem over order[base .. base+a]; returns the total
+__device__ __forceinline__ i64 rank_psum(const PlanSm& s, int base, int lane) {
+  i64 carry = 0;
+  for (int a0 = 0; a0 < s.epn; a0 += 32) {
+    int a = a0 + lane;
+    i64 v = a < s.epn ? s.rem[base + s.order[base + a]] : 0;
+    v = warp_incl_scan(v, lane);
+    if (a < s.epn) s.psum[base + a] = carry + v;
+    carry += __shfl_sync(FULL, v, 31);
+  }
+  return carry;
+}
+
+// warp: smallest k such that the k largest remaining experts (prefix sums ps) cover d; epn+1 if none
+__device__ __forceinline__ int kneed(const i64* ps, int epn, i64 d) {
+  int lo = 0, hi = epn;
+  while (lo < hi) {
+    int mid = (lo + hi) >> 1;
+    if (ps[mid] >= d) hi = mid; else lo = mid + 1;
+  }
+  return lo + 1;
+}
+
+// warp: move `need` copies from donor o's largest remaining experts to receiver u (cpu.py _fill)
+__device__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane) {
+  const int epn = s.epn, base = o * epn;
+  int ntouch = 0;
+  for (int a0 = 0; a0 < epn; a0 += 32) {
+    int a = a0 + lane;
+    i64 take = 0;
+    if (a < epn) {
+      i64 prev = a ? s.psum[base + a - 1] : 0;
+      i64 v = s.psum[base + a] - prev, left = need - prev;
+      take = left <= 0 ? 0 : (v < left ? v : left);
+      if (take > 0) {
+        int j = s.order[base + a];
+        s.rem[base + j] -= take;
+        s.amt[(i64)u * epn + j] = take;
+        s.tj[a] = j;
+      }
+    }
+    unsigned m = __ballot_sync(FULL, take > 0);  // touched positions are a prefix
+    ntouch += __popc(m);
+    if (m != FULL) break;
+  }
+  if (lane == 0) { s.bal[u] += need; s.bal[o] -= need; s.rsrc[u] = o; }
+  __syncwarp();
+  for (int a = lane; a < ntouch; a += 32) {  // replica slots of u, ascending expert id
+    int j = s.tj[a], pos = 0;
+    for (int q = 0; q < ntouch; ++q) pos += s.tj[q] < j;
+    s.rx[(i64)u * epn + pos] = base + j;
+  }
+  for (int j0 = 0; j0 < epn; j0 += 32) {     // re-sort the donor's experts
+    int j = j0 + lane;
+    if (j < epn) {
+      i64 v = s.rem[base + j];
+      int pos = 0;
+      for (int q = 0; q < epn; ++q) { i64 x = s.rem[base + q]; pos += (x > v) || (x == v && q < j); }
+      s.order[base + pos] = j;
+    }
+  }
+  __syncwarp();
+  rank_psum(s, base, lane);
+  __syncwarp();
+}
+
+// warp 0, exact mode (cpu.py _plan_core, exact branch)
+__device__ int run_exact(const PlanSm& s, int R, int lane) {
+  while (true) {
+    i64 ba = 0; int bi = NONE;                 // receiver: largest deficit, lowest index
+    for (int r = lane; r < R; r += 32) {
+      i64 d = -s.bal[r];
+      if (d > 0 && (bi == NONE || -d < ba)) { ba = -d; bi = r; }
+    }
+    warp_min2(ba, bi);
+    if (bi == NONE) return 0;
+    const int u = bi;
+    const i64 d = -ba;
+    int ka = 0; i64 kb = 0; int ki = NONE;     // donor: min (k, excess < d, -excess, index)
+    for (int o = lane; o < R; o += 32) {
+      i64 x = s.bal[o];
+      if (x <= 0) continue;
+      int a = 2 * kneed(s.psum + o * s.epn, s.epn, d) + (x < d ? 1 : 0);
+      if (ki == NONE || a < ka || (a == ka && -x < kb)) { ka = a; kb = -x; ki = o; }
+    }
+    warp_min3(ka, kb, ki);
+    if (ki == NONE) return 0;  // unreachable: total excess == total deficit
+    wfill(s, u, ki, d, lane);
+  }
+}
+
+// warp 0, cap mode (cpu.py _plan_core, cap branch); returns 1 if stuck
+__device__ int run_cap(const PlanSm& s, int R, int lane) {
+  while (true) {
+    i64 ba = 0; int bi = NONE;                 // donor: largest excess over the cap
+    for (int r = lane; r < R; r += 32) {
+      i64 x = s.bal[r];
+      if (x > 0 && (bi == NONE || -x < ba)) { ba = -x; bi = r; }
+    }
+    warp_min2(ba, bi);
+    if (bi == NONE) return 0;
+    const int o = bi;
+    i64 x = -ba;
+    if (lane == 0) s.used[o] = 1;
+    __syncwarp();
+    while (x > 0) {
+      i64 fa = 0; int fi = NONE;               // smallest room that takes all of x
+      i64 ga = 0; int gi = NONE;               // largest room
+      for (int v = lane; v < R; v += 32) {
+        i64 room = -s.bal[v];
+        if (s.used[v] || room <= 0) continue;
+        if (room >= x && (fi == NONE || room < fa)) { fa = room; fi = v; }
+        if (gi == NONE || -room < ga) { ga = -room; gi = v; }
+      }
+      warp_min2(fa, fi);
+      warp_min2(ga, gi);
+      const int v = fi != NONE ? fi : gi;
+      if (v == NONE) return 1;
+      const i64 room = fi != NONE ? fa : -ga;
+      const i64 a = x < room ? x : room;
+      if (lane == 0) s.used[v] = 1;
+      wfill(s, v, o, a, lane);
+      x -= a;
+    }
+  }
+}
+
+// Single block. Dynamic shared memory (bytes): 8*(2E + R) + 4*(E + 4R + 2 + epn) + R.
+extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
+    const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
+    const i64* __restrict__ decl, i64 decl_scalar) {
+  const int R = (int)R_, E = (int)E_, epn = E / R;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  const Ws w = ws_layout(wsp, R_, E_);
+  extern __shared__ __align__(16) unsigned char sm_raw[];
+  __shared__ i64 red[32];
+  __shared__ int s_stuck;
+  PlanSm s;
+  s.rem = (i64*)sm_raw;
+  s.psum = s.rem + E;
+  s.bal = s.psum + E;
+  s.order = (int*)(s.bal + R);
+  s.rsrc = s.order + E;
+  int* rpos = s.rsrc + R;      // [R]   receiver's index among its source's receivers
+  int* nrecv = rpos + R;       // [R+1]
+  int* rptr = nrecv + R + 1;   // [R+1] exclusive scan of nrecv
+  s.tj = rptr + R + 1;         // [epn]
+  s.used = (unsigned char*)(s.tj + epn);
+  s.amt = w.amt;
+  s.rx = w.rx;
+  s.epn = epn;
+
+  // 0. expert loads (column sums), negative check, declared row sums
+  int errbits = 0;
+  if (flags & F_COLSUM) {
+    bool neg = false;
+    for (int e = tid; e < E; e += nt) {
+      i64 sum = 0;
+      if (flags & F_C32) {
+        const int* c = (const int*)counts;
+        for (int r = 0; r < R; ++r) {
+          i64 v = c[(i64)r * E + e];
+          w.c64[(i64)r * E + e] = v;
+          neg |= v < 0;
+          sum += v < 0 ? 0 : v;
+        }
+      } else {
+        const i64* c = (const i64*)counts;
+#pragma unroll 4
+        for (int r = 0; r < R; ++r) {
+          i64 v = c[(i64)r * E + e];
+          neg |= v < 0;
+          sum += v < 0 ? 0 : v;
+        }
+      }
+      w.L[e] = sum;
+      s.rem[e] = sum;
+    }
+    if (__syncthreads_or(neg)) errbits |= 1;
+    if (flags & (F_DECL_SCALAR | F_DECL_PTR)) {
+      bool bad = false;
+      for (int r = warp; r < R; r += nw) {
+        i64 sum = 0;
+        for (int e = lane; e < E; e += 32)
+          sum += (flags & F_C32) ? (i64)((const int*)counts)[(i64)r * E + e] : ((const i64*)counts)[(i64)r * E + e];
+        sum = warp_sum(sum);
+        bad |= sum != ((flags & F_DECL_PTR) ? decl[r] : decl_scalar);
+      }
+      if (__syncthreads_or(bad)) errbits |= 2;
+    }
+  } else {  // moonep_colsum ran: L in the workspace, negative flags per expert in hist
+    bool neg = false;
+    for (int e = tid; e < E; e += nt) { s.rem[e] = w.L[e]; neg |= w.hist[e] != 0; }
+    if (__syncthreads_or(neg)) errbits |= 1;
+  }
+  i64 part = 0;
+  for (int e = tid; e < E; e += nt) part += s.rem[e];
+  const i64 T = block_sum(part, red);
+  i64 cap = (T + R - 1) / R;
+  {
+    i64 capf = (i64)ceil((1.0 + __longlong_as_double(slack_bits)) * (double)T / (double)R);
+    if (capf > cap) cap = capf;
+  }
+
+  bool exact = true;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    exact = !(flags & F_CAP) || attempt == 1;
+    for (int e = tid; e < E; e += nt) {
+      if (attempt) s.rem[e] = w.L[e];
+      w.amt[e] = 0;
+      w.rx[e] = -1;
+    }
+    for (int r = tid; r < R; r += nt) { s.rsrc[r] = -1; s.used[r] = 0; }
+    __syncthreads();
+    for (int idx = tid; idx < E; idx += nt) {  // per rank: local experts by (rem desc, id asc)
+      int r = idx / epn, base = r * epn, j = idx - base;
+      i64 v = s.rem[idx];
+      int pos = 0;
+      for (int q = 0; q < epn; ++q) { i64 x = s.rem[base + q]; pos += (x > v) || (x == v && q < j); }
+      s.order[base + pos] = j;
+    }
+    __syncthreads();
+    for (int r = warp; r < R; r += nw) {
+      i64 tot = rank_psum(s, r * epn, lane);
+      if (lane == 0) s.bal[r] = tot - tgt_of(r, exact, T, R, cap);
+    }
+    __syncthreads();
+    if (warp == 0) {
+      int st = exact ? run_exact(s, R, lane) : run_cap(s, R, lane);
+      if (lane == 0) s_stuck = st;
+    }
+    __syncthreads();
+    if (!s_stuck) break;
+    __syncthreads();
+  }
+
+  // 3. outputs and the layout's chunk table
+  for (int e = tid; e < E; e += nt) w.rem[e] = s.rem[e];
+  for (int r = tid; r < R; r += nt) {
+    w.rs[r] = s.rsrc[r];
+    w.rc[r] = s.bal[r] + tgt_of(r, exact, T, R, cap);
+    nrecv[r] = 0;
+  }
+  for (int q = tid; q < FLAG_INTS; q += nt) w.flags[q] = 0;
+  if (tid == 0) { w.err[0] = errbits; w.err[1] = 0; }
+  __syncthreads();
+  for (int v = tid; v < R; v += nt) {
+    int h = s.rsrc[v];
+    if (h >= 0) {
+      int idx = 0;
+      for (int q = 0; q < v; ++q) idx += s.rsrc[q] == h;
+      rpos[v] = idx;
+      atomicAdd(&nrecv[h], 1);
+    }
+  }
   __syncthreads();
   if (warp == 0) {
-    Cand d = {0, 0, 0x7fffffff};
-    c = lane < nw ? sh[lane] : d;
-    for (int off = 16; off > 0; off >>= 1) {
-      Cand o;
-      o.a = __shfl_down_sync(0xffffffffu, c.a, off);
-      o.b = __shfl_down_sync(0xffffffffu, c.b, off);
-      o.i = __shfl_down_sync(0xffffffffu, c.i, off);
-      if (better(o, c)) c = o;
+    int carry = 0;
+    for (int r0 = 0; r0 <= R; r0 += 32) {
+      int r = r0 + lane;
+      int v = r < R ? nrecv[r] : 0, inc = v;
+      for (int off = 1; off < 32; off <<= 1) { int y = __shfl_up_sync(FULL, inc, off); if (lane >= off) inc += y; }
+      if (r <= R) rptr[r] = carry + inc - v;
+      carry += __shfl_sync(FULL, inc, 31);
     }
-    if (lane == 0) sh[32] = c;
   }
   __syncthreads();
-  Cand r = sh[32];
+  int* rlist = s.order;  // receivers of each home rank, ascending (order is no longer needed)
+  for (int v = tid; v < R; v += nt) {
+    int h = s.rsrc[v];
+    if (h >= 0) rlist[rptr[h] + rpos[v]] = v;
+  }
   __syncthreads();
-  return r;
+  // chunks of expert e (home h, local j): ranks {h} + receivers of h, ascending; chunk starts are
+  // the running sum of assignment[e, r] in that order (layout.py's chunk_start)
+  for (int e = tid; e < E; e += nt) {
+    const int h = e / epn, j = e - h * epn, nr = nrecv[h], r0 = rptr[h];
+    int c = epn * h + epn * r0 + j * (1 + nr);
+    w.cseg[e] = c;
+    if (e == E - 1) w.cseg[E] = E + epn * rptr[R];
+    i64 run = 0;
+    bool hdone = false;
+    for (int q = 0; q < nr; ++q) {
+      int v = rlist[r0 + q];
+      if (!hdone && h < v) { w.cst[c] = run; w.crk[c] = h; run += s.rem[e]; ++c; hdone = true; }
+      w.cst[c] = run; w.crk[c] = v; run += w.amt[(i64)v * epn + j]; ++c;
+    }
+    if (!hdone) { w.cst[c] = run; w.crk[c] = h; }
+  }
+  if (flags & F_ASSIGN) {
+    const i64 ER = (i64)E * R;
+    for (i64 idx = tid; idx < ER; idx += nt) {
+      int e = (int)(idx / R), r = (int)(idx - (i64)e * R), h = e / epn;
+      w.A[idx] = r == h ? s.rem[e] : (s.rsrc[r] == h ? w.amt[(i64)r * epn + (e - h * epn)] : 0);
+    }
+  }
 }
 
-// order[base .. base+epn) := local experts of rank o sorted by (rem desc, id asc); all threads
-__device__ void sort_rank(const i64* rem, int* order, int o, int epn) {
-  int base = o * epn;
-  for (int j = threadIdx.x; j < epn; j += blockDim.x) {
-    i64 v = rem[base + j]; int pos = 0;
-    for (int q = 0; q < epn; ++q) { i64 w = rem[base + q]; pos += (w > v) || (w == v && q < j); }
-    order[base + pos] = j;
+// Large R*E: expert loads as a grid kernel (negative flags per expert in the hist scratch).
+extern "C" __global__ void moonep_colsum(const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_,
+                                         i64 c32) {
+  const Ws w = ws_layout(wsp, R_, E_);
+  const int R = (int)R_, E = (int)E_;
+  int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  i64 sum = 0;
+  bool neg = false;
+  if (c32) {
+    const int* c = (const int*)counts;
+    for (int r = 0; r < R; ++r) {
+      i64 v = c[(i64)r * E + e];
+      w.c64[(i64)r * E + e] = v;
+      neg |= v < 0;
+      sum += v < 0 ? 0 : v;
+    }
+  } else {
+    const i64* c = (const i64*)counts;
+#pragma unroll 8
+    for (int r = 0; r < R; ++r) {
+      i64 v = c[(i64)r * E + e];
+      neg |= v < 0;
+      sum += v < 0 ? 0 : v;
+    }
   }
+  w.L[e] = sum;
+  w.hist[e] = neg ? 1 : 0;
 }
 
-// Fill receiver u with `need` copies of donor o's largest remaining experts (all threads call it).
-__device__ void fill(i64* rem, int* order, i64* load, i64* amt, i64* rep_exp, i64* rep_src, int u, int o,
-                     int epn, i64 need) {
-  int base = o * epn;
-  if (threadIdx.x == 0) {
-    load[u] += need; load[o] -= need; rep_src[u] = o;
-    for (int a = 0; need > 0; ++a) {
-      int j = order[base + a];
-      i64 take = rem[base + j] < need ? rem[base + j] : need;
-      rem[base + j] -= take; amt[(i64)u * epn + j] += take; need -= take;
-    }
-  }
-  __syncthreads();
-  for (int j = threadIdx.x; j < epn; j += blockDim.x) {   // replica slots, ascending expert id
-    if (amt[(i64)u * epn + j] > 0) {
-      int pos = 0;
-      for (int q = 0; q < j; ++q) pos += amt[(i64)u * epn + q] > 0;
-      rep_exp[(i64)u * epn + pos] = base + j;
-    }
-  }
-  sort_rank(rem, order, o, epn);
-  __syncthreads();
+// Large R*E: assignment[e, r] as a grid kernel.
+extern "C" __global__ void moonep_assign(i64* __restrict__ wsp, i64 R_, i64 E_) {
+  const Ws w = ws_layout(wsp, R_, E_);
+  const int R = (int)R_, E = (int)E_, epn = E / R;
+  i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= (i64)E * R) return;
+  int e = (int)(idx / R), r = (int)(idx - (i64)e * R), h = e / epn;
+  w.A[idx] = r == h ? w.rem[e] : (w.rs[r] == h ? w.amt[(i64)r * epn + (e - h * epn)] : 0);
 }
 
-// Single block. Shared: rem i64[E], load i64[R], tgt i64[R], order int[E], used char[R].
-// Outputs: rem_out i64[E], amt i64[R*epn], rep_exp i64[R*epn], rep_src i64[R], recv i64[R].
-extern "C" __global__ void plan_kernel(const i64* L, int R, int epn, double slack, int cap_mode,
-                                       i64* rem_out, i64* amt, i64* rep_exp, i64* rep_src, i64* recv) {
-  extern __shared__ i64 smem[];
-  __shared__ Cand red[33];
-  int E = R * epn, tid = threadIdx.x, nt = blockDim.x;
-  i64* rem = smem;
-  i64* load = rem + E;
-  i64* tgt = load + R;
-  int* order = (int*)(tgt + R);
-  unsigned char* used = (unsigned char*)(order + E);
-  // T = sum L
-  i64 part = 0;
-  for (int e = tid; e < E; e += nt) part += L[e];
-  for (int off = 16; off > 0; off >>= 1) part += __shfl_down_sync(0xffffffffu, part, off);
-  if ((tid & 31) == 0) red[tid >> 5].a = part;
-  __syncthreads();
-  i64 T = 0;
-  for (int w = 0; w < (nt >> 5); ++w) T += red[w].a;
-  __syncthreads();
-  i64 cap = (T + R - 1) / R;
-  i64 capf = (i64)ceil((1.0 + slack) * (double)T / (double)R);
-  if (capf > cap) cap = capf;
+// cu_seqlens (int32) of one rank (rank >= 0, one thread) or of every rank ([R, 2*epn + 1]).
+extern "C" __global__ void moonep_cu(i64* __restrict__ wsp, int* __restrict__ out, i64 R_, i64 E_, i64 align,
+                                     i64 rank) {
+  if (R_ <= 0) return;  // no-op launch (the launcher's probe)
+  const Ws w = ws_layout(wsp, R_, E_);
+  const int R = (int)R_, E = (int)E_, epn = E / R;
+  int t = blockIdx.x * blockDim.x + threadIdx.x;
+  int r = rank >= 0 ? (t == 0 ? (int)rank : -1) : t;
+  if (r < 0 || r >= R) return;
+  int* o = out + (rank >= 0 ? 0 : (i64)r * (2 * epn + 1));
+  i64 acc = 0;
+  o[0] = 0;
+  for (int j = 0; j < epn; ++j) { acc += (w.rem[r * epn + j] + align - 1) / align * align; o[1 + j] = (int)acc; }
+  int p = 0;
+  for (int j = 0; j < epn; ++j) {
+    i64 a = w.amt[r * epn + j];
+    if (a > 0) { acc += (a + align - 1) / align * align; o[1 + epn + p] = (int)acc; ++p; }
+  }
+  for (; p < epn; ++p) o[1 + epn + p] = (int)acc;
+}
 
-  for (int attempt = 0; attempt < 2; ++attempt) {
-    bool exact = !cap_mode || attempt == 1;
-    for (int e = tid; e < E; e += nt) { rem[e] = L[e]; amt[e] = 0; rep_exp[e] = -1; }
-    for (int r = tid; r < R; r += nt) {
-      i64 s = 0;
-      for (int j = 0; j < epn; ++j) s += L[(i64)r * epn + j];
-      load[r] = s; rep_src[r] = -1; used[r] = 0;
-      tgt[r] = exact ? T / R + (r < T % R ? 1 : 0) : cap;
-    }
-    __syncthreads();
-    for (int idx = tid; idx < E; idx += nt) {          // initial per-rank sort
-      int r = idx / epn, j = idx - r * epn, base = r * epn;
-      i64 v = rem[idx]; int pos = 0;
-      for (int q = 0; q < epn; ++q) { i64 w = rem[base + q]; pos += (w > v) || (w == v && q < j); }
-      order[base + pos] = j;
-    }
-    __syncthreads();
-    bool stuck = false;
-    if (exact) {
-      while (true) {
-        Cand best = {0, 0, 0x7fffffff};
-        for (int r = tid; r < R; r += nt) {
-          i64 d = tgt[r] - load[r];
-          Cand x = {-d, 0, r};
-          if (d > 0 && better(x, best)) best = x;
-        }
-        best = block_min(best, red);
-        if (best.i == 0x7fffffff) break;
-        int u = best.i; i64 d = -best.a;
-        Cand bo = {0, 0, 0x7fffffff};
-        for (int o = tid; o < R; o += nt) {
-          i64 x = load[o] - tgt[o];
-          if (x <= 0) continue;
-          int base = o * epn, k = epn + 1; i64 acc = 0;
-          for (int a = 0; a < epn; ++a) { acc += rem[base + order[base + a]]; if (acc >= d) { k = a + 1; break; } }
-          Cand cc = {(i64)k * 2 + (x < d ? 1 : 0), -x, o};
-          if (better(cc, bo)) bo = cc;
-        }
-        bo = block_min(bo, red);
-        fill(rem, order, load, amt, rep_exp, rep_src, u, bo.i, epn, d);
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int load_e(const void* topk, i64 idx, bool t32, i64 n, int E) {
+  if (idx >= n) return -1;
+  i64 e = t32 ? (i64)__ldg((const int*)topk + idx) : __ldg((const i64*)topk + idx);
+  return (e >= 0 && e < E) ? (int)e : -1;
+}
+
+// Token layout of source rank `rank`: out[0:n] = dst rank, out[n:2n] = dst row (int64, -1 masked).
+// cfg: bits 0-7 P (prefix blocks), 8-15 B (tile blocks), 16-31 SUB (copies per warp), bit 32: int32 topk.
+// Blocks [0, P): copies of each expert on source ranks < rank. Blocks [P, P+B): tiles of nw*SUB copies.
+// Dynamic shared memory (bytes): (16 + 2*nw) * E.
+extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
+    const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const i64* __restrict__ counts,
+    i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg) {
+  const int R = (int)R_, E = (int)E_, epn = E / R;
+  const int P = (int)(cfg & 0xff), B = (int)((cfg >> 8) & 0xff), SUB = (int)((cfg >> 16) & 0xffff);
+  const bool t32 = (cfg >> 32) & 1;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
+  const int blk = blockIdx.x, G = P + B;
+  const Ws w = ws_layout(wsp, R_, E_);
+  extern __shared__ __align__(16) unsigned char sm_raw[];
+  i64* off = (i64*)sm_raw;                                 // [E] copies of e before this block
+  int* Tt = (int*)(off + E);                               // [R, 2*epn] row offsets (home j | replica j)
+  unsigned short* cnt = (unsigned short*)(Tt + 2 * E);     // [nw, E] per-warp counts -> prefixes
+  const i64 w0 = ((i64)(blk - P) * nw + warp) * SUB;       // this warp's first copy (tile blocks)
+
+  if (blk < P) {
+    i64* red = off;  // [nw * 32]
+    for (int e0 = blk * 32; e0 < E; e0 += P * 32) {
+      int e = e0 + lane;
+      i64 sum = 0;
+      if (e < E)
+        for (i64 src = warp; src < rank; src += nw) sum += counts[src * E + e];
+      red[warp * 32 + lane] = sum;
+      __syncthreads();
+      if (warp == 0 && e < E) {
+        i64 t = 0;
+        for (int q = 0; q < nw; ++q) t += red[q * 32 + lane];
+        w.pre[e] = t;
       }
-    } else {
-      while (!stuck) {
-        Cand best = {0, 0, 0x7fffffff};
-        for (int r = tid; r < R; r += nt) {
-          i64 x = load[r] - tgt[r];
-          Cand cc = {-x, 0, r};
-          if (x > 0 && better(cc, best)) best = cc;
+      __syncthreads();
+    }
+  } else {
+    const int b = blk - P;
+    for (int q = tid; q < nw * E; q += nt) cnt[q] = 0;
+    __syncthreads();
+    for (int c = 0; c < SUB; c += 32) {  // pass 1: per-warp counts
+      int e = load_e(topk, w0 + c + lane, t32, n, E);
+      unsigned peers = __match_any_sync(FULL, e);
+      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int e = tid; e < E; e += nt) {
+      int run = 0;
+      for (int q = 0; q < nw; ++q) { int c = cnt[q * E + e]; cnt[q * E + e] = (unsigned short)run; run += c; }
+      w.hist[(i64)b * E + e] = run;
+    }
+    for (int r = warp; r < R; r += nw) {  // row offsets of every (rank, slot) for this align
+      const int base = r * epn;
+      i64 carry = 0;
+      for (int k0 = 0; k0 < 2 * epn; k0 += 32) {
+        int k = k0 + lane;
+        i64 v = 0;
+        if (k < 2 * epn) {
+          i64 x = k < epn ? w.rem[base + k] : w.amt[base + k - epn];
+          v = (x + align - 1) / align * align;
         }
-        best = block_min(best, red);
-        if (best.i == 0x7fffffff) break;
-        int o = best.i; i64 x = -best.a;
-        if (tid == 0) used[o] = 1;
-        __syncthreads();
-        while (x > 0) {
-          Cand fit = {0, 0, 0x7fffffff}, big = {0, 0, 0x7fffffff};
-          for (int v = tid; v < R; v += nt) {
-            i64 room = tgt[v] - load[v];
-            if (used[v] || room <= 0) continue;
-            Cand cf = {room, 0, v}, cb = {-room, 0, v};
-            if (room >= x && better(cf, fit)) fit = cf;
-            if (better(cb, big)) big = cb;
+        i64 inc = warp_incl_scan(v, lane);
+        if (k < 2 * epn) Tt[2 * base + k] = (int)(carry + inc - v);
+        carry += __shfl_sync(FULL, inc, 31);
+      }
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) st_release(&w.flags[1 + blk], 1);
+
+  if (blk >= P) {
+    const int b = blk - P;
+    for (int q = tid; q < blk; q += nt)
+      while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
+    __syncthreads();
+    for (int e = tid; e < E; e += nt) {
+      i64 sum = P ? __ldcg(&w.pre[e]) : 0;
+      for (int bb = 0; bb < b; ++bb) sum += __ldcg(&w.hist[(i64)bb * E + e]);
+      off[e] = sum;
+    }
+    __syncthreads();
+    const unsigned lt = (1u << lane) - 1u;
+    for (int c = 0; c < SUB; c += 32) {  // pass 2: global copy index -> (rank, row)
+      const i64 idx = w0 + c + lane;
+      const int e = load_e(topk, idx, t32, n, E);
+      const unsigned peers = __match_any_sync(FULL, e);
+      i64 g = 0;
+      if (e >= 0) g = off[e] + cnt[warp * E + e] + __popc(peers & lt);
+      __syncwarp();
+      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+      __syncwarp();
+      if (idx < n) {
+        i64 dr = -1, rw = -1;
+        if (e >= 0) {
+          const int h = e / epn, j = e - h * epn;
+          int lo = __ldg(w.cseg + e), hi = __ldg(w.cseg + e + 1) - 1;
+          while (lo < hi) {  // last chunk starting at or before g
+            int mid = (lo + hi + 1) >> 1;
+            if (__ldg(w.cst + mid) <= g) lo = mid; else hi = mid - 1;
           }
-          fit = block_min(fit, red);
-          big = block_min(big, red);
-          int v = fit.i != 0x7fffffff ? fit.i : big.i;
-          if (v == 0x7fffffff) { stuck = true; break; }
-          i64 room = fit.i != 0x7fffffff ? fit.a : -big.a;
-          i64 a = x < room ? x : room;
-          if (tid == 0) used[v] = 1;
-          fill(rem, order, load, amt, rep_exp, rep_src, v, o, epn, a);
-          x -= a;
+          const int r = __ldg(w.crk + lo);
+          dr = r;
+          rw = (i64)Tt[2 * r * epn + (r == h ? j : epn + j)] + (g - __ldg(w.cst + lo));
         }
+        out[idx] = dr;
+        out[n + idx] = rw;
       }
     }
-    if (!stuck) break;
-    __syncthreads();
   }
-  for (int e = tid; e < E; e += nt) rem_out[e] = rem[e];
-  for (int r = tid; r < R; r += nt) recv[r] = load[r];
+  __syncthreads();
+  if (tid == 0) {  // the last block to finish re-arms the flags for the next call
+    __threadfence();
+    if (atomicAdd(&w.flags[0], 1) == G - 1) {
+      for (int q = 1; q <= G; ++q) w.flags[q] = 0;
+      __threadfence();
+      w.flags[0] = 0;
+    }
+  }
 }

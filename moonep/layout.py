@@ -8,10 +8,14 @@ Destination rank ``r`` groups its rows by slot: slot ``j < epn`` is home expert 
     row = cu_seqlens[r][slot(e, r)] + (global_index - chunk_start[e, r])
 
 With ``align > 1`` every slot's row count is rounded up to a multiple of ``align`` (padding rows are
-zero). Everything here is torch ops with no host synchronisation, so it also runs sync-free (and
-graph-capturable) on CUDA tensors.
+zero). On CPU everything here is torch ops; plans made on CUDA use one fused kernel each for
+``token_destinations`` and ``cu_seqlens`` (``csrc/planner.cu``, bit-identical to the torch ops, which
+remain the reference and the fallback). Neither path synchronises with the host, and both can be
+captured in a CUDA graph.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 
@@ -46,8 +50,24 @@ def slot_sizes(plan: Plan, align: int = 1) -> torch.Tensor:
     return (sz + (align - 1)) // align * align
 
 
+def _check_rank(rank, R) -> int:
+    try:
+        r = operator.index(rank)
+    except TypeError:
+        r = -1
+    if not 0 <= r < R:
+        raise ValueError(f"rank: expected an int in [0, {R}), got {rank!r}")
+    return r
+
+
 def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Tensor:
     """int32 [2*epn + 1] slot offsets of ``rank`` (or int32 [R, 2*epn + 1] for every rank if None)."""
+    if plan._ws is not None:  # CUDA plan: one small kernel (csrc/planner.cu moonep_cu)
+        _check_align(align)
+        if rank is not None:
+            rank = _check_rank(rank, plan.num_ranks)
+        from .planner.cuda import cu_seqlens_cuda
+        return cu_seqlens_cuda(plan, rank, align)
     sz = slot_sizes(plan, align)
     cu = torch.nn.functional.pad(sz.cumsum(1), (1, 0)).to(torch.int32)
     return cu if rank is None else cu[rank]
@@ -75,6 +95,12 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
     _check_align(align)
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected shape [s, K], got {tuple(topk_idx.shape)}")
+    if plan._ws is not None and topk_idx.is_cuda:  # CUDA plan: one fused kernel (csrc/planner.cu)
+        rank = _check_rank(rank, plan.num_ranks)
+        from .planner.cuda import layout_cuda
+        res = layout_cuda(plan, rank, topk_idx, align)
+        if res is not None:
+            return res
     A = plan.assignment
     E, R = A.shape
     epn = E // R

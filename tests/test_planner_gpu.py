@@ -64,6 +64,28 @@ def test_layout_identical():
                 assert torch.equal(cu_seqlens(pc, r, al), cu_seqlens(pg, r, al).cpu())
 
 
+@pytest.mark.parametrize("R,epn,K,s", [(8, 32, 8, 700), (64, 14, 16, 512), (16, 24, 8, 3000), (1024, 8, 16, 64)])
+def test_layout_identical_many_tiles(R, epn, K, s):
+    """Multi-block layout (several tiles, prefix blocks over earlier sources), int32 and int64 topk,
+    repeated experts within a token and masked copies."""
+    E = R * epn
+    rng = np.random.default_rng(R + s)
+    tk = rng.integers(0, E, size=(R, s, K))
+    tk[:, :, 0] = rng.integers(0, 4, size=(R, s))      # hot experts: long runs inside tiles
+    tk[rng.random(tk.shape) < 0.05] = -1
+    c = torch.from_numpy(counts_from_topk(tk, E))
+    for slack in (0.0, 0.1):
+        pc, pg = plan_balanced(c, slack=slack), plan_balanced(c.cuda(), slack=slack)
+        for r in sorted({0, 1, R // 2, R - 1}):
+            for al, dt in ((1, torch.int64), (8, torch.int32)):
+                a = token_destinations(pc, r, torch.from_numpy(tk[r]), al)
+                b = token_destinations(pg, r, torch.from_numpy(tk[r]).to(dt).cuda(), al)
+                assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu()), (r, al)
+            b2 = token_destinations(pg, r, torch.from_numpy(tk[r]).cuda(), 1)  # flags re-armed: same again
+            assert torch.equal(b2[1].cpu(), token_destinations(pc, r, torch.from_numpy(tk[r]), 1)[1])
+        assert torch.equal(cu_seqlens(pc, None, 8), cu_seqlens(pg, None, 8).cpu())
+
+
 def test_no_host_sync():
     c = torch.from_numpy(random_counts("zipf1.5", 64, 14, 16, 64, 1)).cuda()
     tk = torch.randint(0, 896, (256, 16), device="cuda")

@@ -8,7 +8,6 @@ using at most ``E // R`` replicas per rank, all from one home rank. CPU tensors 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -17,7 +16,23 @@ import torch
 __all__ = ["Plan", "plan_balanced", "cap_for"]
 
 
-@dataclass
+class _Field:
+    """A Plan tensor. CPU plans store it as a plain attribute; CUDA plans create it on first access as a
+    view of the planner's device workspace (no launch, no sync; graph replays update it in place)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        if obj._ws is None:
+            raise AttributeError(self.name)
+        v = obj._geo.view(obj._ws, self.name)
+        obj.__dict__[self.name] = v
+        return v
+
+
 class Plan:
     """Result of :func:`plan_balanced` (all tensors on the input's device).
 
@@ -30,26 +45,47 @@ class Plan:
     error            int32 []       0, or device-side validation flags (CUDA only, see check())
     """
 
-    assignment: torch.Tensor
-    replica_experts: torch.Tensor
-    replica_source: torch.Tensor
-    recv_counts: torch.Tensor
-    expert_counts: torch.Tensor
-    counts: torch.Tensor
-    slack: float = 0.0
-    error: Optional[torch.Tensor] = None
+    assignment = _Field()
+    replica_experts = _Field()
+    replica_source = _Field()
+    recv_counts = _Field()
+    expert_counts = _Field()
+    counts = _Field()
+    error = _Field()
+    _ws = None    # CUDA: int64 workspace holding every tensor above and the layout's tables
+    _geo = None   # CUDA: its layout (moonep.planner.cuda._Geo)
+
+    def __init__(self, assignment: torch.Tensor, replica_experts: torch.Tensor, replica_source: torch.Tensor,
+                 recv_counts: torch.Tensor, expert_counts: torch.Tensor, counts: torch.Tensor,
+                 slack: float = 0.0, error: Optional[torch.Tensor] = None):
+        self.__dict__.update(assignment=assignment, replica_experts=replica_experts, replica_source=replica_source,
+                             recv_counts=recv_counts, expert_counts=expert_counts, counts=counts, slack=slack,
+                             error=error)
+
+    @classmethod
+    def _cuda(cls, ws, geo, counts, slack: float) -> "Plan":
+        p = cls.__new__(cls)
+        d = p.__dict__
+        d["_ws"], d["_geo"], d["slack"] = ws, geo, slack
+        if counts is not None:
+            d["counts"] = counts
+        return p
+
+    def __repr__(self):
+        return (f"Plan(R={self.num_ranks}, E={self.num_experts}, slack={self.slack}, "
+                f"device={self.replica_source.device})")
 
     @property
     def num_ranks(self) -> int:
-        return self.assignment.shape[1]
+        return self._geo.R if self._ws is not None else self.assignment.shape[1]
 
     @property
     def num_experts(self) -> int:
-        return self.assignment.shape[0]
+        return self._geo.E if self._ws is not None else self.assignment.shape[0]
 
     @property
     def experts_per_rank(self) -> int:
-        return self.assignment.shape[0] // self.assignment.shape[1]
+        return self.num_experts // self.num_ranks
 
     def num_replicas(self) -> torch.Tensor:
         """int64 [R]: occupied replica slots per rank."""
@@ -77,6 +113,11 @@ def cap_for(total: int, num_ranks: int, slack: float) -> int:
 
 
 def _validate(counts, slack, tokens_per_rank, topk):
+    if (type(counts) is torch.Tensor and tokens_per_rank is None and topk is None and type(slack) is float
+            and slack == 0.0 and (counts.dtype is torch.int64 or counts.dtype is torch.int32)):
+        shp = counts.shape  # the common call, checked in a few hundred ns
+        if len(shp) == 2 and shp[0] >= 1 and shp[1] >= 1 and shp[1] % shp[0] == 0:
+            return
     if not isinstance(counts, torch.Tensor):
         raise ValueError(f"counts: expected a torch.Tensor, got {type(counts).__name__}")
     if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
@@ -122,12 +163,12 @@ def plan_balanced(counts: torch.Tensor, *, slack: float = 0.0,
     Bad input raises ValueError naming the argument, what was expected and what was got.
     """
     _validate(counts, slack, tokens_per_rank, topk)
-    R, E = counts.shape
-    declared = None if tokens_per_rank is None else _declared(tokens_per_rank, R, counts.device) * topk
     if counts.is_cuda:
         from .cuda import plan_cuda
-        plan = plan_cuda(counts, float(slack), declared)
+        plan = plan_cuda(counts, float(slack), tokens_per_rank, topk)
         return plan.check() if validate else plan
+    R, E = counts.shape
+    declared = None if tokens_per_rank is None else _declared(tokens_per_rank, R, counts.device) * topk
     c = counts.to(torch.int64)
     if bool((c < 0).any()):
         bad = (c < 0).nonzero()[0].tolist()

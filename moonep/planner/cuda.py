@@ -1,21 +1,36 @@
-"""GPU balanced planner: thin wrapper around ``csrc/planner.cu`` (CuPy RawModule, NVRTC at run time).
+"""GPU balanced planner and token layout: thin launchers for ``csrc/planner.cu`` (CuPy RawModule, NVRTC).
 
 Why CuPy RawModule: no build step for CPU installs (cupy is imported lazily, only for CUDA inputs),
-and plain CUDA C lets the kernel mirror ``cpu.py`` statement by statement, which is what makes the
-results bit-identical. Kernels get raw device pointers of torch-allocated tensors and run on torch's
-current stream (``cupy.cuda.ExternalStream``), so there is no DLPack stream handshake, no host sync,
-and the sequence can be captured in a CUDA graph. Three launches: column sums (+ negative check),
-the single-block plan, and the [E, R] assignment fill.
+and plain CUDA C lets the kernels mirror ``cpu.py`` / the torch layout statement by statement, which
+is what makes the results bit-identical.
+
+Host cost is what bounds small plans (the kernels take a few µs), so the launch path is lean:
+
+* one ``torch.empty`` per plan (an int64 workspace holding every output and the layout's tables);
+  the :class:`~moonep.planner.Plan` tensors are views of it, created on first access;
+* one launch for the plan (``moonep_plan``; two more grid kernels only when R*E > 2**18) and one for
+  a rank's token layout (``moonep_layout``);
+* kernels are launched through the cached ``cupy.cuda.Function`` with an explicit stream (torch's
+  current raw stream, wrapped once per stream) and pre-built ``CIntptr`` arguments, so there is no
+  per-call stream object, device context switch, DLPack hand-off or host sync. Everything is
+  CUDA-graph capturable (the workspace comes from torch's allocator, so from the graph's pool).
 """
 from __future__ import annotations
 
 import os
+import struct
+import warnings
 
-import numpy as np
 import torch
 
-_MOD = None
-_SMEM_SET: dict = {}
+FLAG_INTS = 256       # csrc/planner.cu
+HIST_BLOCKS = 64
+F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR = 1, 2, 4, 8, 16, 32
+BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
+_KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout")
+_DEV: dict = {}
+_GEO: dict = {}
+_i64 = torch.int64
 
 
 def _source_path() -> str:
@@ -26,60 +41,279 @@ def _source_path() -> str:
     raise FileNotFoundError("csrc/planner.cu not found next to the moonep package")
 
 
-def _module():
-    global _MOD
-    if _MOD is None:
+class _TorchStream:
+    """A raw stream pointer through the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+class _Dev:
+    """Per-device compiled kernels, stream wrappers and launch mode."""
+
+    def __init__(self, di: int):
         import cupy
+        try:
+            from cupy.cuda.function import CIntptr
+            CIntptr(0)
+        except Exception:  # older CuPy: plain ints (converted per call by CuPy)
+            CIntptr = int
+        self.arg = CIntptr
+        self.di = di
         with open(_source_path()) as f:
             src = f.read()
-        _MOD = cupy.RawModule(code=src, options=("-std=c++17",))
-    return _MOD
+        with cupy.cuda.Device(di):
+            mod = cupy.RawModule(code=src, options=("-std=c++17",))
+            self.raw = {k: mod.get_function(k) for k in _KERNELS}
+            self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
+        self.smem = {k: 48 * 1024 for k in _KERNELS}
+        props = torch.cuda.get_device_properties(di)
+        self.smem_max = int(getattr(props, "shared_memory_per_block_optin", 227 * 1024))
+        self.streams: dict = {}
+        self.consts: dict = {}
+        self.kw_stream = True
+        self._probe()
+
+    def _probe(self):
+        """Pick the cheapest launch form this CuPy accepts (a no-op launch: moonep_cu with R = 0)."""
+        for arg, kw in ((self.arg, True), (int, True), (int, False)):
+            self.arg, self.kw_stream = arg, kw
+            try:
+                self.launch("moonep_cu", 1, 1, (arg(0), arg(0), arg(0), arg(1), arg(1), arg(-1)))
+                return
+            except TypeError:
+                continue
+        raise RuntimeError("moonep: cannot launch the planner kernels with this CuPy version")
+
+    def c(self, v: int):
+        """Cached kernel argument for a small constant."""
+        a = self.consts.get(v)
+        if a is None:
+            a = self.consts[v] = self.arg(v)
+        return a
+
+    def stream(self, ptr: int):
+        s = self.streams.get(ptr)
+        if s is None:
+            import cupy
+            if hasattr(cupy.cuda.Stream, "from_external"):
+                s = cupy.cuda.Stream.from_external(_TorchStream(ptr))
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    s = cupy.cuda.ExternalStream(ptr, self.di)
+            self.streams[ptr] = s
+        return s
+
+    def need_smem(self, name: str, nbytes: int):
+        if nbytes > self.smem[name]:
+            import cupy
+            with cupy.cuda.Device(self.di):
+                self.raw[name].max_dynamic_shared_size_bytes = nbytes
+            self.smem[name] = nbytes
+
+    def launch(self, name: str, grid: int, block: int, args: tuple, smem: int = 0):
+        s = self.stream(torch._C._cuda_getCurrentRawStream(self.di))
+        if self.kw_stream:
+            self.fn[name]((grid,), (block,), args, smem, s)
+        else:
+            with s:
+                self.raw[name]((grid,), (block,), args, shared_mem=smem)
 
 
-def _ptr(t: torch.Tensor):
-    return np.uint64(t.data_ptr())
+def _dev(di: int) -> _Dev:
+    d = _DEV.get(di)
+    if d is None:
+        d = _DEV[di] = _Dev(di)
+    return d
 
 
-def plan_cuda(counts: torch.Tensor, slack: float, declared):
-    """counts int32/int64 [R, E] on CUDA -> Plan on the same device, no host synchronisation.
-    ``declared`` int64 [R] expected row sums or None."""
-    import cupy
+class _Geo:
+    """Workspace layout (int64 words) of one (R, E, int32-counts); mirrors ``ws_layout`` in planner.cu."""
 
-    from . import ERR_ROWSUM, Plan
+    def __init__(self, R: int, E: int, c32: bool):
+        self.R, self.E, self.epn, self.c32 = R, E, E // R, c32
+        o = 0
 
+        def take(n):
+            nonlocal o
+            o += n
+            return o - n
+        self.A, self.rx, self.rs, self.rc = take(E * R), take(E), take(R), take(R)
+        self.L, self.rem, self.amt, self.cst = take(E), take(E), take(E), take(2 * E)
+        self.crk, self.cseg, self.err, self.flags = take(E), take((E + 2) // 2), take(1), take(FLAG_INTS // 2)
+        self.pre, self.hist, self.c64 = take(E), take(HIST_BLOCKS * E // 2), take(R * E if c32 else 0)
+        self.words = o
+        self.big = R * E > BIG
+        self.nt = min(1024, max(128, 1 << (E - 1).bit_length()))
+        self.smem = (8 * (2 * E + R) + 4 * (E + 4 * R + 2 + self.epn) + R + 15) // 16 * 16
+        nw = 32  # layout: warps per block, so that per-warp expert counters fit in shared memory
+        while nw > 2 and (16 + 2 * nw) * E > 48 * 1024:
+            nw //= 2
+        self.lay_nw = nw
+        self.lay_smem = max((16 + 2 * nw) * E, nw * 256)
+        self.lay: dict = {}
+        self.args: dict = {}
+
+    def view(self, ws: torch.Tensor, name: str):
+        R, E = self.R, self.E
+        if name == "assignment":
+            return ws[self.A:self.A + E * R].view(E, R)
+        if name == "replica_experts":
+            return ws[self.rx:self.rx + E].view(R, self.epn)
+        if name == "replica_source":
+            return ws[self.rs:self.rs + R]
+        if name == "recv_counts":
+            return ws[self.rc:self.rc + R]
+        if name == "expert_counts":
+            return ws[self.L:self.L + E]
+        if name == "error":
+            return ws[self.err:self.err + 1].view(torch.int32)[0]
+        if name == "counts":
+            return ws[self.c64:self.c64 + R * E].view(R, E)
+        raise AttributeError(name)
+
+    def layout_cfg(self, n: int, rank0: bool):
+        """(grid, cfg) of moonep_layout for n copies, or None if n is too large for the kernel."""
+        key = (n, rank0)
+        v = self.lay.get(key)
+        if v is None:
+            nw = self.lay_nw
+            per_warp = -(-n // (nw * 16))          # aim at ~16 tile blocks
+            sub = max(32, (per_warp + 31) // 32 * 32)
+            if nw * sub > 32768:
+                sub = 32768 // nw
+            B = -(-n // (nw * sub))
+            P = 0 if rank0 else min(-(-self.E // 32), 128)
+            v = None if B > HIST_BLOCKS else (P + B, P | (B << 8) | (sub << 16))
+            self.lay[key] = v
+        return v
+
+
+def _geo(R: int, E: int, c32: bool) -> _Geo:
+    key = (R, E, c32)
+    g = _GEO.get(key)
+    if g is None:
+        g = _GEO[key] = _Geo(R, E, c32)
+    return g
+
+
+def _guard(di: int):
+    return torch._C._cuda_getDevice() != di
+
+
+def plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=None):
+    """counts int32/int64 [R, E] on CUDA -> Plan on the same device, no host synchronisation."""
+    from . import ERR_ROWSUM, Plan, _declared
+
+    di = counts.get_device()
+    if _guard(di):
+        with torch.cuda.device(di):
+            return plan_cuda(counts, slack, tokens_per_rank, topk)
+    dt = counts.dtype
+    if dt is not _i64 and dt is not torch.int32:
+        counts, dt = counts.to(_i64), _i64
+    if not counts.is_contiguous():
+        counts = counts.contiguous()
     R, E = counts.shape
-    epn = E // R
-    dev = counts.device
-    mod = _module()
-    if counts.dtype not in (torch.int64, torch.int32):
-        counts = counts.to(torch.int64)
-    counts = counts.contiguous()
-    i64 = dict(dtype=torch.int64, device=dev)
-    L = torch.empty(E, **i64)
-    err = torch.zeros((), dtype=torch.int32, device=dev)
-    rem = torch.empty(E, **i64)
-    amt = torch.empty(E, **i64)
-    rep_exp = torch.empty(R, epn, **i64)
-    rep_src = torch.empty(R, **i64)
-    recv = torch.empty(R, **i64)
-    assignment = torch.empty(E, R, **i64)
-    nt = min(1024, max(64, 1 << (max(R, epn) - 1).bit_length()))
-    smem = 8 * E + 16 * R + 4 * E + R
-    smem = (smem + 15) // 16 * 16
-    k_plan = mod.get_function("plan_kernel")
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream, dev.index)
-    with cupy.cuda.Device(dev.index), stream:
-        if smem > 48 * 1024 and _SMEM_SET.get(dev.index, 0) < smem:  # opt in to >48 KiB (E=8192: 113 KiB)
-            k_plan.max_dynamic_shared_size_bytes = smem
-            _SMEM_SET[dev.index] = smem
-        name = "colsum_i64" if counts.dtype == torch.int64 else "colsum_i32"
-        mod.get_function(name)(((E + 255) // 256,), (256,), (_ptr(counts), np.int32(R), np.int32(E), _ptr(L), _ptr(err)))
-        k_plan((1,), (nt,), (_ptr(L), np.int32(R), np.int32(epn), np.float64(slack), np.int32(slack > 0),
-                             _ptr(rem), _ptr(amt), _ptr(rep_exp), _ptr(rep_src), _ptr(recv)), shared_mem=smem)
+    c32 = dt is torch.int32
+    g = _geo(R, E, c32)
+    d = _dev(di)
+    ws = torch.empty(g.words, dtype=_i64, device=counts.device)
+    wp = d.arg(ws.data_ptr())
+    flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0)
+    decl_ptr, decl_scalar, decl_t = 0, 0, None
+    if tokens_per_rank is not None:
+        if isinstance(tokens_per_rank, int) and not g.big:
+            flags |= F_DECL_SCALAR
+            decl_scalar = tokens_per_rank * topk
+        else:
+            decl_t = _declared(tokens_per_rank, R, counts.device) * topk
+            if not g.big:
+                flags |= F_DECL_PTR
+                decl_ptr = decl_t.data_ptr()
+    if g.big:
+        d.launch("moonep_colsum", -(-E // 256), 256, (d.arg(counts.data_ptr()), wp, d.c(R), d.c(E), d.c(int(c32))))
+    else:
+        flags |= F_COLSUM | F_ASSIGN
+    key = (flags, slack, decl_scalar)
+    tail = g.args.get(key)
+    if tail is None:
+        sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
+        tail = g.args[key] = (d.c(R), d.c(E), d.c(flags), d.c(sb))
+    if g.smem > 48 * 1024:
+        if g.smem > d.smem_max:
+            raise ValueError(f"counts: R={R}, E={E} needs {g.smem} B of shared memory for the GPU planner, "
+                             f"the device has {d.smem_max} B per block")
+        d.need_smem("moonep_plan", g.smem)
+    d.launch("moonep_plan", 1, g.nt, (d.arg(counts.data_ptr()), wp) + tail + (d.arg(decl_ptr), d.c(decl_scalar)),
+             g.smem)
+    if g.big:
         n = E * R
-        mod.get_function("assign_kernel")(((n + 255) // 256,), (256,), (_ptr(rem), _ptr(amt), _ptr(rep_src),
-                                           np.int32(R), np.int32(epn), _ptr(assignment)))
-    if declared is not None:  # device-side contract check, recorded in plan.error
-        bad = (counts.sum(1, dtype=torch.int64) != declared).any()
-        err = err | (bad.to(torch.int32) * ERR_ROWSUM)
-    return Plan(assignment, rep_exp, rep_src, recv, L, counts.to(torch.int64), float(slack), err)
+        d.launch("moonep_assign", -(-n // 256), 256, (wp, d.c(R), d.c(E)))
+    plan = Plan._cuda(ws, g, None if c32 else counts, float(slack))
+    if g.big and decl_t is not None:  # device-side contract check, recorded in plan.error
+        bad = (counts.sum(1, dtype=_i64) != decl_t).any()
+        plan.error.bitwise_or_(bad.to(torch.int32) * ERR_ROWSUM)
+    return plan
+
+
+def layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
+    """(dst_rank, dst_row) int64 [s, K] of source ``rank`` from a CUDA plan, or None when the kernel
+    does not cover the case (the caller falls back to torch ops)."""
+    g = plan._geo
+    ws = plan._ws
+    di = ws.get_device()
+    if topk_idx.get_device() != di:
+        return None
+    dt = topk_idx.dtype
+    if dt is not _i64 and dt is not torch.int32:
+        topk_idx, dt = topk_idx.to(_i64), _i64
+    if not topk_idx.is_contiguous():
+        topk_idx = topk_idx.contiguous()
+    s, K = topk_idx.shape
+    n = s * K
+    cfg = g.layout_cfg(n, rank == 0)
+    d = _dev(di)
+    if cfg is None or g.lay_smem > d.smem_max:
+        return None
+    if _guard(di):
+        with torch.cuda.device(di):
+            return layout_cuda(plan, rank, topk_idx, align)
+    out = torch.empty((2, s, K), dtype=_i64, device=ws.device)
+    if n == 0:
+        return out.unbind(0)
+    if g.lay_smem > 48 * 1024:
+        d.need_smem("moonep_layout", g.lay_smem)
+    grid, c = cfg
+    if dt is torch.int32:
+        c |= 1 << 32
+    a = d.arg
+    d.launch("moonep_layout", grid, g.lay_nw * 32,
+             (a(topk_idx.data_ptr()), a(out.data_ptr()), a(ws.data_ptr()), a(plan.counts.data_ptr()), a(n),
+              d.c(g.R), d.c(g.E), d.c(rank), d.c(align), d.c(c)), g.lay_smem)
+    return out.unbind(0)
+
+
+def cu_seqlens_cuda(plan, rank, align: int):
+    """int32 cu_seqlens of ``rank`` ([2*epn + 1]) or of every rank ([R, 2*epn + 1]) from a CUDA plan."""
+    g = plan._geo
+    ws = plan._ws
+    di = ws.get_device()
+    if _guard(di):
+        with torch.cuda.device(di):
+            return cu_seqlens_cuda(plan, rank, align)
+    d = _dev(di)
+    shape = (2 * g.epn + 1,) if rank is not None else (g.R, 2 * g.epn + 1)
+    out = torch.empty(shape, dtype=torch.int32, device=ws.device)
+    nthreads = 1 if rank is not None else g.R
+    d.launch("moonep_cu", -(-nthreads // 128), 128,
+             (d.arg(ws.data_ptr()), d.arg(out.data_ptr()), d.c(g.R), d.c(g.E), d.c(align),
+              d.c(-1 if rank is None else rank)))
+    return out
+
+
+__all__ = ["plan_cuda", "layout_cuda", "cu_seqlens_cuda"]
