@@ -158,7 +158,7 @@ def main() -> int:
             wire = remote * H * 2  # bf16 rows each way (combine partials travel in the token dtype)
             ceil_us = wire / (args.ceiling * 1e3)
             rows.append(dict(rank=rank, sms=sms, maxvio_target=mv_target, maxvio=round(mv_achieved, 3),
-                             fused=bool(eng.fused), nnv_dispatch=eng.nnv_dispatch, nnv_combine=eng.nnv_combine,
+                             fused=[n for n in ("route", "dispatch", "combine") if getattr(eng, "fused_" + n)], nnv_dispatch=eng.nnv_dispatch, nnv_combine=eng.nnv_combine,
                              chunks=eng.nch, plan_us=round(plan_us, 1), dispatch_us=round(disp_us, 1),
                              dispatch_full_us=round(full_us, 1), combine_us=round(comb_us, 1),
                              step_us=round(step_us, 1),

@@ -225,10 +225,12 @@ class NVLinkEngine:
         self.sm_count = props.multi_processor_count
         self.num_sms = max(1, min(int(num_sms), self.sm_count))
         self.block = block
-        # Fused kernels (default): one launch for validation + counts gather, one for dispatch (send and
-        # local expansion on disjoint SMs, chunk-pipelined) plus a small zeroing epilogue, one for combine.
-        # MOONEP_NVLINK_FUSED=0 selects the earlier two-kernel path (same results, bit for bit).
-        self.fused = os.environ.get("MOONEP_NVLINK_FUSED", "1") != "0"
+        # Fused kernels, chosen per stage (all bit-identical to the two-kernel path): "route" (validation +
+        # counts gather in one launch), "dispatch" (send and local expansion on disjoint SMs, chunk-pipelined),
+        # "combine". Default "route": on 2xH200 (benchmarks/results/h200x2_round6_*) the fused route cut
+        # validate+gather from ~250 to ~50-85 us, while fused dispatch (~350 us vs ~300) and fused combine
+        # (~850-1300 us vs ~450) were slower than the two-kernel kernels. MOONEP_NVLINK_FUSED: "0", "1" or a list.
+        self.set_fused(os.environ.get("MOONEP_NVLINK_FUSED", "route"))
         self.nch = max(1, min(int(os.environ.get("MOONEP_NVLINK_CHUNKS", "4")), _MAX_CHUNKS))
         # Blocks that drive NVLink in the fused kernels; the rest of the grid (every SM) does local HBM
         # work.  Combine's NVLink blocks also read ~K/R rows per row they push: twice the dispatch budget.
@@ -333,6 +335,15 @@ class NVLinkEngine:
         finally:
             torch.cuda.set_sync_debug_mode(prev)
 
+    def set_fused(self, spec: str) -> None:
+        """Pick the fused kernels: "0" (none), "1" (all) or a comma list of route, dispatch, combine."""
+        stages = {"0": set(), "1": {"route", "dispatch", "combine"}}.get(spec.strip(),
+                                                                          {t.strip() for t in spec.split(",") if t.strip()})
+        expect(stages <= {"route", "dispatch", "combine"}, "MOONEP_NVLINK_FUSED",
+               '"0", "1" or a comma list of route, dispatch, combine', repr(spec))
+        self.fused_route, self.fused_dispatch, self.fused_combine = (
+            "route" in stages, "dispatch" in stages, "combine" in stages)
+
     # -- errors ----------------------------------------------------------------------------------------
     def check(self, inputs: bool = True) -> None:
         """Raise the error a kernel recorded (no CUDA call: a load from pinned host memory).
@@ -389,7 +400,7 @@ class NVLinkEngine:
         expect_tensor(topk_weights, "topk_weights", dtypes=(torch.float32, torch.bfloat16, torch.float16),
                       device=dev, shape=(s, K))
         total = -1 if num_global_tokens is None else int(num_global_tokens)
-        if self.fused:
+        if self.fused_route:
             # One kernel: range/duplicate/finite checks, masked int64 ids, fp32 weights, this rank's
             # histogram and the all-gather of [counts, s, flags] (no torch ops, no entry barrier).
             ti, tw = topk_idx.contiguous(), topk_weights.contiguous()
@@ -409,7 +420,7 @@ class NVLinkEngine:
         st.extra["w32"] = w32
         self.mark("layout")
         # the planner's kernels are local: the gather's barrier (its data wait) still holds for dispatch
-        self._last_op = "moonep_route_gather" if self.fused else "moonep_gather"
+        self._last_op = "moonep_route_gather" if self.fused_route else "moonep_gather"
         return plan, st
 
     def _validate_gather(self, s, topk_idx, topk_weights, total):
@@ -445,7 +456,7 @@ class NVLinkEngine:
         # Right after this step's counts gather (plan_step), every peer has passed an entry barrier after
         # its last read of the receive buffers: no second barrier.  Same call sequence on every rank.
         barrier = 0 if self._last_op in _GATHERS else 1
-        if self.fused:
+        if self.fused_dispatch:
             return self._dispatch_fused(x, w32, st, zero_copy, rb, barrier)
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
@@ -496,7 +507,7 @@ class NVLinkEngine:
             self._grow("grad", self.cap * rb)
         if gy.dtype not in self._grad_views:  # views are made once: wrapping memory is not free of syncs
             self._grad_views[gy.dtype] = self.grad.view(0, (self.cap, self.H), gy.dtype)
-        if self.fused:
+        if self.fused_dispatch:
             out = self._grad_views[gy.dtype]
             self._launch("moonep_dispatch_fused", self.grid_fused,
                          (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
@@ -536,7 +547,7 @@ class NVLinkEngine:
             # its half overlaps what this one's sum still reads)
             barrier, acc_off, gw_off = 1, self.off["acc"], self.off["gwacc"]
             self._comb_barrier_next = True
-        if self.fused:
+        if self.fused_combine:
             y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
             gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
             self._launch("moonep_combine_fused", self.grid_fused,
