@@ -9,7 +9,12 @@
 //   per step); ranks are strided over its lanes. Per rank the home experts are kept sorted by
 //   (remaining desc, id asc) together with their prefix sums, so "k experts needed to cover d" is a
 //   binary search and the largest-first fill is one parallel step (take = min(v, need - prefix)).
-//   The block's other warps only help with the O(R*E) parts before and after the loop.
+//   Per step (about R steps for every routing family): receiver and donor are three/four
+//   __reduce_*_sync each; a donor's k is only searched when no donor covers d with its largest expert
+//   (k = 1); for epn <= 32 the fill, the donor's re-sort and its new prefix sums are one pass of
+//   shuffles in registers. The block's other warps only help with the O(R*E) parts: the column sums
+//   before the loop (8 loads in flight per thread), zeroing the [E, R] assignment DURING the loop
+//   (warps not on warp 0's scheduler), and scattering its 2E possible nonzeros after it.
 //   For large R*E (> 2^18) the column sums and the [E, R] assignment run as grid kernels instead.
 // moonep_layout (grid): every local copy's (dst rank, dst row) in one launch. Block b owns a tile
 //   of copies in (token, k) order; its warps own contiguous sub-tiles. Pass 1 counts copies per
@@ -92,6 +97,36 @@ __device__ __forceinline__ void warp_min3(int& a, i64& b, int& i) {
     }
   }
 }
+// Warp argmax of positive values (v <= 0: no candidate), ties to the lowest index; all lanes get
+// (value, index), index NONE if no lane has a candidate. Three single-instruction reductions (sm_80+)
+// instead of five shuffle rounds: max of the high words, max of the low words among lanes holding that
+// high word, min index among lanes holding the maximum.
+__device__ __forceinline__ int warp_argmax_pos(i64& v, int idx) {
+#if __CUDA_ARCH__ >= 800
+  const bool ok = v > 0;
+  const unsigned hi = ok ? (unsigned)((unsigned long long)v >> 32) : 0u;
+  const unsigned mh = __reduce_max_sync(FULL, hi);
+  const unsigned ml = __reduce_max_sync(FULL, (ok && hi == mh) ? (unsigned)(unsigned long long)v : 0u);
+  const i64 m = (i64)(((unsigned long long)mh << 32) | (unsigned long long)ml);
+  const int bi = (int)__reduce_min_sync(FULL, (ok && v == m) ? (unsigned)idx : (unsigned)NONE);
+  v = m;
+  return bi;
+#else
+  i64 a = v > 0 ? -v : 0;
+  int i = v > 0 ? idx : NONE;
+  warp_min2(a, i);
+  v = -a;
+  return i;
+#endif
+}
+__device__ __forceinline__ unsigned warp_umin(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(FULL, v);
+#else
+  for (int off = 16; off > 0; off >>= 1) { unsigned o = __shfl_xor_sync(FULL, v, off); v = o < v ? o : v; }
+  return v;
+#endif
+}
 __device__ __forceinline__ i64 block_sum(i64 v, i64* red) {
   v = warp_sum(v);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -142,8 +177,8 @@ __device__ __forceinline__ int kneed(const i64* ps, int epn, i64 d) {
   return lo + 1;
 }
 
-// warp: move `need` copies from donor o's largest remaining experts to receiver u (cpu.py _fill)
-__device__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane) {
+// warp, any epn: move `need` copies from donor o's largest remaining experts to receiver u (cpu.py _fill)
+__device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane) {
   const int epn = s.epn, base = o * epn;
   int ntouch = 0;
   for (int a0 = 0; a0 < epn; a0 += 32) {
@@ -185,28 +220,88 @@ __device__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane) {
   __syncwarp();
 }
 
+// warp, epn <= 32 (lane a = position a of the donor's sorted experts): the same fill with everything in
+// registers. Positions [0, t) are touched (a prefix: values are sorted descending); the donor's new order
+// and prefix sums come from one pass of shuffles: new position of lane a = number of experts whose new
+// (rem desc, id asc) key sorts before its own, new prefix sum = their rem + its own.
+__device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need, int lane) {
+  const int epn = s.epn, base = o * epn;
+  const bool in = lane < epn;
+  const int j = in ? s.order[base + lane] : lane;
+  const i64 P = in ? s.psum[base + lane] : 0;
+  i64 Pp = __shfl_up_sync(FULL, P, 1);
+  if (lane == 0) Pp = 0;
+  const i64 v = P - Pp, left = need - Pp;
+  const i64 take = (in && left > 0) ? (v < left ? v : left) : 0;
+  const i64 nv = v - take;
+  const int t = __popc(__ballot_sync(FULL, take > 0));
+  int pos = 0, slot = 0;
+  i64 acc = 0;
+  for (int q = 0; q < epn; ++q) {
+    const i64 xq = __shfl_sync(FULL, nv, q);
+    const int jq = __shfl_sync(FULL, j, q);
+    const bool before = xq > nv || (xq == nv && jq < j);
+    pos += before ? 1 : 0;
+    acc += before ? xq : 0;
+    slot += (q < t && jq < j) ? 1 : 0;
+  }
+  __syncwarp();
+  if (in) {
+    s.rem[base + j] = nv;
+    s.order[base + pos] = j;
+    s.psum[base + pos] = acc + nv;
+  }
+  if (take > 0) {  // replica slots of u, ascending expert id
+    s.amt[(i64)u * epn + j] = take;
+    s.rx[(i64)u * epn + slot] = base + j;
+  }
+  if (lane == 0) { s.bal[u] += need; s.bal[o] -= need; s.rsrc[u] = o; }
+  __syncwarp();
+}
+
+__device__ __forceinline__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane) {
+  if (s.epn <= 32) wfill32(s, u, o, need, lane);
+  else wfill_gen(s, u, o, need, lane);
+}
+
 // warp 0, exact mode (cpu.py _plan_core, exact branch)
 __device__ int run_exact(const PlanSm& s, int R, int lane) {
+  const int epn = s.epn;
   while (true) {
-    i64 ba = 0; int bi = NONE;                 // receiver: largest deficit, lowest index
+    i64 d = 0; int bi = NONE;                  // receiver: largest deficit, lowest index
     for (int r = lane; r < R; r += 32) {
-      i64 d = -s.bal[r];
-      if (d > 0 && (bi == NONE || -d < ba)) { ba = -d; bi = r; }
+      const i64 dr = -s.bal[r];
+      if (dr > d) { d = dr; bi = r; }
     }
-    warp_min2(ba, bi);
-    if (bi == NONE) return 0;
-    const int u = bi;
-    const i64 d = -ba;
-    int ka = 0; i64 kb = 0; int ki = NONE;     // donor: min (k, excess < d, -excess, index)
-    for (int o = lane; o < R; o += 32) {
-      i64 x = s.bal[o];
-      if (x <= 0) continue;
-      int a = 2 * kneed(s.psum + o * s.epn, s.epn, d) + (x < d ? 1 : 0);
-      if (ki == NONE || a < ka || (a == ka && -x < kb)) { ka = a; kb = -x; ki = o; }
+    const int u = warp_argmax_pos(d, bi);
+    if (u == NONE) return 0;
+    // donor: min (k, excess < d, -excess, index). Fast path: if some donor covers d with its largest
+    // remaining expert (k = 1), only k = 1 donors compete, by (excess < d, -excess, index).
+    unsigned bc = 2; i64 bx = 0; int bo = NONE;
+    for (int c = lane; c < R; c += 32) {
+      const i64 x = s.bal[c], top = s.psum[c * epn];
+      if (x <= 0 || top < d) continue;
+      const unsigned cs = x < d ? 1u : 0u;
+      if (cs < bc || (cs == bc && x > bx)) { bc = cs; bx = x; bo = c; }
     }
-    warp_min3(ka, kb, ki);
-    if (ki == NONE) return 0;  // unreachable: total excess == total deficit
-    wfill(s, u, ki, d, lane);
+    const unsigned cmin = warp_umin(bc);
+    int o;
+    if (cmin < 2) {
+      i64 xm = bc == cmin ? bx : 0;
+      o = warp_argmax_pos(xm, bo);
+    } else {
+      int ka = 0; i64 kb = 0; int ki = NONE;
+      for (int c = lane; c < R; c += 32) {
+        const i64 x = s.bal[c];
+        if (x <= 0) continue;
+        const int a = 2 * kneed(s.psum + c * epn, epn, d) + (x < d ? 1 : 0);
+        if (ki == NONE || a < ka || (a == ka && -x < kb)) { ka = a; kb = -x; ki = c; }
+      }
+      warp_min3(ka, kb, ki);
+      o = ki;
+    }
+    if (o == NONE) return 0;  // unreachable: total excess == total deficit
+    wfill(s, u, o, d, lane);
   }
 }
 
@@ -285,11 +380,18 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
           neg |= v < 0;
           sum += v < 0 ? 0 : v;
         }
-      } else {
-        const i64* c = (const i64*)counts;
-#pragma unroll 4
-        for (int r = 0; r < R; ++r) {
-          i64 v = c[(i64)r * E + e];
+      } else {  // 8 loads in flight per thread: this single block reads all R*E counts
+        const i64* c = (const i64*)counts + e;
+        int r = 0;
+        for (; r + 8 <= R; r += 8) {
+          i64 v[8];
+#pragma unroll
+          for (int k = 0; k < 8; ++k) v[k] = __ldg(c + (i64)(r + k) * E);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) { neg |= v[k] < 0; sum += v[k] < 0 ? 0 : v[k]; }
+        }
+        for (; r < R; ++r) {
+          i64 v = __ldg(c + (i64)r * E);
           neg |= v < 0;
           sum += v < 0 ? 0 : v;
         }
@@ -349,6 +451,18 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
     if (warp == 0) {
       int st = exact ? run_exact(s, R, lane) : run_cap(s, R, lane);
       if (lane == 0) s_stuck = st;
+    } else if (attempt == 0 && (flags & F_ASSIGN) && (warp & 3)) {
+      // meanwhile warps on the other schedulers zero the [E, R] assignment (16-byte stores); its
+      // nonzeros (home copies and replicas) are scattered after the plan
+      const i64 ER = (i64)E * R, n2 = ER >> 1;
+      const int nz = nw - 1 - (nw - 1) / 4, zt = ((warp - 1 - (warp >> 2)) << 5) + lane;  // warps with warp & 3
+      struct __align__(16) Z2 { i64 a, b; };
+      Z2* A2 = (Z2*)w.A;  // the workspace (allocator memory) and A at its start are 16-byte aligned
+      Z2 z;
+      z.a = 0;
+      z.b = 0;
+      for (i64 q = zt; q < n2; q += (i64)nz * 32) A2[q] = z;
+      if ((ER & 1) && zt == 0) w.A[ER - 1] = 0;
     }
     __syncthreads();
     if (!s_stuck) break;
@@ -408,11 +522,11 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
     }
     if (!hdone) { w.cst[c] = run; w.crk[c] = h; }
   }
-  if (flags & F_ASSIGN) {
-    const i64 ER = (i64)E * R;
-    for (i64 idx = tid; idx < ER; idx += nt) {
-      int e = (int)(idx / R), r = (int)(idx - (i64)e * R), h = e / epn;
-      w.A[idx] = r == h ? s.rem[e] : (s.rsrc[r] == h ? w.amt[(i64)r * epn + (e - h * epn)] : 0);
+  if (flags & F_ASSIGN) {  // zeroed during the plan (ordered before this by the barriers above)
+    for (int idx = tid; idx < E; idx += nt) {
+      const int r = idx / epn, j = idx - r * epn, h = s.rsrc[r];
+      w.A[(i64)idx * R + r] = s.rem[idx];                                  // home copies of expert idx
+      if (h >= 0) w.A[((i64)h * epn + j) * R + r] = w.amt[(i64)r * epn + j];  // r's replicas of h's expert j
     }
   }
 }

@@ -13,7 +13,11 @@ Host cost is what bounds small plans (the kernels take a few µs), so the launch
 * kernels are launched through the cached ``cupy.cuda.Function`` with an explicit stream (torch's
   current raw stream, wrapped once per stream) and pre-built ``CIntptr`` arguments, so there is no
   per-call stream object, device context switch, DLPack hand-off or host sync. Everything is
-  CUDA-graph capturable (the workspace comes from torch's allocator, so from the graph's pool).
+  CUDA-graph capturable (the workspace comes from torch's allocator, so from the graph's pool);
+* the first call of a (device, shape, dtype, slack) plan or (geometry, shape, rank, align, dtype) layout
+  records its launch (function, grid, block, shared memory, constant argument tail) in ``_PLAN_FAST`` /
+  ``_LAY_FAST``; later calls take a hot path of one dict lookup, one ``torch.empty`` and the launch
+  (no imports, no validation branches, no per-call constant arguments).
 """
 from __future__ import annotations
 
@@ -31,6 +35,16 @@ _KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moone
 _DEV: dict = {}
 _GEO: dict = {}
 _i64 = torch.int64
+_i32 = torch.int32
+_empty = torch.empty
+_cur_dev = getattr(torch._C, "_cuda_getDevice", None)                # absent in CPU-only torch builds
+_cur_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+# Hot-path launch records (common calls only: no declaration, one block, kernel launched with the stream
+# keyword). plan: (di, shape, dtype, slack) -> _PlanFast; layout: (geo, n, rank, align, dtype, di) -> tuple.
+_PLAN_FAST: dict = {}
+_LAY_FAST: dict = {}
+_NEW = object.__new__
+_Plan = None
 
 
 def _source_path() -> str:
@@ -63,6 +77,7 @@ class _Dev:
             CIntptr = int
         self.arg = CIntptr
         self.di = di
+        self.device = torch.device("cuda", di)
         with open(_source_path()) as f:
             src = f.read()
         with cupy.cuda.Device(di):
@@ -205,8 +220,36 @@ def _guard(di: int):
     return torch._C._cuda_getDevice() != di
 
 
+def _plan_cls():
+    global _Plan
+    from . import Plan
+    _Plan = Plan
+    return Plan
+
+
 def plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=None):
     """counts int32/int64 [R, E] on CUDA -> Plan on the same device, no host synchronisation."""
+    if tokens_per_rank is None:  # hot path: one dict lookup, one torch.empty, one launch, no imports
+        di = counts.get_device()
+        f = _PLAN_FAST.get((di, counts.shape, counts.dtype, slack))
+        if f is not None and _cur_dev() == di and counts.is_contiguous():
+            fn, grid, block, smem, streams, words, device, geo, tail, arg, keep, dev = f
+            ws = _empty(words, dtype=_i64, device=device)
+            ptr = _cur_stream(di)
+            st = streams.get(ptr)
+            if st is None:
+                st = dev.stream(ptr)
+            fn(grid, block, (arg(counts.data_ptr()), arg(ws.data_ptr())) + tail, smem, st)
+            p = _NEW(_Plan)
+            d = p.__dict__
+            d["_ws"], d["_geo"], d["slack"] = ws, geo, slack
+            if keep:
+                d["counts"] = counts
+            return p
+    return _plan_cuda(counts, slack, tokens_per_rank, topk)
+
+
+def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=None):
     from . import ERR_ROWSUM, Plan, _declared
 
     di = counts.get_device()
@@ -251,6 +294,12 @@ def plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=Non
         d.need_smem("moonep_plan", g.smem)
     d.launch("moonep_plan", 1, g.nt, (d.arg(counts.data_ptr()), wp) + tail + (d.arg(decl_ptr), d.c(decl_scalar)),
              g.smem)
+    if tokens_per_rank is None and not g.big and d.kw_stream and counts.dtype in (_i64, _i32):
+        if _Plan is None:
+            _plan_cls()
+        _PLAN_FAST[(di, counts.shape, counts.dtype, slack)] = (
+            d.fn["moonep_plan"], (1,), (g.nt,), g.smem, d.streams, g.words, d.device, g, tail + (d.c(0), d.c(0)),
+            d.arg, not c32, d)
     if g.big:
         n = E * R
         d.launch("moonep_assign", -(-n // 256), 256, (wp, d.c(R), d.c(E)))
@@ -264,6 +313,26 @@ def plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=Non
 def layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     """(dst_rank, dst_row) int64 [s, K] of source ``rank`` from a CUDA plan, or None when the kernel
     does not cover the case (the caller falls back to torch ops)."""
+    g = plan._geo
+    ws = plan._ws
+    di = ws.get_device()
+    f = _LAY_FAST.get((g, topk_idx.shape, rank, align, topk_idx.dtype, di))
+    if f is not None and topk_idx.get_device() == di and _cur_dev() == di and topk_idx.is_contiguous():
+        fn, grid, block, smem, streams, device, oshape, tail, arg, c64off, dev = f
+        out = _empty(oshape, dtype=_i64, device=device)
+        wsp = ws.data_ptr()
+        c = plan.__dict__.get("counts")
+        cp = c.data_ptr() if c is not None else wsp + c64off
+        ptr = _cur_stream(di)
+        st = streams.get(ptr)
+        if st is None:
+            st = dev.stream(ptr)
+        fn(grid, block, (arg(topk_idx.data_ptr()), arg(out.data_ptr()), arg(wsp), arg(cp)) + tail, smem, st)
+        return out.unbind(0)
+    return _layout_cuda(plan, rank, topk_idx, align)
+
+
+def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     g = plan._geo
     ws = plan._ws
     di = ws.get_device()
@@ -292,9 +361,14 @@ def layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     if dt is torch.int32:
         c |= 1 << 32
     a = d.arg
+    tail = (a(n), d.c(g.R), d.c(g.E), d.c(rank), d.c(align), d.c(c))
     d.launch("moonep_layout", grid, g.lay_nw * 32,
-             (a(topk_idx.data_ptr()), a(out.data_ptr()), a(ws.data_ptr()), a(plan.counts.data_ptr()), a(n),
-              d.c(g.R), d.c(g.E), d.c(rank), d.c(align), d.c(c)), g.lay_smem)
+             (a(topk_idx.data_ptr()), a(out.data_ptr()), a(ws.data_ptr()), a(plan.counts.data_ptr())) + tail,
+             g.lay_smem)
+    if d.kw_stream and (dt is _i64 or dt is _i32) and isinstance(rank, int) and isinstance(align, int):
+        _LAY_FAST[(g, topk_idx.shape, rank, align, dt, di)] = (
+            d.fn["moonep_layout"], (grid,), (g.lay_nw * 32,), g.lay_smem, d.streams, d.device, (2, s, K), tail,
+            d.arg, 8 * g.c64, d)
     return out.unbind(0)
 
 
