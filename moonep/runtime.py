@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -52,11 +53,26 @@ class Runtime:
         its process group down (a rank whose store vanished mid-teardown aborts in C++).
         """
         if self._owns_pg and dist.is_initialized():
+            try:  # torchrun's env:// rendezvous also hosts the store in rank 0: keep a handle past destroy
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:  # noqa: BLE001 (private API; the MPI barrier below covers mpirun anyway)
+                store = None
             dist.barrier(group=self.cpu_group)
             dist.destroy_process_group()
             self._owns_pg = False
+            # Drop our handles now: groups torn down later, at interpreter exit, can abort in C++.
+            self.group = self.cpu_group = None
             if self.comm is not None:
                 self.comm.Barrier()
+            elif store is not None and self.world_size > 1:
+                key = "moonep/shutdown"
+                if self.rank != 0:
+                    store.add(key, 1)
+                else:  # the store's host leaves last
+                    deadline = time.monotonic() + self.timeout.total_seconds()
+                    while store.add(key, 0) < self.world_size - 1 and time.monotonic() < deadline:
+                        time.sleep(0.005)
+            del store
 
 
 def detect_launcher(env=os.environ) -> str:
