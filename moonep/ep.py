@@ -3,6 +3,7 @@
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32)
     h = ep.dispatch(x, topk_idx, topk_weights)      # collective
     w = ep.prefetch(h, local_weight)                 # [epn, ...] -> [2*epn, ...]
+                                                     # (or ep.prefetch(h, pool[:epn], out=pool): no copies)
     out = my_experts(h.tokens, h.cu_seqlens, w)      # grouped over the 2*epn slots
     y = ep.combine(out, h)                           # [s, H]
 
@@ -20,7 +21,7 @@ from .combine import acc_dtype, combine_rows, gather_choices, sum_choices_by_ran
 from .dispatch import Routing, build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
 from .errors import expect, expect_tensor
 from .planner import plan_balanced
-from .replicas import prefetch_weights, reduce_replica_grads
+from .replicas import prefetch_weights, prefetch_weights_into, reduce_replica_grads
 from .transport import make_transport
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -113,6 +114,22 @@ class _PrefetchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None
+
+
+class _PrefetchIntoFn(torch.autograd.Function):
+    """``prefetch(..., out=pool)`` under autograd: writes the pool in place and returns an alias of it
+    carrying the graph; the backward is the same ``reduce_grad`` as :class:`_PrefetchFn`'s."""
+
+    @staticmethod
+    def forward(ctx, local_weight, ep, plan, holder):
+        ctx.ep, ctx.plan = ep, plan
+        out = holder[0]  # in a tuple, so autograd does not take the pool for an input
+        prefetch_weights_into(plan, ep.rank, local_weight, ep.transport, out)
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None, None
 
 
 class ExpertParallel:
@@ -336,23 +353,72 @@ class ExpertParallel:
         weights = h.weights if self.apply_weights == "combine" else torch.ones_like(h.weights)
         return _CombineFn.apply(expert_out, weights, self, h.routing, expert_out.dtype)
 
-    def prefetch(self, h: Dispatched, local_weight: torch.Tensor) -> torch.Tensor:
+    def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
 
         Args:
             local_weight: ``[epn, *D]`` this rank's home expert weights (one projection).
+            out: optional persistent ``[2*epn, *D]`` pool (contiguous, ``local_weight``'s dtype and device,
+                not requiring grad) that the caller keeps across steps.  Only the replica slots
+                ``out[epn:]`` are written (empty ones zeroed); the home half is copied only when
+                ``local_weight`` is not ``out[:epn]`` itself.  Recommended layout, so nothing is copied for
+                the home experts::
+
+                    pool = torch.empty(2 * epn, *D, dtype=dtype, device=device)     # once
+                    w = torch.nn.Parameter(pool[:epn])   # the home weights ARE the pool's first half
+                    ...
+                    slots = ep.prefetch(h, w, out=pool)  # every step: only the replicas move
+
+                Keep the home parameters views of the pool (optimizers update them in place; moving or
+                re-allocating them only turns the skipped copy back on).  ``local_weight`` must be either
+                ``out[:epn]`` or disjoint from ``out`` (other overlaps raise ``ValueError``).  The values are
+                bitwise those of the form without ``out``.  The replica slots are overwritten by the next
+                ``prefetch`` into the same pool: use one pool per projection (and per layer whose slot
+                weights must stay alive at the same time, e.g. until that layer's backward).
         Returns:
             ``[2*epn, *D]``; empty replica slots are zero. Differentiable: the gradient of the replica
-            slots flows back to their home rank (see ``reduce_grad``). Collective.
+            slots flows back to their home rank (see ``reduce_grad``). Collective.  With ``out``: ``out``
+            itself, or, when autograd records (``local_weight.requires_grad`` and grad enabled), an alias of
+            ``out`` (same memory) carrying the graph: the home slots' gradient flows to ``local_weight``
+            and the replica slots' gradient goes home through ``reduce_grad``, as without ``out``.  The alias
+            shares the pool's version counter: a second ``prefetch`` into the same pool before the backward
+            of ops that saved the first result makes that backward raise torch's in-place error instead of
+            using overwritten weights.
         """
         expect_tensor(local_weight, "local_weight", device=self.device)
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
+        if out is not None:
+            self._check_pool(local_weight, out)
+            if self._engine is not None:
+                from .transport import nvlink
+
+                return nvlink.prefetch(self, h, local_weight, out=out)
+            if torch.is_grad_enabled() and local_weight.requires_grad:
+                return _PrefetchIntoFn.apply(local_weight, self, h.plan, (out,))
+            return prefetch_weights_into(h.plan, self.rank, local_weight, self.transport, out)
         if self._engine is not None:
             from .transport import nvlink
 
             return nvlink.prefetch(self, h, local_weight)
         return _PrefetchFn.apply(local_weight.contiguous(), self, h.plan)
+
+    def _check_pool(self, local_weight: torch.Tensor, out) -> None:
+        """Validate ``prefetch``'s ``out`` pool against ``local_weight`` (raises ``ValueError``)."""
+        from .replicas import home_is_view
+
+        shape = (2 * self.epn, *local_weight.shape[1:])
+        expect(isinstance(out, torch.Tensor), "out", "a torch.Tensor", type(out).__name__)
+        expect(out.dtype == local_weight.dtype, "out", f"dtype {local_weight.dtype} (that of local_weight)",
+               out.dtype)
+        expect(out.device == local_weight.device, "out", f"device {local_weight.device} (that of local_weight)",
+               out.device)
+        expect(tuple(out.shape) == shape, "out", f"shape [2*epn={2 * self.epn}, *local_weight.shape[1:]] = "
+               f"{list(shape)}", list(out.shape))
+        expect(out.is_contiguous(), "out", "a contiguous tensor", f"strides {tuple(out.stride())}")
+        expect(not out.requires_grad, "out", "a tensor that does not require grad (prefetch writes it in place; "
+               "the gradient flows through the returned tensor)", "requires_grad=True")
+        home_is_view(local_weight, out)  # raises on a partial overlap
 
     def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
         """Sum replica gradients into their home experts: ``[2*epn, *D] -> [epn, *D]``. Collective.

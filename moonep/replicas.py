@@ -37,6 +37,61 @@ def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Tra
     return torch.cat([flat, replicas]).reshape(2 * epn, *local_weight.shape[1:])
 
 
+def home_is_view(local_weight: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether ``local_weight`` is the home half ``out[:epn]`` itself (same memory, contiguous).
+
+    ``out`` is a checked contiguous ``[2*epn, *D]`` pool of ``local_weight``'s dtype and device.  Returns
+    ``False`` for memory disjoint from ``out``; raises ``ValueError`` for any other overlap (a copy into the
+    pool would read what it writes).
+    """
+    es = out.element_size()
+    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * es
+    if local_weight.numel() == 0 or out.numel() == 0:
+        return False
+    a = local_weight.data_ptr()
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(local_weight.shape, local_weight.stride()))
+    b = a + span * es
+    if b <= lo or a >= hi:
+        return False
+    if a == lo and local_weight.is_contiguous():
+        return True
+    raise ValueError(f"local_weight: expected either the home half out[:epn] itself (same memory, contiguous) "
+                     f"or memory disjoint from out, got a tensor overlapping out at byte offset {a - lo} "
+                     f"(contiguous={local_weight.is_contiguous()})")
+
+
+def prefetch_weights_into(plan, rank: int, local_weight: torch.Tensor, transport: Transport,
+                          out: torch.Tensor) -> torch.Tensor:
+    """:func:`prefetch_weights` into a persistent ``[2*epn, *D]`` pool ``out`` (bitwise the same values).
+
+    Writes the replica slots ``out[epn:]`` (only the empty ones are zeroed) and copies the home half only
+    when ``local_weight`` is not ``out[:epn]`` itself (see :func:`home_is_view`).  Returns ``out``.
+    """
+    R, epn = transport.world_size, local_weight.shape[0]
+    rep, src, slots = _replica_lists(plan, R)
+    shared = home_is_view(local_weight, out)
+    flat = local_weight.reshape(epn, -1)
+    send_rows, send_splits = [], []
+    for u in range(R):
+        mine = [int(rep[u, j]) - rank * epn for j in slots[u]] if src[u] == rank else []
+        send_rows += mine
+        send_splits.append(len(mine))
+    recv_splits = [len(slots[rank]) if r == src[rank] else 0 for r in range(R)]
+    idx = torch.tensor(send_rows, dtype=torch.int64, device=flat.device)
+    got = transport.all_to_all(flat[idx], send_splits, recv_splits)
+    pool = out.view(2 * epn, -1)
+    if not shared:
+        pool[:epn].copy_(flat)
+    replicas = pool[epn:]
+    valid = set(slots[rank])
+    empty = [j for j in range(epn) if j not in valid]
+    if empty:
+        replicas.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
+    if slots[rank]:
+        replicas.index_copy_(0, torch.tensor(slots[rank], dtype=torch.int64, device=flat.device), got)
+    return out
+
+
 def reduce_replica_grads(plan, rank: int, grad_view: torch.Tensor, transport: Transport) -> torch.Tensor:
     """``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` home gradients, replica parts summed in rank order."""
     R, epn = transport.world_size, grad_view.shape[0] // 2

@@ -1,6 +1,7 @@
 """An end-to-end MoE layer step whose expert time follows the rows each rank received.
 
-moonep:    dispatch -> prefetch the three projections' replicas -> SwiGLU over the ``2*epn`` slots -> combine
+moonep:    dispatch -> prefetch the three projections' replicas into persistent pools -> SwiGLU over the
+           ``2*epn`` slots -> combine
 Megatron:  permute + all-to-all (host-known splits) + regroup -> SwiGLU over the ``epn`` home experts
            -> un-regroup + all-to-all + weighted scatter-add
 
@@ -9,8 +10,10 @@ run by :func:`moonep.layers.grouped.slot_matmul` (``torch._grouped_mm`` with dev
 loop over slots elsewhere), so its cost is proportional to the rows a rank received: under imbalance the
 Megatron path's most loaded rank computes longest and every other rank waits for it in combine.
 
-To keep memory bounded the three projections share one ``[epn, H*F]`` home tensor (viewed as ``[H, F]``
-or ``[F, H]``): the bytes moved and the FLOPs are those of three distinct projections.
+Each projection lives in a persistent ``[2*epn, ...]`` slot pool allocated once; its home weights are the
+view ``pool[:epn]`` (what both paths compute with), so ``ep.prefetch(h, home, out=pool)`` copies nothing
+for the home experts and writes only the replica slots ``pool[epn:]``.  The three projections are
+distinct tensors: the bytes moved and the FLOPs are those of three projections.
 """
 from __future__ import annotations
 
@@ -21,24 +24,27 @@ from moonep.layers.grouped import slot_matmul
 
 
 class ExpertWeights:
-    """Home weights of this rank's ``epn`` experts: three projections ``[epn, H, F]``, ``[epn, H, F]``,
-    ``[epn, F, H]`` in ``dtype`` (one shared buffer)."""
+    """This rank's ``epn`` experts: three projections ``[epn, H, F]``, ``[epn, H, F]``, ``[epn, F, H]`` in
+    ``dtype``, each the home half of a persistent ``[2*epn, ...]`` slot pool (``pools``) whose second half
+    ``ep.prefetch(h, home, out=pool)`` fills with the step's replicas."""
 
     def __init__(self, epn: int, H: int, ffn: int, dtype, device, seed: int = 0):
         gen = torch.Generator(device=device).manual_seed(seed)
-        self.flat = torch.empty(epn, H * ffn, dtype=dtype, device=device).normal_(0.0, H ** -0.5, generator=gen)
         self.epn, self.H, self.ffn = epn, H, ffn
-        self.gate = self.flat.view(epn, H, ffn)
-        self.up = self.gate
-        self.down = self.flat.view(epn, ffn, H)
+        self.pools = tuple(torch.zeros(2 * epn, *shape, dtype=dtype, device=device)
+                           for shape in ((H, ffn), (H, ffn), (ffn, H)))
+        for pool in self.pools:
+            pool[:epn].normal_(0.0, H ** -0.5, generator=gen)
+        self.gate, self.up, self.down = (pool[:epn] for pool in self.pools)
 
     @property
     def projections(self):
+        """The home weights, views of the pools' first halves."""
         return (self.gate, self.up, self.down)
 
     def nbytes_per_expert(self) -> int:
         """Bytes of one expert's three projections."""
-        return 3 * self.H * self.ffn * self.flat.element_size()
+        return 3 * self.H * self.ffn * self.pools[0].element_size()
 
 
 def swiglu_experts(a, cu_seqlens, wg, wu, wd):
@@ -51,7 +57,7 @@ def swiglu_experts(a, cu_seqlens, wg, wu, wd):
 def moonep_step(ep, x, idx, w, weights: ExpertWeights):
     """One forward layer step on moonep; returns ``(y [s, H], h)``."""
     h = ep.dispatch(x, idx, w)
-    wg, wu, wd = (ep.prefetch(h, p) for p in weights.projections)
+    wg, wu, wd = (ep.prefetch(h, p, out=pool) for p, pool in zip(weights.projections, weights.pools))
     out = swiglu_experts(h.tokens, h.cu_seqlens, wg, wu, wd)
     return ep.combine(out, h), h
 

@@ -237,7 +237,8 @@ class Suite:
         self.doc["transport"] = ep0.transport_name
         weights, why = None, ""
         if a.ffn > 0:
-            need = epn * H * a.ffn * self.es * (1 + 2 * 3 + len(a.slack) + 2)
+            # three [2*epn, H, ffn] slot pools (the home weights are their first halves), plus headroom
+            need = epn * H * a.ffn * self.es * (2 * 3 + len(a.slack) + 2)
             ok = gather(rt, need < 0.7 * _avail_bytes(rt))
             if all(ok):
                 weights = ExpertWeights(epn, H, a.ffn, self.dtype, rt.device, seed=ci)
@@ -300,15 +301,15 @@ class Suite:
                                                             / counts.sum()), 4)
             if weights is not None:
                 def pf():
-                    for wt in weights.projections:
-                        ep.prefetch(h, wt)
+                    for wt, pool in zip(weights.projections, weights.pools):
+                        ep.prefetch(h, wt, out=pool)
 
                 p = T(pf)
 
                 def dp():
                     hh = ep.dispatch(x, idx, w)
-                    for wt in weights.projections:
-                        ep.prefetch(hh, wt)
+                    for wt, pool in zip(weights.projections, weights.pools):
+                        ep.prefetch(hh, wt, out=pool)
 
                 q = T(dp)
                 rec.update(prefetch_us=p.us, dispatch_prefetch_us=q.us)
@@ -330,7 +331,7 @@ class Suite:
             ep = eps[a.slack[0]]
             ml = T(lambda: moonep_step(ep, x, idx, w, weights))
             h = ml.out[1]
-            pw = [ep.prefetch(h, wt) for wt in weights.projections]
+            pw = [ep.prefetch(h, wt, out=pool) for wt, pool in zip(weights.projections, weights.pools)]
             mg = T(lambda: swiglu_experts(h.tokens, h.cu_seqlens, *pw))
             m_rows = int(h.num_rows)
             ml.out = None
@@ -486,7 +487,9 @@ DEFINITIONS = {
                    "+ regroup by local expert; symm_mem: permute + splits + all_to_all_vdev_2d",
     "combine_us": "identity experts; moonep: ep.combine; Megatron: un-regroup + all_to_all_single + weighted "
                   "scatter-add; symm_mem: all_to_all_vdev_2d_offset + weighted scatter-add",
-    "prefetch_us": "ep.prefetch of three [epn, H, ffn] projections (replica weights pushed from their home rank)",
+    "prefetch_us": "ep.prefetch of three [epn, H, ffn] projections into persistent [2*epn, ...] slot pools "
+                   "(out=, home weights are views of the pools: only the replica weights, pushed from their "
+                   "home rank, are written)",
     "dispatch_prefetch_us": "dispatch followed by the three prefetches, one timed region (MoonEP's accounting)",
     "time": "median over iters of the slowest rank; GPU: CUDA events, calls back to back; CPU: wall clock, "
             "barrier before each call",

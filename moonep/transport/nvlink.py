@@ -37,7 +37,10 @@ it in the same step skips its own (every peer already finished reading the areas
 receive-back area is double-buffered by call parity, so combine needs no entry barrier: a peer can only
 reach combine n+2 after my combine n+1 pushed, which follows my combine n's reads in stream order.
     prefetch    ``moonep_prefetch_push`` / ``_finish``: the home rank writes replica weights into the
-                pools of the ranks it serves
+                pools of the ranks it serves.  With ``out=`` (a persistent pool of the caller) ``_finish``
+                runs with zero row bytes, only as the wait for the peers' pushes; then one ``torch.where``
+                writes the replica slots (empty ones zero) and the home half is copied only when the home
+                weights are not already ``out[:epn]``
     reduce_grad ``moonep_reduce_stage`` / ``_finish``: replica gradients staged in the own pool, the home
                 rank reads and adds them in rank order
 
@@ -271,6 +274,8 @@ class NVLinkEngine:
         self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
         self._grad_views = {}
         self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
+        self._pool_views = {}  # (shape, dtype) -> torch view of this rank's own pool rows
+        self._zeros = {}       # dtype -> 0-d zero on this device (torch.where's fill for empty slots)
         # route_gather's histogram/flag/block-counter scratch (zero between calls)
         self._scratch = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
         self._ctx = torch.zeros(_CTX_WORDS, dtype=torch.int64, device=self.device)
@@ -331,6 +336,8 @@ class NVLinkEngine:
             setattr(self, which, new)
             if which == "grad":
                 self._grad_views = {}
+            if which == "pool":
+                self._pool_views = {}
             self._write_ctx()
         finally:
             torch.cuda.set_sync_debug_mode(prev)
@@ -381,6 +388,7 @@ class NVLinkEngine:
                 buf.close(barrier=barrier)
         self.herr.close()
         self.recv = self.wbuf = None
+        self._pool_views = {}
 
     # -- plan ------------------------------------------------------------------------------------------
     def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
@@ -572,8 +580,16 @@ class NVLinkEngine:
         src = plan.replica_source.to(device=self.device, dtype=torch.int64).contiguous()
         return rep, src
 
-    def prefetch(self, plan, local_weight):
-        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero)."""
+    def prefetch(self, plan, local_weight, out=None):
+        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).
+
+        ``out``: a checked persistent ``[2*epn, *D]`` pool (see ``ExpertParallel.prefetch``): only the
+        replica rows travel (pushed by their home rank, as without ``out``) and are written into
+        ``out[epn:]``; the home half is copied only when ``local_weight`` is not ``out[:epn]``.  Returns
+        ``out``.
+        """
+        if out is not None:
+            return self._prefetch_into(plan, local_weight, out)
         self.check(inputs=False)
         lw = local_weight.contiguous()
         epn = self.epn
@@ -587,6 +603,44 @@ class NVLinkEngine:
                      (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
         self._launch("moonep_prefetch_finish", self.sm_count,
                      (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep)))
+        return out
+
+    def _pool_rows(self, shape, dtype):
+        """This rank's own pool as ``[epn, *shape]`` rows of ``dtype`` (cached per shape and dtype)."""
+        key = (tuple(shape), dtype)
+        v = self._pool_views.get(key)
+        if v is None:
+            if len(self._pool_views) >= 16:
+                self._pool_views = {}
+            v = self._pool_views[key] = self.pool.view(0, (self.epn, *shape), dtype)
+        return v
+
+    def _prefetch_into(self, plan, local_weight, out):
+        from ..replicas import home_is_view
+
+        self.check(inputs=False)
+        epn = self.epn
+        shared = home_is_view(local_weight, out)
+        lw = local_weight if shared else local_weight.contiguous()
+        rb = out[0].numel() * out.element_size()
+        if self.pool is None or self.pool.nbytes < epn * rb:
+            self._grow("pool", max(epn * rb, 256))
+        rep, src = self._replica_tables(plan)
+        vec = _vec(rb, lw.data_ptr(), out.data_ptr())
+        self._launch("moonep_prefetch_push", self.num_sms,
+                     (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
+        # row_bytes 0: the finish kernel copies and zeroes nothing, it only waits until every peer's push
+        # has landed in this rank's pool; the copies below follow it on the same stream.
+        self._launch("moonep_prefetch_finish", 1,
+                     (_p(out), _p(lw), np.int64(0), np.int32(vec), np.int32(epn), _p(rep)))
+        if not shared:
+            out[:epn].copy_(lw)
+        if rb:
+            zero = self._zeros.get(out.dtype)
+            if zero is None:
+                zero = self._zeros[out.dtype] = torch.zeros((), dtype=out.dtype, device=self.device)
+            valid = (rep[self.rank] >= 0).view(epn, *([1] * (out.dim() - 1)))
+            torch.where(valid, self._pool_rows(out.shape[1:], out.dtype), zero, out=out[epn:])
         return out
 
     def reduce_grad(self, plan, grad_view):
@@ -680,6 +734,20 @@ class _NvPrefetchFn(torch.autograd.Function):
         return ctx.eng.reduce_grad(ctx.plan, g), None, None
 
 
+class _NvPrefetchIntoFn(torch.autograd.Function):
+    """``prefetch(..., out=pool)`` under autograd: the pool is written in place, an alias of it is returned
+    (see moonep.ep._PrefetchIntoFn)."""
+
+    @staticmethod
+    def forward(ctx, local_weight, eng, plan, holder):
+        ctx.eng, ctx.plan = eng, plan
+        return eng.prefetch(plan, local_weight, out=holder[0]).detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.eng.reduce_grad(ctx.plan, g), None, None, None
+
+
 # -- the hooks ExpertParallel calls ------------------------------------------------------------------------
 def dispatch(ep, x, topk_idx, topk_weights, num_global_tokens=None):
     from .. import layout
@@ -723,8 +791,13 @@ def combine(ep, expert_out, h):
     return y
 
 
-def prefetch(ep, h, local_weight):
-    if torch.is_grad_enabled() and local_weight.requires_grad:
+def prefetch(ep, h, local_weight, out=None):
+    tracked = torch.is_grad_enabled() and local_weight.requires_grad
+    if out is not None:
+        if tracked:
+            return _NvPrefetchIntoFn.apply(local_weight, ep._engine, h.plan, (out,))
+        return ep._engine.prefetch(h.plan, local_weight, out=out)
+    if tracked:
         return _NvPrefetchFn.apply(local_weight, ep._engine, h.plan)
     return ep._engine.prefetch(h.plan, local_weight)
 

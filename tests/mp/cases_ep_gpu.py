@@ -310,6 +310,66 @@ def case_prefetch_and_reduce_grad_equal_host(rt):
         nv.synchronize()
 
 
+def case_prefetch_into_pool_equal_host(rt):
+    """prefetch(h, w, out=pool) on the NVLink transport over several steps with changing replicas: bitwise
+    the host path's result (with and without out), in fp32 and bf16, 16-byte and odd rows; with the home
+    weights a view pool[:epn] nothing writes the home half; under autograd the gradient is reduce_grad's."""
+    from cases_ep import _WriteLog, _hot_steps
+
+    _need_cuda(rt)
+    R, d = rt.world_size, rt.device
+    epn, K, H, S = 4, 4, 16, 40
+    E = epn * R
+    host, nv = _pair(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32)
+    steps = _hot_steps(rt, E, K, H, S, 4, seed=70)
+    with nv:
+        for dt, D in ((torch.float32, (16, 8)), (torch.float32, (3, 5)), (torch.bfloat16, (16, 8)),
+                      (torch.bfloat16, (3, 5))):
+            g = torch.Generator().manual_seed(rt.rank + 3)
+            home = torch.randn(epn, *D, generator=g).to(dt)
+            pool = torch.full((2 * epn, *D), float("nan"), dtype=dt, device=d)  # stale garbage at first
+            pool[:epn] = home.to(d)
+            w_view = pool[:epn]
+            sep = torch.full((2 * epn, *D), float("nan"), dtype=dt, device=d)
+            hpool = torch.full((2 * epn, *D), float("nan"), dtype=dt)
+            hpool[:epn] = home
+            tables = set()
+            for step, (x, idx, w) in enumerate(steps):
+                ctx = f"rank {rt.rank} {dt} D={D} step {step}"
+                with torch.no_grad():
+                    hh, hn = host.dispatch(x, idx, w), nv.dispatch(x.to(d), idx.to(d), w.to(d))
+                    _eq(hn.plan.replica_experts, hh.plan.replica_experts, f"{ctx} plan")
+                    tables.add(tuple(hh.plan.replica_experts.flatten().tolist()))
+                    want = host.prefetch(hh, home)
+                    assert host.prefetch(hh, hpool[:epn], out=hpool) is hpool
+                    _eq(hpool, want, f"{ctx} host out=")
+                    log = _WriteLog()
+                    with log:
+                        got = nv.prefetch(hn, w_view, out=pool)
+                    assert got is pool and w_view.data_ptr() == pool.data_ptr(), ctx
+                    _eq(got, want, f"{ctx} nvlink out= (home view)")
+                    _eq(pool[:epn], home, f"{ctx} home half")
+                    lo = pool.data_ptr()
+                    hi = lo + epn * pool[0].numel() * pool.element_size()
+                    bad = [op for op, a, b in log.writes if a < hi and b > lo]
+                    assert not bad, f"{ctx}: the home half (a view of the pool) was written by {bad}"
+                    got = nv.prefetch(hn, home.to(d), out=sep)
+                    assert got is sep, ctx
+                    _eq(got, want, f"{ctx} nvlink out= (separate home)")
+                    _eq(nv.prefetch(hn, home.to(d)), want, f"{ctx} nvlink without out")
+                # autograd: the home weights a Parameter viewing the pool
+                param = torch.nn.Parameter(pool[:epn])
+                G = torch.randn(2 * epn, *D, generator=g).to(dt)
+                got = nv.prefetch(hn, param, out=pool)
+                assert got.requires_grad and got.data_ptr() == pool.data_ptr(), ctx
+                (got * G.to(d)).sum().backward()
+                _eq(param.grad, host.reduce_grad(hh, G), f"{ctx} gradient through out=")
+                _eq(pool, want, f"{ctx} nvlink out= under autograd")
+            if R > 1:
+                assert len(tables) > 1, f"rank {rt.rank}: the replica placement never changed"
+        nv.synchronize()
+
+
 def case_bad_values_reported_later_on_every_rank(rt):
     """Bad ids are caught on device: every rank raises, at the first call that sees the flag.
 
