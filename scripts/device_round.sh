@@ -15,6 +15,7 @@ step() {  # name timeout cmd...
 }
 for s in "$@"; do case $s in
   planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/test_planner_gpu.py tests/test_balance_gpu.py ;;
+  planner_gpu) step planner_gpu 120 python3 -m pytest -q -rA tests/test_planner_gpu.py ;;
   qb_timing) step qb_timing 90 python3 benchmarks/bench_balance.py gpu --out $o ;;
   planner_bench) step planner_bench 150 python3 benchmarks/bench_planner.py --no-oracle --reps 30 --out $o/planner_gpu.json ;;
   layers_gpu) step layers_gpu 120 python3 -m pytest -q -rA tests/test_layers.py ;;
