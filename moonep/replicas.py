@@ -18,11 +18,16 @@ def _replica_lists(plan, R: int):
     return rep, src, slots
 
 
-def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Transport) -> torch.Tensor:
-    """``[epn, *D]`` home weights -> ``[2*epn, *D]``: home experts, then replica slots (zero if empty)."""
-    R, epn = transport.world_size, local_weight.shape[0]
+def _fetch_replicas(plan, rank: int, flat: torch.Tensor, transport: Transport):
+    """Send the home rows peers replicate, receive this rank's replicas.
+
+    Args:
+        flat: ``[epn, D]`` this rank's home weights, one row per expert.
+    Returns:
+        ``(got [n, D], slots)``: the received rows and the replica slot index of each (ascending).
+    """
+    R, epn = transport.world_size, flat.shape[0]
     rep, src, slots = _replica_lists(plan, R)
-    flat = local_weight.reshape(epn, -1)
     send_rows, send_splits = [], []
     for u in range(R):
         mine = [int(rep[u, j]) - rank * epn for j in slots[u]] if src[u] == rank else []
@@ -30,10 +35,17 @@ def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Tra
         send_splits.append(len(mine))
     recv_splits = [len(slots[rank]) if r == src[rank] else 0 for r in range(R)]
     idx = torch.tensor(send_rows, dtype=torch.int64, device=flat.device)
-    got = transport.all_to_all(flat[idx], send_splits, recv_splits)
+    return transport.all_to_all(flat[idx], send_splits, recv_splits), slots[rank]
+
+
+def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Transport) -> torch.Tensor:
+    """``[epn, *D]`` home weights -> ``[2*epn, *D]``: home experts, then replica slots (zero if empty)."""
+    epn = local_weight.shape[0]
+    flat = local_weight.reshape(epn, -1)
+    got, mine = _fetch_replicas(plan, rank, flat, transport)
     replicas = flat.new_zeros((epn, flat.shape[1]))
-    if slots[rank]:
-        replicas[torch.tensor(slots[rank], device=flat.device)] = got
+    if mine:
+        replicas[torch.tensor(mine, device=flat.device)] = got
     return torch.cat([flat, replicas]).reshape(2 * epn, *local_weight.shape[1:])
 
 
@@ -67,28 +79,20 @@ def prefetch_weights_into(plan, rank: int, local_weight: torch.Tensor, transport
     Writes the replica slots ``out[epn:]`` (only the empty ones are zeroed) and copies the home half only
     when ``local_weight`` is not ``out[:epn]`` itself (see :func:`home_is_view`).  Returns ``out``.
     """
-    R, epn = transport.world_size, local_weight.shape[0]
-    rep, src, slots = _replica_lists(plan, R)
+    epn = local_weight.shape[0]
     shared = home_is_view(local_weight, out)
     flat = local_weight.reshape(epn, -1)
-    send_rows, send_splits = [], []
-    for u in range(R):
-        mine = [int(rep[u, j]) - rank * epn for j in slots[u]] if src[u] == rank else []
-        send_rows += mine
-        send_splits.append(len(mine))
-    recv_splits = [len(slots[rank]) if r == src[rank] else 0 for r in range(R)]
-    idx = torch.tensor(send_rows, dtype=torch.int64, device=flat.device)
-    got = transport.all_to_all(flat[idx], send_splits, recv_splits)
+    got, mine = _fetch_replicas(plan, rank, flat, transport)
     pool = out.view(2 * epn, -1)
     if not shared:
         pool[:epn].copy_(flat)
     replicas = pool[epn:]
-    valid = set(slots[rank])
+    valid = set(mine)
     empty = [j for j in range(epn) if j not in valid]
     if empty:
         replicas.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
-    if slots[rank]:
-        replicas.index_copy_(0, torch.tensor(slots[rank], dtype=torch.int64, device=flat.device), got)
+    if mine:
+        replicas.index_copy_(0, torch.tensor(mine, dtype=torch.int64, device=flat.device), got)
     return out
 
 
