@@ -311,6 +311,16 @@ def sum_by_rank_float(back, start, pairs, y):
 
 # -- routing -------------------------------------------------------------------------------------------
 @njit(cache=True)
+def _first_choice(dst_rank, i, k):
+    """Whether choice ``k`` is the first of token ``i``'s choices that goes to rank ``dst_rank[i, k]``."""
+    r = dst_rank[i, k]
+    for k2 in range(k):
+        if dst_rank[i, k2] == r:
+            return False
+    return True
+
+
+@njit(cache=True)
 def route_pairs(dst_rank, dst_row, R):
     """Pairs (token, destination rank) grouped by rank, ascending token inside a group.
 
@@ -323,12 +333,7 @@ def route_pairs(dst_rank, dst_row, R):
             r = dst_rank[i, k]
             if r < 0:
                 continue
-            first = True
-            for k2 in range(k):
-                if dst_rank[i, k2] == r:
-                    first = False
-                    break
-            if first:
+            if _first_choice(dst_rank, i, k):
                 splits[r] += 1
     fill = np.zeros(R, np.int64)
     for r in range(1, R):
@@ -341,12 +346,7 @@ def route_pairs(dst_rank, dst_row, R):
             r = dst_rank[i, k]
             if r < 0:
                 continue
-            first = True
-            for k2 in range(k):
-                if dst_rank[i, k2] == r:
-                    first = False
-                    break
-            if not first:
+            if not _first_choice(dst_rank, i, k):
                 continue
             p = fill[r]
             fill[r] += 1
