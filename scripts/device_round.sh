@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
 # (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
-#   steps: planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -27,6 +27,15 @@ for s in "$@"; do case $s in
   smoke) step smoke 200 bash scripts/gpu_smoke.sh $o ;;
   examples) step train_tiny_moe 150 mpirun --allow-run-as-root -n 2 python3 examples/train_tiny_moe.py --steps 30
             step hf_mixtral_ep 150 mpirun --allow-run-as-root -n 2 python3 examples/hf_mixtral_ep.py ;;
+  planner_prof) step planner_prof 150 python3 scripts/profile_planner.py --out $o/planner_prof.json ;;
+  ncu_planner) step ncu_planner 200 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:moonep --csv \
+                 --launch-skip 40 --launch-count 60 python3 scripts/profile_planner.py --families zipf1.5 ;;
+  ncu_ep) step ncu_ep 200 mpirun --allow-run-as-root -n 2 bash -c 'exec ncu --clock-control none --csv \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed \
+            --launch-skip 300 --launch-count 60 --log-file '$o'/ncu_ep_r$OMPI_COMM_WORLD_RANK.csv \
+            python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 20 --warmup 5 --out '$o ;;
+  suite_np4) step suite_np4 300 mpirun --allow-run-as-root --oversubscribe -n 4 python3 -m moonep.bench --device cuda \
+               --preset h200 --placement clustered --maxvio 0 1 4 --iters 10 --warmup 2 --no-symm --plot --out $o/suite_h200_np4.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
 esac; done
 tar czf "${OUT:-/tmp}/round.tgz" -C $o .

@@ -1,0 +1,95 @@
+"""Device-time breakdown of the GPU planner (issue 3): per-kernel times without host overhead.
+
+    python3 scripts/profile_planner.py [--out PATH]
+
+For each (E, R, K) and routing family: ``graph_plan_us`` / ``graph_layout_us`` / ``graph_both_us`` are
+N calls captured in ONE CUDA graph and replayed, divided by N (device time per call, no launch gaps);
+``eager_*`` are single calls timed with CUDA events as a user makes them; ``host_*`` the Python time of a
+call without sync. Run under ``ncu --metrics gpu__time_duration.sum -k regex:moonep`` for kernel times.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_planner import bench_routing, machine  # noqa: E402
+from moonep.layout import token_destinations  # noqa: E402
+from moonep.planner import plan_balanced  # noqa: E402
+
+
+def ev_time(fn, n=50):
+    ts = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); fn(); b.record()  # noqa: E702
+        ts.append((a, b))
+    torch.cuda.synchronize()
+    return float(np.median([a.elapsed_time(b) for a, b in ts])) * 1e3
+
+
+def graph_time(fn, n=20):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return ev_time(g.replay, 20) / n
+
+
+def host_time(fn, n=200):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default="256,8,8;896,64,16")
+    ap.add_argument("--families", default="uniform,zipf1.5,theorem2")
+    a = ap.parse_args()
+    res = {"command": " ".join([sys.executable] + sys.argv), "commit": os.environ.get("MOONEP_GIT_COMMIT"),
+           "machine": machine(), "rows": []}
+    for cfg in a.configs.split(";"):
+        E, R, K = map(int, cfg.split(","))
+        for fam in a.families.split(","):
+            tk, c = bench_routing(fam, E, R, K, 4096)
+            c, tk = torch.from_numpy(c).cuda(), torch.from_numpy(tk).cuda()
+            rank = R - 1
+            plan = plan_balanced(c)
+            fp = lambda: plan_balanced(c)  # noqa: E731
+            fl = lambda: token_destinations(plan, rank, tk)  # noqa: E731
+            fb = lambda: token_destinations(plan_balanced(c), rank, tk)  # noqa: E731
+            for f in (fp, fl, fb):
+                f(); f()  # noqa: E702
+            row = {"E": E, "R": R, "K": K, "family": fam,
+                   "graph_plan_us": graph_time(fp), "graph_layout_us": graph_time(fl), "graph_both_us": graph_time(fb),
+                   "eager_plan_us": ev_time(fp), "eager_layout_us": ev_time(fl), "eager_both_us": ev_time(fb),
+                   "host_plan_us": host_time(fp), "host_layout_us": host_time(fl), "host_both_us": host_time(fb)}
+            res["rows"].append(row)
+            print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    if a.out:
+        with open(a.out, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
