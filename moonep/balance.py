@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_kernels
-from .errors import expect, expect_tensor
+from .errors import expect, expect_device, expect_tensor
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
 
@@ -81,6 +81,10 @@ class QuantileBalancer(torch.nn.Module):
     def __init__(self, num_experts: int, topk: int, bins: int = 1000, group=None, ema: float = 0.0, *,
                  frozen: bool = False, validate=True, device=None):
         super().__init__()
+        if device is not None:
+            device = expect_device(device)
+        expect(group is None or isinstance(group, dist.ProcessGroup), "group", "None or a ProcessGroup",
+               type(group).__name__)
         expect(isinstance(num_experts, int) and num_experts >= 2, "num_experts", "an int >= 2", num_experts)
         expect(isinstance(topk, int) and 1 <= topk < num_experts, "topk",
                f"an int in [1, num_experts={num_experts}) (top-(k+1) cutoffs need k < E)", topk)
@@ -155,7 +159,7 @@ class QuantileBalancer(torch.nn.Module):
         # int32 indices (E*B < 2**31) halve the index traffic; truncation is floor since x >= 0.
         x = torch.nan_to_num_(x, nan=0.0).clamp_(0, B - 1).to(torch.int32)
         x += self._row_start
-        flat = x.view(-1)
+        flat = x.reshape(-1)  # x follows the scores' strides: a transposed input is not viewable
         self._counts.index_add_(0, flat, torch.ones((), dtype=torch.int32, device=flat.device).expand(flat.numel()))
         if raw is not None and raw.numel():  # deferred validation: +1 per micro-batch with bad scores
             mn, mx = torch.aminmax(raw.detach())  # one pass; NaN propagates into both

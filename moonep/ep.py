@@ -19,7 +19,7 @@ import torch
 from . import cpu_kernels, layout
 from .combine import acc_dtype, combine_rows, gather_choices, sum_choices_by_rank
 from .dispatch import Routing, build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
-from .errors import expect, expect_tensor
+from .errors import expect, expect_device, expect_int, expect_slack, expect_tensor
 from .planner import plan_balanced
 from .replicas import prefetch_weights, prefetch_weights_into, reduce_replica_grads
 from .transport import make_transport
@@ -170,7 +170,10 @@ class ExpertParallel:
         self.rt = group if isinstance(group, Runtime) else init(group)
         R = self.rt.world_size
         self.rank, self.world_size = self.rt.rank, R
-        self.device = torch.device(device) if device is not None else self.rt.device
+        try:  # a bad device fails on every rank, in the collective check below, not as a hang
+            self.device, dev_err = (expect_device(device) if device is not None else self.rt.device), None
+        except ValueError as exc:
+            self.device, dev_err = self.rt.device, str(exc)
         self._engine = None
         expect(transport in ("auto", "mpi", "torch", "nvlink"), "transport", '"auto", "mpi", "torch" or "nvlink"',
                repr(transport))
@@ -189,17 +192,22 @@ class ExpertParallel:
                                  f"rank {bad[0][0]}: {bad[0][1]}")
             use_nvlink = not bad
         config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
-                      dtype=str(dtype), align=align, slack=float(slack), apply_weights=apply_weights,
+                      dtype=str(dtype), align=align, apply_weights=apply_weights,
+                      slack=float(slack) if isinstance(slack, (int, float)) else repr(slack),
                       transport="nvlink" if use_nvlink else self.transport.name)
-        errors = []
+        errors = [dev_err] if dev_err else []
         try:
             for name in ("num_experts", "topk", "hidden", "max_tokens", "align"):
-                expect(isinstance(config[name], int) and config[name] > 0, name, "a positive int",
-                       repr(config[name]))
+                expect(isinstance(config[name], int) and not isinstance(config[name], bool) and config[name] > 0,
+                       name, "a positive int", repr(config[name]))
             expect(num_experts % R == 0, "num_experts", f"a multiple of the group size {R}", num_experts)
             expect(topk <= num_experts, "topk", f"<= num_experts ({num_experts})", topk)
             expect(dtype in _FLOAT, "dtype", "float32, float64, bfloat16 or float16", dtype)
-            expect(slack >= 0, "slack", ">= 0", slack)
+            expect_slack(slack)
+            expect(zero_copy in (True, False, "auto"), "zero_copy", 'True, False or "auto"', repr(zero_copy))
+            expect(timeout is None or (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")),
+                   "timeout", "None or a finite number of seconds > 0", repr(timeout))
+            expect_int(num_sms, "num_sms", 1)
             expect(apply_weights in ("combine", "dispatch"), "apply_weights", '"combine" or "dispatch"',
                    repr(apply_weights))
         except ValueError as exc:
@@ -302,6 +310,7 @@ class ExpertParallel:
             r = next(i for i, m in enumerate(msgs) if m)
             raise ValueError(err if err else f"{msgs[r]} (on rank {r})")
         if num_global_tokens is not None:
+            expect_int(num_global_tokens, "num_global_tokens", 0)
             total = int(meta[:, E].sum())
             expect(total == num_global_tokens, "num_global_tokens",
                    f"the sum of tokens over ranks ({total})", num_global_tokens)
@@ -385,6 +394,7 @@ class ExpertParallel:
             of ops that saved the first result makes that backward raise torch's in-place error instead of
             using overwritten weights.
         """
+        expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
         expect_tensor(local_weight, "local_weight", device=self.device)
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
@@ -425,6 +435,7 @@ class ExpertParallel:
 
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
         """
+        expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))

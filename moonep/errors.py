@@ -31,3 +31,40 @@ def expect_tensor(t, name: str, *, dim: int | None = None, dtypes=None, device=N
         ok = len(shape) == t.dim() and all(a is None or a == b for a, b in zip(shape, t.shape))
         want = "[" + ", ".join("*" if a is None else str(a) for a in shape) + "]"
         expect(ok, name, f"shape {want}", f"{list(t.shape)}")
+
+
+def expect_int(v, name: str, lo: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``v`` is an integer (``int`` or a numpy integer, not a bool) ``>= lo``."""
+    import operator
+
+    try:
+        ok = not isinstance(v, bool) and operator.index(v) == v and (lo is None or v >= lo)
+    except TypeError:
+        ok = False
+    expect(ok, name, "an int" + ("" if lo is None else f" >= {lo}"), repr(v))
+
+
+def expect_slack(v, name: str = "slack") -> float:
+    """``slack`` must be a finite real ``>= 0`` (bools are refused: they are almost always a slip)."""
+    import math
+
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    expect(ok, name, "a finite float >= 0", repr(v))
+    return float(v)
+
+
+def expect_device(device, name: str = "device") -> torch.device:
+    """Parse ``device`` and check it can hold moonep's tensors: the CPU, or a CUDA device that exists.
+
+    Catches the "wrong device" mistakes early (``"meta"``, ``"cuda:7"`` on a 2-GPU box, a typo), where torch
+    would fail later with an assertion or a device-mismatch deep inside a kernel."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{name}: expected a torch.device or a device string, got {device!r} ({exc})") from None
+    expect(dev.type in ("cpu", "cuda"), name, "a cpu or cuda device", dev)
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        expect(n > 0 and (dev.index is None or dev.index < n), name,
+               f"an existing CUDA device ({n} visible)", dev)
+    return dev

@@ -19,18 +19,48 @@ import operator
 
 import torch
 
+from .errors import expect, expect_int, expect_slack, expect_tensor
 from .planner import Plan, cap_for
 
 __all__ = ["slot_experts", "slot_sizes", "cu_seqlens", "capacity", "token_destinations"]
 
 
 def _check_align(align):
-    if not isinstance(align, int) or align < 1:
+    if not isinstance(align, int) or isinstance(align, bool) or align < 1:
         raise ValueError(f"align: expected an int >= 1, got {align!r}")
+
+
+def _check_plan(plan) -> None:
+    expect(isinstance(plan, Plan), "plan", "a moonep.planner.Plan (from plan_balanced)", type(plan).__name__)
+
+
+def _check_routing(plan: Plan, rank: int, topk_idx) -> None:
+    """``topk_idx`` must be the integer [s, K] routing that ``plan.counts[rank]`` counts, on the plan's device.
+
+    Values are checked on CPU plans only (on CUDA they would cost a host sync; ``ExpertParallel`` checks
+    them before planning). A routing the plan did not count would place copies in rows of other slots."""
+    expect_tensor(topk_idx, "topk_idx", dim=2)
+    expect(not topk_idx.dtype.is_floating_point and not topk_idx.dtype.is_complex and topk_idx.dtype != torch.bool,
+           "topk_idx", "an integer dtype (int32 or int64)", topk_idx.dtype)
+    dev = plan.replica_source.device
+    expect(topk_idx.device.type == dev.type, "topk_idx", f"device {dev} (that of the plan)", topk_idx.device)
+    if dev.type != "cpu" or topk_idx.numel() == 0:
+        return
+    E = plan.num_experts
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    lo, hi = int(flat.min()), int(flat.max())
+    expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
+    cnt = torch.bincount(flat[flat >= 0], minlength=E)
+    if not torch.equal(cnt, plan.counts[rank]):
+        e = int((cnt != plan.counts[rank]).nonzero()[0, 0])
+        raise ValueError(f"topk_idx: expected the routing plan.counts[{rank}] counts ({int(plan.counts[rank, e])} "
+                         f"copies of expert {e}), got {int(cnt[e])}")
 
 
 def slot_experts(plan: Plan, rank: int) -> torch.Tensor:
     """int64 [2*epn]: global expert id in each slot of ``rank`` (home experts, then replicas; -1 empty)."""
+    _check_plan(plan)
+    rank = _check_rank(rank, plan.num_ranks)
     epn = plan.experts_per_rank
     home = torch.arange(rank * epn, (rank + 1) * epn, device=plan.assignment.device)
     return torch.cat([home, plan.replica_experts[rank]])
@@ -38,6 +68,7 @@ def slot_experts(plan: Plan, rank: int) -> torch.Tensor:
 
 def slot_sizes(plan: Plan, align: int = 1) -> torch.Tensor:
     """int64 [R, 2*epn]: rows in each slot of every rank, rounded up to a multiple of ``align``."""
+    _check_plan(plan)
     _check_align(align)
     A = plan.assignment
     E, R = A.shape
@@ -55,17 +86,18 @@ def _check_rank(rank, R) -> int:
         r = operator.index(rank)
     except TypeError:
         r = -1
-    if not 0 <= r < R:
+    if isinstance(rank, bool) or not 0 <= r < R:
         raise ValueError(f"rank: expected an int in [0, {R}), got {rank!r}")
     return r
 
 
 def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Tensor:
     """int32 [2*epn + 1] slot offsets of ``rank`` (or int32 [R, 2*epn + 1] for every rank if None)."""
+    _check_plan(plan)
+    _check_align(align)
+    if rank is not None:
+        rank = _check_rank(rank, plan.num_ranks)
     if plan._ws is not None:  # CUDA plan: one small kernel (csrc/planner.cu moonep_cu)
-        _check_align(align)
-        if rank is not None:
-            rank = _check_rank(rank, plan.num_ranks)
         from .planner.cuda import cu_seqlens_cuda
         return cu_seqlens_cuda(plan, rank, align)
     sz = slot_sizes(plan, align)
@@ -80,6 +112,11 @@ def capacity(max_tokens: int, topk: int, num_ranks: int, num_experts: int, align
     The plan gives a rank at most ``cap_for(R*S*K, R, slack)`` copies (``S*K`` when ``slack == 0``)
     and each of its ``2*epn`` slots adds fewer than ``align`` padding rows."""
     _check_align(align)
+    expect_int(max_tokens, "max_tokens", 0)
+    expect_int(topk, "topk", 1)
+    expect_int(num_ranks, "num_ranks", 1)
+    expect_int(num_experts, "num_experts", 1)
+    slack = expect_slack(slack)
     if num_experts % num_ranks:
         raise ValueError(f"num_experts: expected a multiple of num_ranks={num_ranks}, got {num_experts}")
     epn = num_experts // num_ranks
@@ -92,11 +129,14 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
     topk_idx  int32/int64 [s, K] expert ids (-1: masked copy), the routing ``plan.counts[rank]`` counts
     returns   (dst_rank int64 [s, K], dst_row int64 [s, K]), -1 where topk_idx == -1
     """
+    _check_plan(plan)
     _check_align(align)
+    expect_tensor(topk_idx, "topk_idx")
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected shape [s, K], got {tuple(topk_idx.shape)}")
+    rank = _check_rank(rank, plan.num_ranks)
+    _check_routing(plan, rank, topk_idx)
     if plan._ws is not None and topk_idx.is_cuda:  # CUDA plan: one fused kernel (csrc/planner.cu)
-        rank = _check_rank(rank, plan.num_ranks)
         from .planner.cuda import layout_cuda
         res = layout_cuda(plan, rank, topk_idx, align)
         if res is not None:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..balance import QuantileBalancer
-from ..errors import expect, expect_tensor
+from ..errors import expect, expect_device, expect_tensor
 from .activations import situ_glu_fused
 from .grouped import slot_matmul
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
@@ -70,9 +70,13 @@ class LatentMoE(ShardedExperts, nn.Module):
         expect(d_latent <= d_model, "d_latent", f"<= d_model ({d_model}), a compression of the model width",
                d_latent)
         expect(topk <= num_experts, "topk", f"<= num_experts ({num_experts})", topk)
-        expect(isinstance(num_shared, int) and num_shared >= 0, "num_shared", "an int >= 0", repr(num_shared))
+        expect(isinstance(num_shared, int) and not isinstance(num_shared, bool) and num_shared >= 0, "num_shared", "an int >= 0", repr(num_shared))
         expect(dtype in _FLOAT, "dtype", "float32, float64, bfloat16 or float16", dtype)
         expect(matmul in ("auto", "grouped", "loop"), "matmul", '"auto", "grouped" or "loop"', repr(matmul))
+        expect(isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf"), "eps",
+               "a finite float >= 0", repr(eps))
+        if device is not None:
+            device = expect_device(device)
         expect(max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 0), "max_tokens",
                "None or a positive int", repr(max_tokens))
         rt = resolve_group(group)

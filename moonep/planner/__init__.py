@@ -109,7 +109,10 @@ ERR_ROWSUM = 2
 def cap_for(total: int, num_ranks: int, slack: float) -> int:
     """Per-rank cap ``ceil((1 + slack) * T / R)`` (float64, as the kernel computes it), never below
     ``ceil(T / R)`` so that a plan always exists."""
-    return max(-(-int(total) // num_ranks), math.ceil((1.0 + slack) * total / num_ranks))
+    c = (1.0 + slack) * total / num_ranks
+    if not math.isfinite(c):  # slack so large the float overflows: no cap binds, as with c = total
+        c = total
+    return max(-(-int(total) // num_ranks), math.ceil(c))
 
 
 def _validate(counts, slack, tokens_per_rank, topk):
@@ -129,23 +132,36 @@ def _validate(counts, slack, tokens_per_rank, topk):
         raise ValueError(f"counts: expected R >= 1 and E >= 1, got shape {tuple(counts.shape)}")
     if E % R != 0:
         raise ValueError(f"counts: expected E % R == 0, got E={E}, R={R} (E % R = {E % R})")
-    if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
+    if isinstance(slack, bool) or not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
         raise ValueError(f"slack: expected a finite float >= 0, got {slack!r}")
     if (tokens_per_rank is None) != (topk is None):
         raise ValueError("tokens_per_rank and topk: expected both or neither, got "
                          f"tokens_per_rank={tokens_per_rank!r}, topk={topk!r}")
-    if topk is not None and (not isinstance(topk, int) or topk < 1):
+    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
         raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
+
+
+# Totals at or above this would overflow the int64 sums of the planner and the layout.
+MAX_TOTAL = 2**62
 
 
 def _declared(tokens_per_rank, R, device):
     """int64 [R] declared tokens per rank from an int, a sequence or a tensor."""
-    if isinstance(tokens_per_rank, int):
+    if isinstance(tokens_per_rank, int) and not isinstance(tokens_per_rank, bool):
         t = torch.full((R,), tokens_per_rank, dtype=torch.int64, device=device)
     else:
-        t = torch.as_tensor(tokens_per_rank).to(device=device, dtype=torch.int64)
+        try:
+            t = torch.as_tensor(tokens_per_rank)
+        except (TypeError, ValueError, RuntimeError):
+            t = None
+        if t is None or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"tokens_per_rank: expected an int or integers of shape [{R}], got "
+                             f"{tokens_per_rank!r}")
+        t = t.to(device=device, dtype=torch.int64)
     if t.shape != (R,):
         raise ValueError(f"tokens_per_rank: expected an int or shape [{R}], got {tuple(t.shape)}")
+    if bool((t < 0).any()):
+        raise ValueError(f"tokens_per_rank: expected values >= 0, got {t.tolist()}")
     return t
 
 
@@ -163,10 +179,14 @@ def plan_balanced(counts: torch.Tensor, *, slack: float = 0.0,
     Bad input raises ValueError naming the argument, what was expected and what was got.
     """
     _validate(counts, slack, tokens_per_rank, topk)
+    if validate not in (None, True, False):
+        raise ValueError(f"validate: expected None, True or False, got {validate!r}")
     if counts.is_cuda:
         from .cuda import plan_cuda
         plan = plan_cuda(counts, float(slack), tokens_per_rank, topk)
         return plan.check() if validate else plan
+    if counts.device.type != "cpu":  # e.g. "meta": no values to plan from
+        raise ValueError(f"counts: expected a CPU or CUDA tensor, got device {counts.device}")
     R, E = counts.shape
     declared = None if tokens_per_rank is None else _declared(tokens_per_rank, R, counts.device) * topk
     c = counts.to(torch.int64)
@@ -179,10 +199,14 @@ def plan_balanced(counts: torch.Tensor, *, slack: float = 0.0,
             r = int((rs != declared).nonzero()[0, 0])
             raise ValueError(f"counts: row {r} sums to {int(rs[r])}, expected tokens_per_rank[{r}] * topk"
                              f" = {int(declared[r])}")
+    total = float(c.sum(dtype=torch.float64))  # float: an int64 sum would wrap silently
+    if total >= MAX_TOTAL:
+        raise ValueError(f"counts: expected a total below 2**62 token copies, got about {total:.3g}")
     from .cpu import plan_arrays
     L = c.sum(0)
     T = int(L.sum())
-    cap = -1 if slack == 0 else cap_for(T, R, float(slack))
+    # A cap above T never binds (no rank can exceed T): clamping keeps a huge slack inside int64.
+    cap = -1 if slack == 0 else min(cap_for(T, R, float(slack)), T)
     a, rx, rs_, rc, _ = plan_arrays(L.numpy(), R, cap)
     return Plan(torch.from_numpy(a), torch.from_numpy(rx), torch.from_numpy(rs_), torch.from_numpy(rc),
                 L, c, float(slack), None)
