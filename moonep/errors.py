@@ -60,7 +60,7 @@ def expect_device(device, name: str = "device") -> torch.device:
     would fail later with an assertion or a device-mismatch deep inside a kernel."""
     try:
         dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:
         raise ValueError(f"{name}: expected a torch.device or a device string, got {device!r} ({exc})") from None
     expect(dev.type in ("cpu", "cuda"), name, "a cpu or cuda device", dev)
     if dev.type == "cuda":

@@ -137,8 +137,8 @@ def _validate(counts, slack, tokens_per_rank, topk):
     if (tokens_per_rank is None) != (topk is None):
         raise ValueError("tokens_per_rank and topk: expected both or neither, got "
                          f"tokens_per_rank={tokens_per_rank!r}, topk={topk!r}")
-    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or topk < 1):
-        raise ValueError(f"topk: expected an int >= 1, got {topk!r}")
+    if topk is not None and (not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk < MAX_TOTAL):
+        raise ValueError(f"topk: expected an int in [1, 2**62), got {topk!r}")
 
 
 # Totals at or above this would overflow the int64 sums of the planner and the layout.
@@ -148,11 +148,13 @@ MAX_TOTAL = 2**62
 def _declared(tokens_per_rank, R, device):
     """int64 [R] declared tokens per rank from an int, a sequence or a tensor."""
     if isinstance(tokens_per_rank, int) and not isinstance(tokens_per_rank, bool):
+        if not 0 <= tokens_per_rank < MAX_TOTAL:
+            raise ValueError(f"tokens_per_rank: expected values in [0, 2**62), got {tokens_per_rank!r}")
         t = torch.full((R,), tokens_per_rank, dtype=torch.int64, device=device)
     else:
         try:
             t = torch.as_tensor(tokens_per_rank)
-        except (TypeError, ValueError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError, OverflowError):
             t = None
         if t is None or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise ValueError(f"tokens_per_rank: expected an int or integers of shape [{R}], got "
@@ -188,7 +190,13 @@ def plan_balanced(counts: torch.Tensor, *, slack: float = 0.0,
     if counts.device.type != "cpu":  # e.g. "meta": no values to plan from
         raise ValueError(f"counts: expected a CPU or CUDA tensor, got device {counts.device}")
     R, E = counts.shape
-    declared = None if tokens_per_rank is None else _declared(tokens_per_rank, R, counts.device) * topk
+    declared = None
+    if tokens_per_rank is not None:
+        declared = _declared(tokens_per_rank, R, counts.device)
+        if int(declared.max()) * topk >= MAX_TOTAL:  # Python ints: the int64 product would wrap
+            raise ValueError(f"tokens_per_rank and topk: expected tokens_per_rank * topk below 2**62, got "
+                             f"{int(declared.max())} * {topk}")
+        declared = declared * topk
     c = counts.to(torch.int64)
     if bool((c < 0).any()):
         bad = (c < 0).nonzero()[0].tolist()
