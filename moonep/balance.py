@@ -19,11 +19,13 @@ torch code as on CPU runs on the device. Neither syncs with the host.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from . import cuda_kernels
-from .errors import expect, expect_device, expect_tensor
+from .errors import MoonepError, expect, expect_device, expect_tensor
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
 
@@ -276,14 +278,14 @@ class QuantileBalancer(torch.nn.Module):
             return
         if self._kernel_step():
             if self._world() > 1:
-                dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
+                self._all_reduce_counts()
             self._step_cuda()
             self._report_bad(None)
             return
         if not self._recording:  # nothing recorded here: same range as the peers, from the same bias
             self._set_range()
         if self._world() > 1:
-            dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
+            self._all_reduce_counts()
         E, B = self.num_experts, self.bins
         b, m = histogram_quantiles(self._counts[:-1].view(E, B), self.topk, self._lo, self._width)
         b = b - b.mean()
@@ -328,6 +330,22 @@ class QuantileBalancer(torch.nn.Module):
             raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in {n} "
                              f"micro-batch(es) of an earlier step (all ranks); those steps left the bias "
                              f"unchanged")
+
+    def _all_reduce_counts(self) -> None:
+        """Sum the histograms over the group; a dead or stalled peer raises MoonepError naming the step.
+
+        gloo raises after the group's timeout (``moonep.init(timeout=...)``); NCCL reports asynchronously
+        (its watchdog ends the process after the timeout), so there this only names synchronous failures.
+        """
+        try:
+            dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as exc:
+            rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+            timeout = os.environ.get("MOONEP_TIMEOUT", "60")
+            raise MoonepError(f"rank {rank}: QuantileBalancer.step #{int(self.num_steps) + 1}: the all_reduce of "
+                              f"the score histograms failed (group timeout, MOONEP_TIMEOUT={timeout}s by "
+                              f"default; a peer is dead, stalled or called a different collective): "
+                              f"{str(exc).strip()[:500]}") from exc
 
     def _reset_counts(self) -> None:
         self._counts.zero_()

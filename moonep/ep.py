@@ -12,6 +12,7 @@ dispatch over the same plan, and the backward of prefetch is ``reduce_grad``.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +20,11 @@ import torch
 from . import cpu_kernels, layout
 from .combine import acc_dtype, combine_rows, gather_choices, sum_choices_by_rank
 from .dispatch import Routing, build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
-from .errors import expect, expect_device, expect_int, expect_slack, expect_tensor
+from .errors import MoonepError, expect, expect_device, expect_int, expect_slack, expect_tensor
 from .planner import plan_balanced
 from .replicas import prefetch_weights, prefetch_weights_into, reduce_replica_grads
 from .transport import make_transport
+from .transport.guard import CollectiveGuard, mark_failed
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -69,6 +71,11 @@ class _DispatchFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_tokens, g_weights):
         ep, routing = ctx.ep, ctx.routing
+        with ep._collective("dispatch.backward"):
+            return _DispatchFn._backward(ctx, ep, routing, g_tokens, g_weights)
+
+    @staticmethod
+    def _backward(ctx, ep, routing, g_tokens, g_weights):
         # Gradient of x: a combine of the rows' gradients without weights (sum of the token's copies).
         gx = None
         if ctx.needs_input_grad[0]:
@@ -91,6 +98,11 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
+        with ctx.ep._collective("combine.backward"):
+            return _CombineFn._backward(ctx, gy)
+
+    @staticmethod
+    def _backward(ctx, gy):
         ep, routing = ctx.ep, ctx.routing
         expert_out, weights = ctx.saved_tensors
         # The backward of combine is a dispatch of dy over the same plan.
@@ -113,7 +125,8 @@ class _PrefetchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None
+        with ctx.ep._collective("prefetch.backward"):
+            return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None
 
 
 class _PrefetchIntoFn(torch.autograd.Function):
@@ -129,7 +142,9 @@ class _PrefetchIntoFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None, None
+        with ctx.ep._collective("prefetch.backward"):
+            return (reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport),
+                    None, None, None)
 
 
 class ExpertParallel:
@@ -153,12 +168,19 @@ class ExpertParallel:
         zero_copy: NVLink only: ``True`` returns ``h.tokens``/``h.weights`` as views of the receive buffer
             (valid until the next dispatch), ``False`` copies; ``"auto"`` copies only when autograd records
             the dispatch.  Results are bitwise identical.
-        timeout: NVLink only: seconds a kernel waits for a peer before recording an error (default: the
-            runtime's timeout).
+        timeout: seconds a collective waits for a peer before :class:`moonep.MoonepError` is raised, on the
+            MPI transport and in the NVLink kernels (default: the runtime's timeout, ``MOONEP_TIMEOUT`` or
+            60; ``MOONEP_NVLINK_TIMEOUT`` for NVLink).  The ``"torch"`` transport uses its process group's
+            timeout (``moonep.init(timeout=...)``).
         num_sms: NVLink only: blocks used by the kernels that drive NVLink.
 
     Every rank must construct it with the same arguments; a mismatch raises ``ValueError`` on every rank.
-    On the NVLink transport call :meth:`close` (or use ``with``) to unmap the peers' buffers.
+    Call :meth:`close` (or use ``with``) to unmap the peers' buffers (NVLink) and end the instance.
+
+    Every collective call first checks, with the peers, that they all make the same call (op and
+    sequence number): a different order raises :class:`moonep.MoonepError` on every rank (host
+    transports; the NVLink path, which never syncs with the host, gets a timeout error instead).  A dead
+    or stalled peer raises :class:`moonep.MoonepError` naming the op after ``timeout`` seconds.
     """
 
     def __init__(self, group=None, *, num_experts: int, topk: int, hidden: int, max_tokens: int,
@@ -175,6 +197,7 @@ class ExpertParallel:
         except ValueError as exc:
             self.device, dev_err = self.rt.device, str(exc)
         self._engine = None
+        self._closed = False
         expect(transport in ("auto", "mpi", "torch", "nvlink"), "transport", '"auto", "mpi", "torch" or "nvlink"',
                repr(transport))
         self.transport = make_transport("auto" if transport == "nvlink" else transport, self.rt)
@@ -230,6 +253,25 @@ class ExpertParallel:
 
             self._engine = NVLinkEngine(self, timeout=default_timeout(self.rt) if timeout is None else timeout,
                                         zero_copy=zero_copy, num_sms=num_sms)
+        if timeout is not None and hasattr(self.transport, "timeout"):
+            self.transport.timeout = float(timeout)  # the gloo/NCCL group keeps its own (see docstring)
+        self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
+
+    @contextmanager
+    def _collective(self, op: str):
+        """Run one collective call: refuse a closed instance, check the call order with the peers (host
+        transports), and remember a failure so shutdown does not wait for a dead peer."""
+        expect(not self._closed, "ExpertParallel", "an open instance", f"{op} called after close()")
+        if self._engine is not None:
+            self._guard.seq += 1
+            self._engine.op_label = f"{op} #{self._guard.seq}"
+        else:
+            self._guard.enter(op)
+        try:
+            yield
+        except MoonepError:
+            mark_failed(self.rt, self.transport.timeout_s())
+            raise
 
     @property
     def transport_name(self) -> str:
@@ -242,7 +284,8 @@ class ExpertParallel:
 
     def close(self, check: bool = True) -> None:
         """Release the NVLink buffers (collective unless a peer died) and, with ``check``, raise any error
-        the kernels recorded.  Idempotent; a no-op on the host paths."""
+        the kernels recorded.  Idempotent.  Later collective calls raise ``ValueError``."""
+        self._closed = True
         if self._engine is not None:
             eng, self._engine = self._engine, None
             try:
@@ -331,6 +374,10 @@ class ExpertParallel:
         Returns:
             :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.
         """
+        with self._collective("dispatch"):
+            return self._dispatch(x, topk_idx, topk_weights, num_global_tokens)
+
+    def _dispatch(self, x, topk_idx, topk_weights, num_global_tokens):
         if self._engine is not None:
             from .transport import nvlink
 
@@ -355,12 +402,13 @@ class ExpertParallel:
         expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
                       shape=(self.capacity, None))
         expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
-        if self._engine is not None:
-            from .transport import nvlink
+        with self._collective("combine"):
+            if self._engine is not None:
+                from .transport import nvlink
 
-            return nvlink.combine(self, expert_out, h)
-        weights = h.weights if self.apply_weights == "combine" else torch.ones_like(h.weights)
-        return _CombineFn.apply(expert_out, weights, self, h.routing, expert_out.dtype)
+                return nvlink.combine(self, expert_out, h)
+            weights = h.weights if self.apply_weights == "combine" else torch.ones_like(h.weights)
+            return _CombineFn.apply(expert_out, weights, self, h.routing, expert_out.dtype)
 
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
@@ -400,6 +448,11 @@ class ExpertParallel:
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
         if out is not None:
             self._check_pool(local_weight, out)
+        with self._collective("prefetch"):
+            return self._prefetch(h, local_weight, out)
+
+    def _prefetch(self, h, local_weight, out):
+        if out is not None:
             if self._engine is not None:
                 from .transport import nvlink
 
@@ -439,8 +492,9 @@ class ExpertParallel:
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
-        if self._engine is not None:
-            from .transport import nvlink
+        with self._collective("reduce_grad"):
+            if self._engine is not None:
+                from .transport import nvlink
 
-            return nvlink.reduce_grad(self, h, grad_view)
-        return reduce_replica_grads(h.plan, self.rank, grad_view.contiguous(), self.transport)
+                return nvlink.reduce_grad(self, h, grad_view)
+            return reduce_replica_grads(h.plan, self.rank, grad_view.contiguous(), self.transport)

@@ -37,6 +37,13 @@ class Runtime:
     timeout: datetime.timedelta
     comm: object = None  # the mpi4py communicator when launched by mpirun, else None
     _owns_pg: bool = field(default=False, repr=False)
+    failed: bool = field(default=False, repr=False)  # a collective raised MoonepError (peer dead/stalled)
+    _instances: int = field(default=0, repr=False)  # ExpertParallel objects built here (order-check ids)
+
+    def next_instance(self) -> int:
+        """Index of the next ExpertParallel on this runtime (construction is collective: same everywhere)."""
+        self._instances += 1
+        return self._instances - 1
 
     @property
     def collective_device(self) -> torch.device:
@@ -50,8 +57,17 @@ class Runtime:
         """Destroy the default process group if ``init`` created it.
 
         Under MPI, rank 0 hosts the TCPStore: a final MPI barrier keeps it alive until every rank has torn
-        its process group down (a rank whose store vanished mid-teardown aborts in C++).
+        its process group down (a rank whose store vanished mid-teardown aborts in C++).  After a failed
+        collective (``failed``) no barrier is attempted: a dead peer would never arrive.
         """
+        if self.failed and self._owns_pg and dist.is_initialized():
+            self._owns_pg = False
+            self.group = self.cpu_group = None
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 (best effort: the job is already broken)
+                pass
+            return
         if self._owns_pg and dist.is_initialized():
             try:  # torchrun's env:// rendezvous also hosts the store in rank 0: keep a handle past destroy
                 store = dist.distributed_c10d._get_default_store()

@@ -19,6 +19,19 @@ class Transport:
     name = "base"
     rank: int
     world_size: int
+    current_op = "a collective"  # set by moonep.transport.guard: named in timeout and peer-failure errors
+
+    def timeout_s(self) -> float:
+        """Seconds a collective waits for its peers before raising :class:`moonep.MoonepError`."""
+        raise NotImplementedError
+
+    def exchange_header(self, header: list[int]) -> list[list[int]]:
+        """Swap a small list of ints with every rank: returns ``R`` lists (ours at index ``rank``).
+
+        Raises :class:`moonep.MoonepError` naming ``current_op`` (and the missing peers where the transport
+        can tell) when a peer does not take part within :meth:`timeout_s`.
+        """
+        raise NotImplementedError
 
     def all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
         """Exchange rows: ``send[sum(send_splits[:r]) : ...]`` goes to rank ``r``.
@@ -41,8 +54,11 @@ class Transport:
         raise NotImplementedError
 
 
-def make_transport(kind: str, rt) -> Transport:
-    """``kind``: "mpi", "torch" or "auto" (MPI for CPU tensors under mpirun, else torch.distributed)."""
+def make_transport(kind: str, rt, timeout: float | None = None) -> Transport:
+    """``kind``: "mpi", "torch" or "auto" (MPI for CPU tensors under mpirun, else torch.distributed).
+
+    ``timeout``: seconds the MPI transport waits for peers (default: the runtime's); the torch transport
+    uses its process group's timeout (``moonep.init(timeout=...)``)."""
     from ..errors import expect
 
     expect(kind in ("auto", "mpi", "torch"), "transport", '"auto", "mpi" or "torch"', repr(kind))
@@ -53,7 +69,7 @@ def make_transport(kind: str, rt) -> Transport:
                f"launcher {rt.launcher!r}")
         from .mpi import MPITransport
 
-        return MPITransport(rt.comm, timeout=rt.timeout.total_seconds())
+        return MPITransport(rt.comm, timeout=rt.timeout.total_seconds() if timeout is None else timeout)
     from .torchdist import TorchDistTransport
 
-    return TorchDistTransport(rt.group, rt.cpu_group)
+    return TorchDistTransport(rt.group, rt.cpu_group, timeout=rt.timeout.total_seconds())

@@ -361,9 +361,11 @@ class NVLinkEngine:
         """
         fatal = self.herr[0]
         if fatal:
-            raise MoonepError(f"rank {self.rank}: rank {fatal >> 8} did not signal within {self.timeout:g}s "
-                              "(a peer died, stalled or called a different collective); this ExpertParallel "
-                              "cannot be used any more")
+            op = getattr(self, "op_label", None)  # set by ExpertParallel: the call that surfaced it
+            at = f" (raised in {op}; recorded by that call's kernels or an earlier one's)" if op else ""
+            raise MoonepError(f"rank {self.rank}: rank {fatal >> 8} did not signal within the timeout of "
+                              f"{self.timeout:g}s (a peer died, stalled or called a different collective){at}; "
+                              "this ExpertParallel cannot be used any more")
         bad = self.herr[1] if inputs else 0
         if bad:
             self.herr[1] = 0

@@ -1,27 +1,54 @@
 """torch.distributed transport: ``all_to_all_single`` on gloo (CPU) or NCCL (CUDA).
 
-Timeouts come from the process group (``moonep.init(timeout=...)``).
+Timeouts come from the process group (``moonep.init(timeout=...)`` / ``MOONEP_TIMEOUT``).  gloo reports a
+dead or stalled peer as a ``RuntimeError``; it is re-raised as :class:`moonep.MoonepError` naming the
+op.  (NCCL reports asynchronously: its watchdog ends the process after the timeout.)
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 
+from ..errors import MoonepError
 from .base import Transport
 
 # Renamed in torch 2.13; keep working on older releases (the GPU image has 2.11).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _named(what: str):
+    """Re-raise a backend failure inside the wrapped collective as MoonepError naming op and timeout."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(self, *args, **kwargs):
+            try:
+                return fn(self, *args, **kwargs)
+            except MoonepError:
+                raise
+            except RuntimeError as exc:  # gloo: "Timed out waiting ...", "Connection closed by peer ..."
+                raise MoonepError(f"rank {self.rank}: {self.current_op}: {what} failed (timeout "
+                                  f"{self.timeout:g}s; a peer is dead, stalled or called a different "
+                                  f"collective): {str(exc).strip()[:500]}") from exc
+        return inner
+    return wrap
+
+
 class TorchDistTransport(Transport):
     name = "torch"
 
-    def __init__(self, group, cpu_group=None):
+    def __init__(self, group, cpu_group=None, timeout: float = 60.0):
         self.group = group
         self.cpu_group = cpu_group if cpu_group is not None else group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.backend = dist.get_backend(group)
+        self.timeout = float(timeout)
 
+    def timeout_s(self) -> float:
+        return self.timeout
+
+    @_named("all_to_all")
     def all_to_all(self, send, send_splits, recv_splits):
         if send.is_cuda and self.backend == "gloo":  # gloo moves host memory: stage CUDA tensors through it
             return self.all_to_all(send.cpu(), send_splits, recv_splits).to(send.device)
@@ -32,6 +59,7 @@ class TorchDistTransport(Transport):
         dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
         return recv
 
+    @_named("all_gather")
     def all_gather(self, t):
         if t.is_cuda and self.backend == "gloo":
             return self.all_gather(t.cpu()).to(t.device)
@@ -40,7 +68,16 @@ class TorchDistTransport(Transport):
         _all_gather_single(out, t.reshape(-1), group=self.group)
         return out.view(self.world_size, -1)
 
+    @_named("all_gather_object")
     def all_gather_object(self, obj):
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.cpu_group)
         return out
+
+    @_named("header exchange")
+    def exchange_header(self, header):
+        # On the gloo (host) group: no device sync on the NCCL path.
+        t = torch.tensor(header, dtype=torch.int64)
+        out = torch.empty(self.world_size * t.numel(), dtype=torch.int64)
+        _all_gather_single(out, t, group=self.cpu_group)
+        return out.view(self.world_size, -1).tolist()
