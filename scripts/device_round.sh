@@ -30,6 +30,11 @@ for s in "$@"; do case $s in
   planner_prof) step planner_prof 150 python3 scripts/profile_planner.py --out $o/planner_prof.json ;;
   ncu_planner) step ncu_planner 200 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:moonep --csv \
                  --launch-skip 40 --launch-count 60 python3 scripts/profile_planner.py --families zipf1.5 ;;
+  ncu_src) for c in "256,8,8 uniform plan" "896,64,16 theorem2 plan" "896,64,16 zipf1.5 plan" "256,8,8 uniform layout"; do set -- $c
+              MOONEP_LINEINFO=1 step ncu_src_$1_$2_$3 150 ncu --clock-control none --set full --import-source yes \
+                -k regex:moonep_$3 --launch-skip 10 -c 1 -o $o/ncu_$1_$2_$3 python3 scripts/profile_planner.py --configs "$1" --families $2
+              ncu --import $o/ncu_$1_$2_$3.ncu-rep --page source --csv --print-source cuda > $o/src_$1_$2_$3.csv 2>&1
+              ncu --import $o/ncu_$1_$2_$3.ncu-rep --page details > $o/details_$1_$2_$3.txt 2>&1; done ;;
   ncu_ep) step ncu_ep 200 mpirun --allow-run-as-root -n 2 bash -c 'exec ncu --clock-control none --csv \
             --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed \
             --launch-skip 300 --launch-count 60 --log-file '$o'/ncu_ep_r$OMPI_COMM_WORLD_RANK.csv \

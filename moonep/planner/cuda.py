@@ -81,7 +81,9 @@ class _Dev:
         with open(_source_path()) as f:
             src = f.read()
         with cupy.cuda.Device(di):
-            mod = cupy.RawModule(code=src, options=("-std=c++17",))
+            # MOONEP_LINEINFO=1: source lines in profiles (ncu --page source)
+            opts = ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ())
+            mod = cupy.RawModule(code=src, options=opts)
             self.raw = {k: mod.get_function(k) for k in _KERNELS}
             self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
         self.smem = {k: 48 * 1024 for k in _KERNELS}
