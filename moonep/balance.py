@@ -340,8 +340,11 @@ class QuantileBalancer(torch.nn.Module):
         try:
             dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:
+            from .transport.guard import mark_failed
+
             rank = dist.get_rank(self.group) if dist.is_initialized() else 0
             timeout = os.environ.get("MOONEP_TIMEOUT", "60")
+            mark_failed(None, float(timeout))  # under mpirun: the process still ends (see guard.py)
             raise MoonepError(f"rank {rank}: QuantileBalancer.step #{int(self.num_steps) + 1}: the all_reduce of "
                               f"the score histograms failed (group timeout, MOONEP_TIMEOUT={timeout}s by "
                               f"default; a peer is dead, stalled or called a different collective): "

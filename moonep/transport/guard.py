@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import sys
 
 from ..errors import MoonepError
 
@@ -78,9 +79,9 @@ def mark_failed(rt, timeout_s: float) -> None:
     is made to end even though ``MPI_Finalize`` would wait forever for a dead peer."""
     if rt is not None:
         rt.failed = True
-        if getattr(rt, "comm", None) is not None:
-            # Generous: a clean teardown must never be cut short; a hung one ends within this.
-            arm_exit_watchdog(max(2.0 * float(timeout_s), 10.0))
+    if "mpi4py.MPI" in sys.modules:  # launched by mpirun (mpi4py is imported only then)
+        # Generous: a clean teardown must never be cut short; a hung one ends within this.
+        arm_exit_watchdog(max(2.0 * float(timeout_s), 10.0))
 
 
 def arm_exit_watchdog(seconds: float) -> None:
