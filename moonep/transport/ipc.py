@@ -24,6 +24,16 @@ import os
 import torch
 
 
+# Peer mappings currently open in this process (cudaIpcOpenMemHandle minus cudaIpcCloseMemHandle), and
+# symmetric allocations not yet freed: resource-hygiene tests check they return to zero.
+_LIVE = {"ipc_handles": 0, "buffers": 0}
+
+
+def live_counts() -> dict:
+    """``{"ipc_handles": n, "buffers": m}``: IPC mappings and symmetric buffers open in this process."""
+    return dict(_LIVE)
+
+
 def _cupy():
     import cupy  # imported lazily: CPU installs never need it
 
@@ -50,6 +60,7 @@ class SymmetricBuffer:
         self._closed = False
         with cp.cuda.Device(device.index):
             self.ptr = int(rt.malloc(self.nbytes))
+            _LIVE["buffers"] += 1
             rt.memset(self.ptr, 0, self.nbytes)
             rt.deviceSynchronize()  # zeroed before any peer can signal into it
             handle = bytes(rt.ipcGetMemHandle(self.ptr))
@@ -70,6 +81,7 @@ class SymmetricBuffer:
                     p = 0
                 else:
                     self._opened.append(p)
+                    _LIVE["ipc_handles"] += 1
                 self.peer_ptrs.append(p)
         all_errors = [e for errs in all_gather_object(errors) for e in errs]
         if all_errors:
@@ -104,6 +116,7 @@ class SymmetricBuffer:
                     rt.ipcCloseMemHandle(p)
                 except Exception:
                     pass
+                _LIVE["ipc_handles"] -= 1
             self._opened = []
             if barrier is not None:
                 barrier()  # nobody still maps our memory when we free it
@@ -111,6 +124,7 @@ class SymmetricBuffer:
                 rt.free(self.ptr)
             except Exception:
                 pass
+            _LIVE["buffers"] -= 1
 
 
 class HostWords:
