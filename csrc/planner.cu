@@ -169,6 +169,12 @@ __device__ __forceinline__ i64 rank_psum(const PlanSm& s, int base, int lane) {
 
 // warp: smallest k such that the k largest remaining experts (prefix sums ps) cover d; epn+1 if none
 __device__ __forceinline__ int kneed(const i64* ps, int epn, i64 d) {
+  if (epn <= 16) {  // independent loads instead of a chain of dependent ones (ps is non-decreasing)
+    int k = 1;
+#pragma unroll
+    for (int a = 0; a < 16; ++a) k += (a < epn && ps[a] < d) ? 1 : 0;
+    return k;
+  }
   int lo = 0, hi = epn;
   while (lo < hi) {
     int mid = (lo + hi) >> 1;
@@ -221,9 +227,11 @@ __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane) {
 }
 
 // warp, epn <= 32 (lane a = position a of the donor's sorted experts): the same fill with everything in
-// registers. Positions [0, t) are touched (a prefix: values are sorted descending); the donor's new order
-// and prefix sums come from one pass of shuffles: new position of lane a = number of experts whose new
-// (rem desc, id asc) key sorts before its own, new prefix sum = their rem + its own.
+// registers. Positions [0, t) are touched (a prefix: values are sorted descending) and only they change,
+// so the donor's new (rem desc, id asc) order needs t rounds, not epn: an untouched expert keeps its rank
+// among the untouched ones and moves back past the touched ones that now sort before it; a touched one
+// counts the untouched ones before it with one ballot per round (they are a prefix of the untouched, so
+// their sum is a difference of old prefix sums). t is 1 or 2 for most fills.
 __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need, int lane) {
   const int epn = s.epn, base = o * epn;
   const bool in = lane < epn;
@@ -234,24 +242,30 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
   const i64 v = P - Pp, left = need - Pp;
   const i64 take = (in && left > 0) ? (v < left ? v : left) : 0;
   const i64 nv = v - take;
-  const int t = __popc(__ballot_sync(FULL, take > 0));
-  int pos = 0, slot = 0;
-  i64 acc = 0;
-  for (int q = 0; q < epn; ++q) {
+  const bool touched = take > 0;
+  const int t = __popc(__ballot_sync(FULL, touched));
+  const i64 Pt = __shfl_sync(FULL, P, (t + 31) & 31);  // old prefix sum of the touched part
+  const i64 Ptt = t ? Pt : 0;
+  int pos = touched ? 0 : lane - t, slot = 0, ub = 0;
+  i64 acc = touched ? 0 : Pp - Ptt;  // untouched experts before this one (their rem is unchanged)
+  for (int q = 0; q < t; ++q) {
     const i64 xq = __shfl_sync(FULL, nv, q);
     const int jq = __shfl_sync(FULL, j, q);
-    const bool before = xq > nv || (xq == nv && jq < j);
-    pos += before ? 1 : 0;
-    acc += before ? xq : 0;
-    slot += (q < t && jq < j) ? 1 : 0;
+    const bool qb = xq > nv || (xq == nv && jq < j);  // touched expert q now sorts before this one
+    if (q != lane && qb) { ++pos; acc += xq; }
+    slot += jq < j ? 1 : 0;
+    const int c = __popc(__ballot_sync(FULL, in && !touched && !qb));  // untouched ones before q
+    if (lane == q) ub = c;
   }
+  const i64 Pu = __shfl_sync(FULL, P, (t + ub + 31) & 31);  // old prefix sum up to the last of them
+  if (touched) { pos += ub; acc += ub ? Pu - Ptt : 0; }
   __syncwarp();
   if (in) {
     s.rem[base + j] = nv;
     s.order[base + pos] = j;
     s.psum[base + pos] = acc + nv;
   }
-  if (take > 0) {  // replica slots of u, ascending expert id
+  if (touched) {  // replica slots of u, ascending expert id
     s.amt[(i64)u * epn + j] = take;
     s.rx[(i64)u * epn + slot] = base + j;
   }

@@ -35,10 +35,14 @@ for s in "$@"; do case $s in
                 -k regex:moonep_$3 --launch-skip 10 -c 1 -o $o/ncu_$1_$2_$3 python3 scripts/profile_planner.py --configs "$1" --families $2
               ncu --import $o/ncu_$1_$2_$3.ncu-rep --page source --csv --print-source cuda > $o/src_$1_$2_$3.csv 2>&1
               ncu --import $o/ncu_$1_$2_$3.ncu-rep --page details > $o/details_$1_$2_$3.txt 2>&1; done ;;
-  ncu_ep) step ncu_ep 200 mpirun --allow-run-as-root -n 2 bash -c 'exec ncu --clock-control none --csv \
-            --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,sm__throughput.avg.pct_of_peak_sustained_elapsed,gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed \
-            --launch-skip 300 --launch-count 60 --log-file '$o'/ncu_ep_r$OMPI_COMM_WORLD_RANK.csv \
-            python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 20 --warmup 5 --out '$o ;;
+  ncu_import) mkdir -p /tmp/src; for r in .prof/*.ncu-rep; do b=$(basename $r .ncu-rep)  # reports carried in .prof/
+              n=$(ncu --import $r --page source --csv --print-source cuda 2>&1 | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
+              cp csrc/planner.cu /tmp/src/$n; ncu --import $r --page source --csv --print-source cuda --import-source yes --source-folders /tmp/src > $o/src_$b.csv 2>&1
+              ncu --import $r --page source --csv --print-source sass > $o/sass_$b.csv 2>&1; done ;;
+  ncu_ep) step ncu_ep 150 mpirun --allow-run-as-root -n 2 bash -c 'if [ $OMPI_COMM_WORLD_RANK = 0 ]; then exec ncu --clock-control none --csv \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,dram__bytes.sum,lts__t_bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+            --launch-skip 300 --launch-count 40 --log-file '$o'/ncu_ep_r0.csv python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 10 --warmup 3 --out '$o'; \
+            else exec python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 10 --warmup 3 --out '$o'; fi' ;;
   suite_np4) step suite_np4 300 mpirun --allow-run-as-root --oversubscribe -n 4 python3 -m moonep.bench --device cuda \
                --preset h200 --placement clustered --maxvio 0 1 4 --iters 10 --warmup 2 --no-symm --plot --out $o/suite_h200_np4.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;

@@ -26,6 +26,8 @@ def warp_min2(a, i):  # lexicographic min over lanes
     return best if best else (0, NONE)
 
 def kneed(ps, epn, d):
+    if epn <= 16:  # csrc: independent loads, count of prefix sums below d
+        return 1 + sum(1 for a in range(epn) if ps[a] < d)
     lo, hi = 0, epn
     while lo < hi:
         mid = (lo + hi) >> 1
@@ -61,14 +63,25 @@ def wfill32(s, u, o, need):
     t = sum(1 for l in L if take[l] > 0)
     # touched is a prefix
     assert all(take[l] > 0 for l in range(t))
-    new = {}
+    Pt = P[t - 1] if t else 0
+    # O(t) rounds (csrc wfill32): untouched lanes keep their order; touched ones count untouched before them
+    pos = [0 if take[l] > 0 else l - t for l in L]
+    acc = [0 if take[l] > 0 else Pp[l] - Pt for l in L]
+    slot = [0] * 32
+    ub = [0] * 32
+    for q in range(t):
+        xq, jq = nv[q], j[q]
+        qb = [xq > nv[l] or (xq == nv[l] and jq < j[l]) for l in L]
+        for l in L:
+            if q != l and qb[l]:
+                pos[l] += 1; acc[l] += xq
+            slot[l] += jq < j[l]
+        ub[q] = sum(1 for l in L if inn[l] and take[l] == 0 and not qb[l])
     for l in L:
-        pos = slot = acc = 0
-        for q in range(epn):
-            before = nv[q] > nv[l] or (nv[q] == nv[l] and j[q] < j[l])
-            pos += before; acc += nv[q] if before else 0
-            slot += (q < t and j[q] < j[l])
-        new[l] = (pos, slot, acc)
+        if take[l] > 0:
+            pos[l] += ub[l]
+            acc[l] += (P[(t + ub[l] - 1) & 31] - Pt) if ub[l] else 0
+    new = {l: (pos[l], slot[l], acc[l]) for l in L}
     for l in L:
         pos, slot, acc = new[l]
         if inn[l]:
