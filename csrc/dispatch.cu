@@ -208,15 +208,19 @@ extern "C" __global__ void moonep_prefetch_push(const Ctx* c, const char* local,
 
 // Replica weight prefetch, receive side: out[2*epn, row_bytes] = home experts, then replica slots
 // (zero where the slot is empty).
+// copy_home: also copy the home rows (0 when `local` is already out[:epn]).  prev (int64 [epn] or null):
+// the replica table of this rank at the previous call into the same persistent `out`; a slot that was
+// empty then is still zero, so it is not written again (a pool of large weights is mostly such slots).
 extern "C" __global__ void moonep_prefetch_finish(const Ctx* c, char* out, const char* local, i64 row_bytes,
-                                                  int vec, int epn, const i64* rep) {
+                                                  int vec, int epn, const i64* rep, int copy_home,
+                                                  const i64* prev) {
   bool ok = wait_data(c);
   const int me = (int)c->rank;
-  grid_copy(out, local, row_bytes * epn, vec);
+  if (copy_home) grid_copy(out, local, row_bytes * epn, vec);
   for (int j = 0; j < epn; ++j) {
     char* d = out + (i64)(epn + j) * row_bytes;
     if (ok && rep[(i64)me * epn + j] >= 0) grid_copy(d, c->pbase[me] + (i64)j * row_bytes, row_bytes, vec);
-    else grid_zero(d, row_bytes, vec);
+    else if (!ok || prev == nullptr || prev[j] >= 0) grid_zero(d, row_bytes, vec);
   }
 }
 

@@ -38,9 +38,9 @@ receive-back area is double-buffered by call parity, so combine needs no entry b
 reach combine n+2 after my combine n+1 pushed, which follows my combine n's reads in stream order.
     prefetch    ``moonep_prefetch_push`` / ``_finish``: the home rank writes replica weights into the
                 pools of the ranks it serves.  With ``out=`` (a persistent pool of the caller) ``_finish``
-                runs with zero row bytes, only as the wait for the peers' pushes; then one ``torch.where``
-                writes the replica slots (empty ones zero) and the home half is copied only when the home
-                weights are not already ``out[:epn]``
+                copies only the filled replica slots, zeroes only the slots that became empty since the
+                last call into the same ``out``, and copies the home half only when the home weights are
+                not already ``out[:epn]``
     reduce_grad ``moonep_reduce_stage`` / ``_finish``: replica gradients staged in the own pool, the home
                 rank reads and adds them in rank order
 
@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -275,7 +276,7 @@ class NVLinkEngine:
         self._grad_views = {}
         self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
         self._pool_views = {}  # (shape, dtype) -> torch view of this rank's own pool rows
-        self._zeros = {}       # dtype -> 0-d zero on this device (torch.where's fill for empty slots)
+        self._pool_prev = {}   # out.data_ptr() -> (weakref(out), int64 [epn] replica table last written)
         # route_gather's histogram/flag/block-counter scratch (zero between calls)
         self._scratch = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
         self._ctx = torch.zeros(_CTX_WORDS, dtype=torch.int64, device=self.device)
@@ -604,7 +605,7 @@ class NVLinkEngine:
         self._launch("moonep_prefetch_push", self.num_sms,
                      (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
         self._launch("moonep_prefetch_finish", self.sm_count,
-                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep)))
+                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(1), _p(None)))
         return out
 
     def _pool_rows(self, shape, dtype):
@@ -631,19 +632,29 @@ class NVLinkEngine:
         vec = _vec(rb, lw.data_ptr(), out.data_ptr())
         self._launch("moonep_prefetch_push", self.num_sms,
                      (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
-        # row_bytes 0: the finish kernel copies and zeroes nothing, it only waits until every peer's push
-        # has landed in this rank's pool; the copies below follow it on the same stream.
-        self._launch("moonep_prefetch_finish", 1,
-                     (_p(out), _p(lw), np.int64(0), np.int32(vec), np.int32(epn), _p(rep)))
-        if not shared:
-            out[:epn].copy_(lw)
-        if rb:
-            zero = self._zeros.get(out.dtype)
-            if zero is None:
-                zero = self._zeros[out.dtype] = torch.zeros((), dtype=out.dtype, device=self.device)
-            valid = (rep[self.rank] >= 0).view(epn, *([1] * (out.dim() - 1)))
-            torch.where(valid, self._pool_rows(out.shape[1:], out.dtype), zero, out=out[epn:])
+        # The finish kernel waits for every peer's push, then copies the filled replica slots from the
+        # staging pool (and the home rows unless out[:epn] is local_weight itself).  Slots empty now and at
+        # the previous call into this same `out` are still zero and are not written: most of a pool of
+        # large expert weights is such slots.
+        prev = self._prev_replicas(out)
+        self._launch("moonep_prefetch_finish", self.sm_count,
+                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(not shared),
+                      _p(prev)))
+        prev.copy_(rep[self.rank])
         return out
+
+    def _prev_replicas(self, out):
+        """int64 [epn]: this rank's replica table at the last prefetch into ``out`` (all 0, "filled", for an
+        ``out`` not seen before, so every empty slot gets zeroed once).  Keyed by the tensor object (a weak
+        reference): a new tensor at a reused address starts over."""
+        key = out.data_ptr()
+        ent = self._pool_prev.get(key)
+        if ent is None or ent[0]() is not out or ent[1].shape[0] != self.epn:
+            if len(self._pool_prev) >= 16:
+                self._pool_prev = {k: v for k, v in self._pool_prev.items() if v[0]() is not None}
+            ent = self._pool_prev[key] = (weakref.ref(out), torch.zeros(self.epn, dtype=torch.int64,
+                                                                         device=self.device))
+        return ent[1]
 
     def reduce_grad(self, plan, grad_view):
         """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``, replica parts added at home in rank order."""
