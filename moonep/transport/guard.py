@@ -65,7 +65,7 @@ class CollectiveGuard:
         ref = [int(v) for v in got[0]]
         for r, h in enumerate(got):
             if [int(v) for v in h] != ref:
-                mark_failed(self.rt, 0)
+                # Every rank completed the exchange and raises here: the runtime itself stays usable.
                 raise MoonepError(f"collective order mismatch: rank {r} called {describe(h)} while rank 0 called "
                                   f"{describe(ref)} (seen on rank {self.transport.rank}); every rank must make "
                                   "the same collective calls in the same order")

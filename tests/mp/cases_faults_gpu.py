@@ -130,14 +130,16 @@ def case_nvlink_create_close_100_times_no_leak(rt):
     gc.collect()
     torch.cuda.synchronize()
     fd0, alloc0 = _fds(), torch.cuda.memory_allocated()
-    free0 = cupy.cuda.runtime.memGetInfo()[0]
+    with cupy.cuda.Device(rt.device.index):  # this rank's GPU, not CuPy's default device
+        free0 = cupy.cuda.runtime.memGetInfo()[0]
     live0 = ipc.live_counts()
     for i in range(100):
         cycle(i)
     gc.collect()
     torch.cuda.synchronize()
     fd1, alloc1 = _fds(), torch.cuda.memory_allocated()
-    free1 = cupy.cuda.runtime.memGetInfo()[0]
+    with cupy.cuda.Device(rt.device.index):
+        free1 = cupy.cuda.runtime.memGetInfo()[0]
     live1 = ipc.live_counts()
     assert live1 == live0 == {"ipc_handles": 0, "buffers": 0}, (live0, live1)
     assert fd1 <= fd0, f"file descriptors {fd0} -> {fd1}"
