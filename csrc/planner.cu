@@ -248,7 +248,19 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
   const i64 Ptt = t ? Pt : 0;
   int pos = touched ? 0 : lane - t, slot = 0, ub = 0;
   i64 acc = touched ? 0 : Pp - Ptt;  // untouched experts before this one (their rem is unchanged)
-  for (int q = 0; q < t; ++q) {
+  if (4 * t > epn) {  // many touched (warp-uniform): one pass over all epn keys is the shorter chain
+    pos = 0; acc = 0;
+    for (int q = 0; q < epn; ++q) {
+      const i64 xq = __shfl_sync(FULL, nv, q);
+      const int jq = __shfl_sync(FULL, j, q);
+      const bool before = xq > nv || (xq == nv && jq < j);
+      pos += before ? 1 : 0;
+      acc += before ? xq : 0;
+      slot += (q < t && jq < j) ? 1 : 0;
+    }
+    ub = 0;
+  }
+  for (int q = 0; q < t && 4 * t <= epn; ++q) {
     const i64 xq = __shfl_sync(FULL, nv, q);
     const int jq = __shfl_sync(FULL, j, q);
     const bool qb = xq > nv || (xq == nv && jq < j);  // touched expert q now sorts before this one
@@ -258,7 +270,7 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
     if (lane == q) ub = c;
   }
   const i64 Pu = __shfl_sync(FULL, P, (t + ub + 31) & 31);  // old prefix sum up to the last of them
-  if (touched) { pos += ub; acc += ub ? Pu - Ptt : 0; }
+  if (touched && 4 * t <= epn) { pos += ub; acc += ub ? Pu - Ptt : 0; }
   __syncwarp();
   if (in) {
     s.rem[base + j] = nv;

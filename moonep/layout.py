@@ -123,12 +123,30 @@ def capacity(max_tokens: int, topk: int, num_ranks: int, num_experts: int, align
     return cap_for(num_ranks * max_tokens * topk, num_ranks, slack) + 2 * epn * (align - 1)
 
 
+_LAYOUT_FAST = None
+
+
+def _layout_fast():
+    global _LAYOUT_FAST
+    if _LAYOUT_FAST is None:
+        from .planner.cuda import layout_fast
+        _LAYOUT_FAST = layout_fast
+    return _LAYOUT_FAST
+
+
 def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int = 1):
     """Destination of every local copy of ``rank``.
 
     topk_idx  int32/int64 [s, K] expert ids (-1: masked copy), the routing ``plan.counts[rank]`` counts
     returns   (dst_rank int64 [s, K], dst_row int64 [s, K]), -1 where topk_idx == -1
     """
+    # CUDA plans: a call identical in kind (shape, dtype, rank, align) to an earlier validated one skips
+    # the Python checks (host time bounds small layouts; values are checked on the device).
+    if (getattr(plan, "_ws", None) is not None and type(rank) is int and type(align) is int
+            and type(topk_idx) is torch.Tensor and topk_idx.is_cuda):
+        res = _layout_fast()(plan, rank, topk_idx, align)
+        if res is not None:
+            return res
     _check_plan(plan)
     _check_align(align)
     expect_tensor(topk_idx, "topk_idx")

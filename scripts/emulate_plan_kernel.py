@@ -77,8 +77,13 @@ def wfill32(s, u, o, need):
                 pos[l] += 1; acc[l] += xq
             slot[l] += jq < j[l]
         ub[q] = sum(1 for l in L if inn[l] and take[l] == 0 and not qb[l])
+    if 4 * t > epn:  # csrc: the O(epn) pass when many experts are touched
+        for l in L:
+            pos[l] = sum(1 for q in range(epn) if nv[q] > nv[l] or (nv[q] == nv[l] and j[q] < j[l]))
+            acc[l] = sum(nv[q] for q in range(epn) if nv[q] > nv[l] or (nv[q] == nv[l] and j[q] < j[l]))
+        ub = [0] * 32
     for l in L:
-        if take[l] > 0:
+        if take[l] > 0 and 4 * t <= epn:
             pos[l] += ub[l]
             acc[l] += (P[(t + ub[l] - 1) & 31] - Pt) if ub[l] else 0
     new = {l: (pos[l], slot[l], acc[l]) for l in L}

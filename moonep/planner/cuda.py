@@ -312,9 +312,9 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
     return plan
 
 
-def layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
-    """(dst_rank, dst_row) int64 [s, K] of source ``rank`` from a CUDA plan, or None when the kernel
-    does not cover the case (the caller falls back to torch ops)."""
+def layout_fast(plan, rank: int, topk_idx: torch.Tensor, align: int):
+    """The hot path of :func:`layout_cuda`: a launch recorded by an earlier validated call with the same
+    geometry, shape, rank, align, dtype and device (so the argument checks it passed hold again), else None."""
     g = plan._geo
     ws = plan._ws
     di = ws.get_device()
@@ -331,7 +331,14 @@ def layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
             st = dev.stream(ptr)
         fn(grid, block, (arg(topk_idx.data_ptr()), arg(out.data_ptr()), arg(wsp), arg(cp)) + tail, smem, st)
         return out.unbind(0)
-    return _layout_cuda(plan, rank, topk_idx, align)
+    return None
+
+
+def layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
+    """(dst_rank, dst_row) int64 [s, K] of source ``rank`` from a CUDA plan, or None when the kernel
+    does not cover the case (the caller falls back to torch ops)."""
+    res = layout_fast(plan, rank, topk_idx, align)
+    return res if res is not None else _layout_cuda(plan, rank, topk_idx, align)
 
 
 def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
@@ -392,4 +399,4 @@ def cu_seqlens_cuda(plan, rank, align: int):
     return out
 
 
-__all__ = ["plan_cuda", "layout_cuda", "cu_seqlens_cuda"]
+__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "cu_seqlens_cuda"]
