@@ -103,6 +103,7 @@ def cycle(rt, args, steps: int, record: bool) -> dict:
             rows = _all_gather(rt, int(h.num_rows) if not torch.is_tensor(h.num_rows) else int(h.num_rows.item()))
             assert max(rows) - min(rows) <= 1, rows
             checks += 1
+            del want  # the reference must not count as memory held after close()
         del h, slots, y, x, idx, w
         if record and step == args.warmup:
             warm_mem = mem(dev)
