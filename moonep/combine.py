@@ -50,6 +50,8 @@ def reduce_local(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tensor
     """
     adt = acc_dtype(out.dtype)
     n, K = rows.shape
+    if out.is_cuda:
+        return _reduce_local_ordered(out, weights, rows, adt)
     flat = rows.reshape(-1)
     valid = flat >= 0
     r = flat[valid]
@@ -57,8 +59,23 @@ def reduce_local(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tensor
     src = out[r].to(adt)
     if weights is not None:
         src = src * weights[r].to(adt).unsqueeze(-1)
-    # index_add_ adds the copies of a pair one after another in k order: acc = ((0 + c0) + c1) + ...
+    # On CPU index_add_ adds the copies of a pair one after another in k order: acc = ((0 + c0) + c1) + ...
     return torch.zeros((n, *out.shape[1:]), dtype=adt, device=out.device).index_add_(0, pair, src)
+
+
+def _reduce_local_ordered(out, weights, rows, adt):
+    """reduce_local for CUDA tensors: an explicit k-order sum, bitwise the CPU result. (index_add_ uses
+    atomics on CUDA: repeated pairs would be summed in a different order on every run.)"""
+    valid = (rows >= 0).view(*rows.shape, *([1] * (out.dim() - 1)))
+    r = rows.clamp(min=0)
+    src = out[r].to(adt)                                                  # [n, K, *D]
+    if weights is not None:
+        src = src * weights[r].to(adt).view(*rows.shape, *([1] * (out.dim() - 1)))
+    src = torch.where(valid, src, torch.zeros((), dtype=adt, device=out.device))
+    acc = torch.zeros((rows.shape[0], *out.shape[1:]), dtype=adt, device=out.device)
+    for k in range(rows.shape[1]):
+        acc += src[:, k]
+    return acc
 
 
 def sum_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:

@@ -57,7 +57,7 @@ class LocalExpertParallel:
                                replica_experts=torch.full((1, E), -1, device=x.device))
         return SimpleNamespace(tokens=x[token], weights=topk_weights.reshape(-1)[order], cu_seqlens=cu,
                                slot_experts=slot_experts, num_rows=int(order.numel()), plan=plan,
-                               token=token, num_tokens=x.shape[0])
+                               token=token, order=order, topk=K, num_tokens=x.shape[0])
 
     def prefetch(self, h, local_weight):
         return torch.cat([local_weight, torch.zeros_like(local_weight)])
@@ -65,7 +65,13 @@ class LocalExpertParallel:
     def combine(self, expert_out, h):
         acc = torch.float64 if expert_out.dtype == torch.float64 else torch.float32
         rows = expert_out.to(acc) * h.weights.to(acc)[:, None]
-        y = rows.new_zeros(h.num_tokens, expert_out.shape[1]).index_add(0, h.token, rows)
+        # Back to (token, k) order, then a sum in k order: index_add_ over repeated tokens uses atomics on
+        # CUDA, whose order (so the float result) changes from run to run.
+        per = rows.new_zeros(h.num_tokens * h.topk, expert_out.shape[1]).index_copy_(0, h.order, rows)
+        per = per.view(h.num_tokens, h.topk, expert_out.shape[1])
+        y = per[:, 0].clone()
+        for k in range(1, h.topk):
+            y += per[:, k]
         return y.to(expert_out.dtype)
 
 
