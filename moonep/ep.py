@@ -259,11 +259,11 @@ class ExpertParallel:
 
     @contextmanager
     def _collective(self, op: str):
-        """Run one collective call: refuse a closed instance, check the call order with the peers (host
-        transports), and remember a failure so shutdown does not wait for a dead peer."""
+        """Run one collective call: refuse a closed instance, check the call order with the peers (for
+        NVLink through host shared memory), and remember a failure so shutdown does not wait for a dead peer."""
         expect(not self._closed, "ExpertParallel", "an open instance", f"{op} called after close()")
         if self._engine is not None:
-            self._guard.seq += 1
+            self._guard.enter(op, exchange=self._engine.exchange_header)
             self._engine.op_label = f"{op} #{self._guard.seq}"
         else:
             self._guard.enter(op)

@@ -4,6 +4,7 @@ from moonep.testing.mp import mp_cases
 
 test_faults = mp_cases("tests/mp/cases_faults.py", nranks=[3], case_timeout=60)
 test_hygiene = mp_cases("tests/mp/cases_hygiene.py", nranks=[2], case_timeout=120)
+test_order_board = mp_cases("tests/mp/cases_order_board.py", nranks=[3], case_timeout=60)
 
 
 # -- killed ranks: a dead rank ends an ordinary mpiexec job, so these run with auto-cleanup off -------------

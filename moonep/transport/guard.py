@@ -1,4 +1,5 @@
-"""Collective-order checks and failure bookkeeping for the host-driven transports.
+"""Collective-order checks and failure bookkeeping (host transports; the NVLink path through
+:mod:`moonep.transport.order_board`).
 
 Every collective call of an :class:`moonep.ExpertParallel` (dispatch, combine, prefetch, reduce_grad and
 their backward passes) starts with a 4-word header exchange ``[magic, instance, op, seq]``.  When the
@@ -50,15 +51,18 @@ class CollectiveGuard:
         self.seq = 0
         self.enabled = check_order_enabled()
 
-    def enter(self, op: str) -> None:
-        """Start collective ``op``: label the transport's errors with it and check the order. Collective."""
+    def enter(self, op: str, exchange=None) -> None:
+        """Start collective ``op``: label the transport's errors with it and check the order. Collective.
+
+        ``exchange``: header all-gather to use instead of the transport's (the NVLink engine's host
+        shared-memory board)."""
         self.seq += 1
         header = [MAGIC, self.instance, _CODE[op], self.seq]
         self.transport.current_op = describe(header)
         if not self.enabled or self.transport.world_size == 1:
             return
         try:
-            got = self.transport.exchange_header(header)
+            got = (exchange or self.transport.exchange_header)(header)
         except MoonepError:
             mark_failed(self.rt, self.transport.timeout_s())
             raise

@@ -246,6 +246,10 @@ class NVLinkEngine:
         self._closed = False
         self._gather_obj = ep.transport.all_gather_object
         self._barrier = lambda: self._gather_obj(None)
+        # Collective-order headers through host shared memory (the kernels cannot tell ops apart).
+        from .guard import check_order_enabled
+        from .order_board import OrderBoard
+        self.board = OrderBoard(self.rank, R, self._gather_obj, timeout) if check_order_enabled() and R > 1 else None
         self.es = torch.empty((), dtype=ep.dtype).element_size()
         self.E2 = self.E + 2
         # Combine's receive-back area: two halves of [R*S, H] rows in the token dtype (double-buffered by
@@ -375,6 +379,12 @@ class NVLinkEngine:
             raise ValueError(f"{what} (on rank {r}; detected on device in an earlier step, whose results are "
                              "invalid)")
 
+    def exchange_header(self, header):
+        """Every rank's collective-order header (see :mod:`moonep.transport.guard`), on the host."""
+        if self.board is None:
+            return [list(header)] * self.R
+        return self.board.exchange(header, getattr(self.ep.transport, "current_op", "a collective"))
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         self.check()
@@ -390,6 +400,8 @@ class NVLinkEngine:
             if buf is not None:
                 buf.close(barrier=barrier)
         self.herr.close()
+        if self.board is not None:
+            self.board.close()
         self.recv = self.wbuf = None
         self._pool_views = {}
 
