@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 
@@ -48,10 +47,9 @@ def machine():
 
 
 def rev():
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        return None
+    """The commit measured (``MOONEP_GIT_COMMIT`` on the device machine, else HEAD)."""
+    from moonep.bench.provenance import git_commit
+    return git_commit()
 
 
 def tokens_for(E, R):

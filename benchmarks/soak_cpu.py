@@ -21,7 +21,6 @@ import math
 import os
 import platform
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,12 +38,9 @@ def rss_bytes() -> int:
 
 
 def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        f = ROOT / ".git_commit"  # the device machine gets the tree without .git
-        return f.read_text().strip() if f.exists() else "unknown"
+    """The commit measured (``MOONEP_GIT_COMMIT`` on the device machine, else HEAD)."""
+    from moonep.bench.provenance import git_commit as _gc
+    return _gc()
 
 
 def machine() -> dict:

@@ -21,7 +21,9 @@ for f in sorted(Path(a.src).iterdir()):
     if f.suffix == ".json":
         d = json.loads(f.read_text())
         for key in ("commit", "git_commit"):
-            if key in d and d[key] in (None, "HEAD", "unknown", ""):
+            if key in d and d[key] != a.commit:  # the tree sent was COMMIT, whatever git said there
+                if d[key] not in (None, "HEAD", "unknown", ""):
+                    d["commit_reported_on_device"] = d[key]
                 d[key] = a.commit
         d.setdefault("device_kind", a.kind)
         out = dst / f"{a.name}_{f.name}"
