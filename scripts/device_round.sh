@@ -21,7 +21,7 @@ for s in "$@"; do case $s in
   layers_gpu) step layers_gpu 120 python3 -m pytest -q -rA tests/test_layers.py ;;
   ep_np2) MOONEP_GPU_NRANKS=2 step ep_np2 200 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py -k "test_ep_gpu" ;;
   ep_bench) step ep_bench 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_ep_gpu.py --sms 16,24,32 --iters 30 --out $o ;;
-  ep_kill) MOONEP_GPU_NRANKS=2 step ep_kill 80 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py -k killed ;;
+  ep_kill) MOONEP_GPU_NRANKS=2 step ep_kill 200 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py -k killed ;;
   ep_np4) MOONEP_GPU_NRANKS=4 step ep_np4 200 python3 -m pytest -q -rA tests/test_mp_ep_gpu.py ;;
   mp_gpu) step mp_gpu 300 python3 -m pytest -q -rA tests/test_mp_gpu.py ;;
   smoke) step smoke 200 bash scripts/gpu_smoke.sh $o ;;

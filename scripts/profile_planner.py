@@ -20,19 +20,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_planner import bench_routing, machine  # noqa: E402
+from bench_planner import _events, bench_routing, machine  # noqa: E402
 from moonep.layout import token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
-
-
-def ev_time(fn, n=50):
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record()  # noqa: E702
-        ts.append((a, b))
-    torch.cuda.synchronize()
-    return float(np.median([a.elapsed_time(b) for a, b in ts])) * 1e3
 
 
 def graph_time(fn, n=20):
@@ -47,7 +37,7 @@ def graph_time(fn, n=20):
             fn()
     g.replay()
     torch.cuda.synchronize()
-    return ev_time(g.replay, 20) / n
+    return _events(g.replay, 20) / n
 
 
 def host_time(fn, n=200):
@@ -82,7 +72,8 @@ def main():
                 f(); f()  # noqa: E702
             row = {"E": E, "R": R, "K": K, "family": fam,
                    "graph_plan_us": graph_time(fp), "graph_layout_us": graph_time(fl), "graph_both_us": graph_time(fb),
-                   "eager_plan_us": ev_time(fp), "eager_layout_us": ev_time(fl), "eager_both_us": ev_time(fb),
+                   "eager_plan_us": _events(fp, 50), "eager_layout_us": _events(fl, 50),
+                   "eager_both_us": _events(fb, 50),
                    "host_plan_us": host_time(fp), "host_layout_us": host_time(fl), "host_both_us": host_time(fb)}
             res["rows"].append(row)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)

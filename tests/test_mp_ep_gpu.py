@@ -1,35 +1,17 @@
-"""The NVLink transport (tests/mp/cases_ep_gpu.py) on CUDA ranks, plus the killed-rank check.
+"""The NVLink transport (tests/mp/cases_ep_gpu.py) on CUDA ranks (killed ranks: tests/test_mp_faults_gpu.py).
 
 Skipped as a whole, without launching mpiexec, on machines without CUDA.  Rank counts: 2 (one per GPU on
 2 GPUs) and 4 (two ranks per GPU; CUDA IPC works between processes sharing a GPU).
 """
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from moonep.testing.mp import mp_cases  # noqa: E402
+from moonep.testing.mp import GPU_ENV as ENV, gpu_nranks, mp_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
-ROOT = Path(__file__).resolve().parents[1]
-NRANKS = [int(n) for n in os.environ.get("MOONEP_GPU_NRANKS", "2 4").split()]
-ENV = {"MOONEP_TEST_DEVICE": "cuda", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "NVSHMEM_DISABLE_NVLS": "1"}
+NRANKS = gpu_nranks()
 
 test_ep_gpu = mp_cases("tests/mp/cases_ep_gpu.py", nranks=NRANKS, env=ENV, case_timeout=300)
-
-
-@pytest.mark.parametrize("n", NRANKS, ids=lambda n: f"np{n}")
-def test_killed_rank_makes_survivors_raise(n):
-    env = dict(os.environ, **ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_kill_rank.py"), "--nranks", str(n),
-                           "--victim", str(n - 1), "--timeout", "5"], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

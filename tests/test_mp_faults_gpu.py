@@ -13,13 +13,11 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from moonep.testing.mp import mp_cases  # noqa: E402
+from moonep.testing.mp import GPU_ENV as ENV, gpu_nranks, mp_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 ROOT = Path(__file__).resolve().parents[1]
-NRANKS = [int(n) for n in os.environ.get("MOONEP_GPU_NRANKS", "2 4").split()]
-ENV = {"MOONEP_TEST_DEVICE": "cuda", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "NVSHMEM_DISABLE_NVLS": "1"}
+NRANKS = gpu_nranks()
 
 test_faults_gpu = mp_cases("tests/mp/cases_faults_gpu.py", nranks=NRANKS, env=ENV, case_timeout=300)
 

@@ -3,16 +3,13 @@
 Rank counts come from MOONEP_GPU_NRANKS (default "2 4": one rank per GPU on 2 GPUs, then two ranks per
 GPU). On an 8-GPU machine: MOONEP_GPU_NRANKS="8 16".
 """
-import os
-
 import pytest
 import torch
 
-from moonep.testing.mp import mp_cases
+from moonep.testing.mp import GPU_ENV as CUDA, gpu_nranks, mp_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-NRANKS = [int(n) for n in os.environ.get("MOONEP_GPU_NRANKS", "2 4").split()]
-CUDA = {"MOONEP_TEST_DEVICE": "cuda"}
+NRANKS = gpu_nranks()
 
 test_bootstrap_gpu = mp_cases("tests/mp/cases_bootstrap.py", nranks=NRANKS, env=CUDA)
 test_balance_gpu = mp_cases("tests/mp/cases_balance.py", nranks=NRANKS, env=CUDA)

@@ -170,3 +170,13 @@ def mp_cases(cases_file: str, nranks, *, timeout: float = 600, case_timeout: flo
             pytest.fail(msg, pytrace=False)
 
     return test
+
+
+# GPU test files: world sizes from MOONEP_GPU_NRANKS (default "2 4": one rank per GPU on 2 GPUs, then two
+# ranks per GPU) and the environment every CUDA case runs with (NVLink multicast stays off).
+GPU_ENV = {"MOONEP_TEST_DEVICE": "cuda", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+           "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpu_nranks() -> list:
+    return [int(n) for n in os.environ.get("MOONEP_GPU_NRANKS", "2 4").split()]

@@ -58,18 +58,25 @@ def _expect_error_soon(calls, within):
     raise AssertionError(f"no MoonepError within {within}s")
 
 
-def case_nvlink_order_mismatch_raises_on_every_rank(rt):
-    """The last rank calls combine #3 while the others call dispatch #3: the host order board reports it on
-    every rank before any kernel runs (the kernels alone would satisfy each other's waits), and the
-    instance stays usable: the next matched calls give the right values."""
+def _warm_nv(rt):
+    """An NVLink ExpertParallel after one matched dispatch + combine: (ep, x, idx, w, h)."""
     _need_cuda(rt)
-    R = rt.world_size
     ep = _nv(rt)
     x, idx, w, _ = _problem(rt, ep.num_experts)
     with torch.no_grad():
         h = ep.dispatch(x, idx, w)
         ep.combine(h.tokens, h)
         ep.synchronize()
+    return ep, x, idx, w, h
+
+
+def case_nvlink_order_mismatch_raises_on_every_rank(rt):
+    """The last rank calls combine #3 while the others call dispatch #3: the host order board reports it on
+    every rank before any kernel runs (the kernels alone would satisfy each other's waits), and the
+    instance stays usable: the next matched calls give the right values."""
+    R = rt.world_size
+    ep, x, idx, w, h = _warm_nv(rt)
+    with torch.no_grad():
         call = (lambda: ep.combine(h.tokens, h)) if rt.rank == R - 1 else (lambda: ep.dispatch(x, idx, w))
         t0 = time.monotonic()
         try:
@@ -89,14 +96,9 @@ def case_nvlink_order_mismatch_raises_on_every_rank(rt):
 
 
 def case_nvlink_stall_past_timeout(rt):
-    _need_cuda(rt)
     R = rt.world_size
-    ep = _nv(rt)
-    x, idx, w, _ = _problem(rt, ep.num_experts)
+    ep, x, idx, w, h = _warm_nv(rt)
     with torch.no_grad():
-        h = ep.dispatch(x, idx, w)
-        ep.combine(h.tokens, h)
-        ep.synchronize()
         if rt.rank == R - 1:
             time.sleep(TIMEOUT + 3)  # the others time out meanwhile; then this rank's waits time out too
         _expect_error_soon([lambda: ep.dispatch(x, idx, w), ep.synchronize], TIMEOUT * 3 + 30)
