@@ -59,12 +59,14 @@ class OrderBoard:
         for p in range(self.R):
             while int(half[p, 0]) < self.gen:
                 spins += 1
-                if spins > 200:
-                    time.sleep(0.0002 if spins < 5000 else 0.002)  # yield once the peer is clearly late
-                    if time.monotonic() - t0 > self.timeout:
+                if spins & 63 == 0:
+                    dt = time.monotonic() - t0
+                    if dt > self.timeout:
                         raise MoonepError(f"rank {self.rank}: rank {p} did not start {what} within the timeout of "
                                           f"{self.timeout:g}s (a peer died, stalled or called a different "
                                           "collective)")
+                    if dt > 0.002:  # spin while peers are µs apart (the usual case), then yield the core
+                        time.sleep(0.0001 if dt < 0.1 else 0.002)
         return half[:, 1:].tolist()
 
     def close(self) -> None:
