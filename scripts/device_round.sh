@@ -46,7 +46,7 @@ for s in "$@"; do case $s in
   suite_np4) step suite_np4 300 mpirun --allow-run-as-root --oversubscribe -n 4 python3 -m moonep.bench --device cuda \
                --preset h200 --placement clustered --maxvio 0 1 4 --iters 10 --warmup 2 --no-symm --plot --out $o/suite_h200_np4.json ;;
   fuzz_gpu) step fuzz_gpu 150 python3 -m pytest -q -rA tests/test_planner_fuzz_gpu.py ;;
-  faults_gpu) MOONEP_GPU_NRANKS="2 4" step faults_gpu 170 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
+  faults_gpu) MOONEP_GPU_NRANKS="2 4" step faults_gpu 420 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
   soak_gpu) step soak_gpu 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/soak_gpu.py --out $o/soak_gpu_nvlink.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
 esac; done
