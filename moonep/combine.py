@@ -65,16 +65,18 @@ def reduce_local(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tensor
 
 def _reduce_local_ordered(out, weights, rows, adt):
     """reduce_local for CUDA tensors: an explicit k-order sum, bitwise the CPU result. (index_add_ uses
-    atomics on CUDA: repeated pairs would be summed in a different order on every run.)"""
-    valid = (rows >= 0).view(*rows.shape, *([1] * (out.dim() - 1)))
-    r = rows.clamp(min=0)
-    src = out[r].to(adt)                                                  # [n, K, *D]
-    if weights is not None:
-        src = src * weights[r].to(adt).view(*rows.shape, *([1] * (out.dim() - 1)))
-    src = torch.where(valid, src, torch.zeros((), dtype=adt, device=out.device))
-    acc = torch.zeros((rows.shape[0], *out.shape[1:]), dtype=adt, device=out.device)
-    for k in range(rows.shape[1]):
-        acc += src[:, k]
+    atomics on CUDA: repeated pairs would be summed in a different order on every run.) One choice at a
+    time, so the temporaries are [n, *D], not [n, K, *D]."""
+    n, K = rows.shape
+    shape = (n,) + (1,) * (out.dim() - 1)
+    zero = torch.zeros((), dtype=adt, device=out.device)
+    acc = torch.zeros((n, *out.shape[1:]), dtype=adt, device=out.device)
+    for k in range(K):
+        r = rows[:, k]
+        src = out[r.clamp(min=0)].to(adt)
+        if weights is not None:
+            src = src * weights[r.clamp(min=0)].to(adt).view(shape)
+        acc += torch.where((r >= 0).view(shape), src, zero)
     return acc
 
 

@@ -69,8 +69,8 @@ class LocalExpertParallel:
         # CUDA, whose order (so the float result) changes from run to run.
         per = rows.new_zeros(h.num_tokens * h.topk, expert_out.shape[1]).index_copy_(0, h.order, rows)
         per = per.view(h.num_tokens, h.topk, expert_out.shape[1])
-        y = per[:, 0].clone()
-        for k in range(1, h.topk):
+        y = torch.zeros_like(per[:, 0])  # 0 + c0 + c1 ...: the order (and signed zeros) of the EP path
+        for k in range(h.topk):
             y += per[:, k]
         return y.to(expert_out.dtype)
 

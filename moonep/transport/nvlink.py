@@ -185,6 +185,15 @@ def _vec(nbytes: int, *ptrs: int) -> int:
     return 2
 
 
+def _bump_version(t: torch.Tensor) -> None:
+    """Mark ``t`` modified in place for autograd (a kernel wrote it), so a saved earlier value raises."""
+    inc = getattr(torch.autograd.graph, "increment_version", None)
+    if inc is not None:
+        inc(t)
+    else:  # older torch
+        torch._C._increment_version(t)
+
+
 def _p(t) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
@@ -393,7 +402,8 @@ class NVLinkEngine:
         if self._closed:
             return
         self._closed = True
-        fatal = self.herr[0] != 0
+        # a failed collective (kernel timeout, or the order board's host timeout): don't wait for peers
+        fatal = self.herr[0] != 0 or bool(getattr(self.ep.rt, "failed", False))
         torch.cuda.synchronize(self.device)
         barrier = None if fatal else self._barrier  # with a dead peer, don't wait for it
         for buf in (self.grad, self.pool, self.main):
@@ -653,6 +663,7 @@ class NVLinkEngine:
                      (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(not shared),
                       _p(prev)))
         prev.copy_(rep[self.rank])
+        _bump_version(out)  # written by a raw kernel: autograd must still see the in-place write
         return out
 
     def _prev_replicas(self, out):

@@ -47,9 +47,13 @@ class OrderBoard:
             self.table[:] = 0
         gather_obj(None)  # nobody writes before rank 0 zeroed the table
         self.gen = 0
+        self.broken = False
 
     def exchange(self, header, what: str = "a collective") -> list[list[int]]:
         """Publish ``header`` (4 ints) and return every rank's header of this generation, rank order."""
+        if self.broken:
+            raise MoonepError(f"rank {self.rank}: {what}: an earlier collective timed out; this ExpertParallel "
+                              "cannot be used any more")
         self.gen += 1
         half = self.table[self.gen & 1]
         half[self.rank, 1:] = header
@@ -62,12 +66,18 @@ class OrderBoard:
                 if spins & 63 == 0:
                     dt = time.monotonic() - t0
                     if dt > self.timeout:
+                        # No view of the segment may outlive close() (a traceback keeps this frame's locals),
+                        # and the generations are out of step from here on.
+                        del half
+                        self.broken = True
                         raise MoonepError(f"rank {self.rank}: rank {p} did not start {what} within the timeout of "
                                           f"{self.timeout:g}s (a peer died, stalled or called a different "
                                           "collective)")
                     if dt > 0.002:  # spin while peers are µs apart (the usual case), then yield the core
                         time.sleep(0.0001 if dt < 0.1 else 0.002)
-        return half[:, 1:].tolist()
+        got = half[:, 1:].tolist()
+        del half
+        return got
 
     def close(self) -> None:
         if self._shm is None:

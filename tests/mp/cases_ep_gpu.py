@@ -370,6 +370,35 @@ def case_prefetch_into_pool_equal_host(rt):
         nv.synchronize()
 
 
+def case_prefetch_into_pool_second_write_before_backward_raises(rt):
+    """The NVLink pool is written by a raw kernel: a second prefetch into it before the backward that
+    saved the first result must still raise torch's in-place error (not give silently wrong gradients)."""
+    _need_cuda(rt)
+    R, d = rt.world_size, rt.device
+    epn, K, H, S = 2, 2, 8, 16
+    E = epn * R
+    nv = ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
+                        transport="nvlink")
+    g = torch.Generator().manual_seed(rt.rank)
+    x = torch.randn(S, H, generator=g).to(d)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S)]).to(d)
+    w = torch.rand(S, K, generator=g).to(d)
+    pool = torch.zeros(2 * epn, 4, 4, device=d)
+    param = torch.nn.Parameter(pool[:epn])
+    with nv:
+        h = nv.dispatch(x, idx, w)
+        first = nv.prefetch(h, param, out=pool)
+        loss = (first * first).sum()  # mul saves `first`
+        nv.prefetch(h, param, out=pool)
+        try:
+            loss.backward()
+        except RuntimeError as exc:
+            assert "modified by an inplace operation" in str(exc), exc
+        else:
+            raise AssertionError("a second prefetch into the pool went unnoticed by autograd")
+        nv.synchronize()
+
+
 def case_bad_values_reported_later_on_every_rank(rt):
     """Bad ids are caught on device: every rank raises, at the first call that sees the flag.
 
