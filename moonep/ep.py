@@ -434,7 +434,8 @@ class ExpertParallel:
                 weights must stay alive at the same time, e.g. until that layer's backward).  On the NVLink
                 transport a slot that stays empty is zeroed once, when it becomes empty, not at every
                 call (most of a pool of large weights is such slots): don't write into ``out[epn:]``
-                between calls (a new tensor as ``out`` starts over).
+                between calls, and don't share one pool between two ExpertParallel instances (a new
+                tensor as ``out`` starts over).
         Returns:
             ``[2*epn, *D]``; empty replica slots are zero. Differentiable: the gradient of the replica
             slots flows back to their home rank (see ``reduce_grad``). Collective.  With ``out``: ``out``
