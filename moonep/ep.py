@@ -178,9 +178,9 @@ class ExpertParallel:
     Call :meth:`close` (or use ``with``) to unmap the peers' buffers (NVLink) and end the instance.
 
     Every collective call first checks, with the peers, that they all make the same call (op and
-    sequence number): a different order raises :class:`moonep.MoonepError` on every rank (host
-    transports; the NVLink path, which never syncs with the host, gets a timeout error instead).  A dead
-    or stalled peer raises :class:`moonep.MoonepError` naming the op after ``timeout`` seconds.
+    sequence number): a different order raises :class:`moonep.MoonepError` on every rank (on NVLink the
+    headers go through host shared memory; its backward passes carry none).  A dead or stalled peer
+    raises :class:`moonep.MoonepError` naming the op after ``timeout`` seconds.
     """
 
     def __init__(self, group=None, *, num_experts: int, topk: int, hidden: int, max_tokens: int,

@@ -185,15 +185,6 @@ def _vec(nbytes: int, *ptrs: int) -> int:
     return 2
 
 
-def _bump_version(t: torch.Tensor) -> None:
-    """Mark ``t`` modified in place for autograd (a kernel wrote it), so a saved earlier value raises."""
-    inc = getattr(torch.autograd.graph, "increment_version", None)
-    if inc is not None:
-        inc(t)
-    else:  # older torch
-        torch._C._increment_version(t)
-
-
 def _p(t) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
@@ -288,7 +279,6 @@ class NVLinkEngine:
         self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
         self._grad_views = {}
         self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
-        self._pool_views = {}  # (shape, dtype) -> torch view of this rank's own pool rows
         self._pool_prev = {}   # out.data_ptr() -> (weakref(out), int64 [epn] replica table last written)
         # route_gather's histogram/flag/block-counter scratch (zero between calls)
         self._scratch = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
@@ -350,8 +340,6 @@ class NVLinkEngine:
             setattr(self, which, new)
             if which == "grad":
                 self._grad_views = {}
-            if which == "pool":
-                self._pool_views = {}
             self._write_ctx()
         finally:
             torch.cuda.set_sync_debug_mode(prev)
@@ -389,9 +377,8 @@ class NVLinkEngine:
                              "invalid)")
 
     def exchange_header(self, header):
-        """Every rank's collective-order header (see :mod:`moonep.transport.guard`), on the host."""
-        if self.board is None:
-            return [list(header)] * self.R
+        """Every rank's collective-order header (see :mod:`moonep.transport.guard`, which calls this only when
+        the check is on and R > 1, i.e. when the board exists), on the host."""
         return self.board.exchange(header, getattr(self.ep.transport, "current_op", "a collective"))
 
     def synchronize(self) -> None:
@@ -413,7 +400,6 @@ class NVLinkEngine:
         if self.board is not None:
             self.board.close()
         self.recv = self.wbuf = None
-        self._pool_views = {}
 
     # -- plan ------------------------------------------------------------------------------------------
     def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
@@ -630,16 +616,6 @@ class NVLinkEngine:
                      (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(1), _p(None)))
         return out
 
-    def _pool_rows(self, shape, dtype):
-        """This rank's own pool as ``[epn, *shape]`` rows of ``dtype`` (cached per shape and dtype)."""
-        key = (tuple(shape), dtype)
-        v = self._pool_views.get(key)
-        if v is None:
-            if len(self._pool_views) >= 16:
-                self._pool_views = {}
-            v = self._pool_views[key] = self.pool.view(0, (self.epn, *shape), dtype)
-        return v
-
     def _prefetch_into(self, plan, local_weight, out):
         from ..replicas import home_is_view
 
@@ -663,7 +639,8 @@ class NVLinkEngine:
                      (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(not shared),
                       _p(prev)))
         prev.copy_(rep[self.rank])
-        _bump_version(out)  # written by a raw kernel: autograd must still see the in-place write
+        # written by a raw kernel: mark it modified in place, so a saved earlier value raises in backward
+        torch.autograd.graph.increment_version(out)
         return out
 
     def _prev_replicas(self, out):
@@ -672,7 +649,7 @@ class NVLinkEngine:
         reference): a new tensor at a reused address starts over."""
         key = out.data_ptr()
         ent = self._pool_prev.get(key)
-        if ent is None or ent[0]() is not out or ent[1].shape[0] != self.epn:
+        if ent is None or ent[0]() is not out:
             if len(self._pool_prev) >= 16:
                 self._pool_prev = {k: v for k, v in self._pool_prev.items() if v[0]() is not None}
             ent = self._pool_prev[key] = (weakref.ref(out), torch.zeros(self.epn, dtype=torch.int64,
