@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
 # (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
-#   steps: fuzz_gpu faults_gpu soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: fuzz_gpu faults_gpu faults_np2 faults_np4 soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -12,6 +12,7 @@ step() {  # name timeout cmd...
   local name=$1 t=$2; shift 2; local t0=$SECONDS
   timeout "$t" "$@" > "$o/$name.txt" 2>&1; local rc=$?
   echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$o/summary.txt"
+  tar czf "${OUT:-/tmp}/round.tgz" -C $o .  # after every step, so a round cut off by the call limit keeps what ran
 }
 for s in "$@"; do case $s in
   planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/test_planner_gpu.py tests/test_balance_gpu.py ;;
@@ -46,6 +47,8 @@ for s in "$@"; do case $s in
   suite_np4) step suite_np4 300 mpirun --allow-run-as-root --oversubscribe -n 4 python3 -m moonep.bench --device cuda \
                --preset h200 --placement clustered --maxvio 0 1 4 --iters 10 --warmup 2 --no-symm --plot --out $o/suite_h200_np4.json ;;
   fuzz_gpu) step fuzz_gpu 150 python3 -m pytest -q -rA tests/test_planner_fuzz_gpu.py ;;
+  faults_np2) MOONEP_GPU_NRANKS=2 step faults_np2 300 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
+  faults_np4) MOONEP_GPU_NRANKS=4 step faults_np4 300 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
   faults_gpu) MOONEP_GPU_NRANKS="2 4" step faults_gpu 420 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
   soak_gpu) step soak_gpu 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/soak_gpu.py --out $o/soak_gpu_nvlink.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
