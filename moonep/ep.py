@@ -198,6 +198,7 @@ class ExpertParallel:
             self.device, dev_err = self.rt.device, str(exc)
         self._engine = None
         self._closed = False
+        self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
         expect(transport in ("auto", "mpi", "torch", "nvlink"), "transport", '"auto", "mpi", "torch" or "nvlink"',
                repr(transport))
         self.transport = make_transport("auto" if transport == "nvlink" else transport, self.rt)
@@ -270,6 +271,7 @@ class ExpertParallel:
         try:
             yield
         except MoonepError:
+            self._failed = True
             mark_failed(self.rt, self.transport.timeout_s())
             raise
 
@@ -280,7 +282,12 @@ class ExpertParallel:
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise any error the NVLink kernels recorded."""
         if self._engine is not None:
-            self._engine.synchronize()
+            try:
+                self._engine.synchronize()
+            except MoonepError:
+                self._failed = True
+                mark_failed(self.rt, self.transport.timeout_s())
+                raise
 
     def close(self, check: bool = True) -> None:
         """Release the NVLink buffers (collective unless a peer died) and, with ``check``, raise any error
@@ -292,7 +299,7 @@ class ExpertParallel:
                 if check:
                     eng.check()
             finally:
-                eng.close()
+                eng.close(peers_ok=not self._failed)
 
     def __enter__(self):
         return self

@@ -385,12 +385,17 @@ class NVLinkEngine:
         torch.cuda.synchronize(self.device)
         self.check()
 
-    def close(self) -> None:
+    def close(self, peers_ok: bool = True) -> None:
+        """Free the buffers; collective (barriers) unless this instance saw a failure.
+
+        ``peers_ok=False``: a collective of this instance raised :class:`moonep.MoonepError`.  The decision
+        is per instance, not the runtime's sticky ``failed``: after a failure the peers of this instance
+        all raised too (every wait is bounded), while a later instance's peers are in step again."""
         if self._closed:
             return
         self._closed = True
-        # a failed collective (kernel timeout, or the order board's host timeout): don't wait for peers
-        fatal = self.herr[0] != 0 or bool(getattr(self.ep.rt, "failed", False))
+        # a failed collective (kernel timeout, the order board's host timeout): don't wait for peers
+        fatal = not peers_ok or self.herr[0] != 0 or (self.board is not None and self.board.broken)
         torch.cuda.synchronize(self.device)
         barrier = None if fatal else self._barrier  # with a dead peer, don't wait for it
         for buf in (self.grad, self.pool, self.main):
