@@ -1,13 +1,13 @@
 """Copy a device round's outputs into benchmarks/results/, stamping the commit and machine kind.
 
-    python scripts/keep_device_results.py /tmp/r5 COMMIT NAME [--kind nvidia-h200-x2]
+    python scripts/keep_device_results.py /tmp/r5 COMMIT NAME [--kind nvidia-h200-x2] [--command "..."]
 
 JSON files keep every field; a ``commit`` of "HEAD"/None/"unknown" is replaced by COMMIT (the tree sent to
-the device had no .git). Logs (*.txt) go to benchmarks/results/gpu_runs/NAME_<file>.
+the device had no .git). Logs (*.txt) go to benchmarks/results/gpu_runs/NAME_<file>, under a header line naming commit, machine and
+command.
 """
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 ap = argparse.ArgumentParser()
@@ -15,6 +15,7 @@ ap.add_argument("src")
 ap.add_argument("commit")
 ap.add_argument("name")
 ap.add_argument("--kind", default="nvidia-h200-x2")
+ap.add_argument("--command", default="", help="the device command, written as a header into kept logs")
 a = ap.parse_args()
 dst = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 for f in sorted(Path(a.src).iterdir()):
@@ -31,5 +32,6 @@ for f in sorted(Path(a.src).iterdir()):
         print("kept", out)
     elif f.suffix == ".txt":
         out = dst / "gpu_runs" / f"{a.name}_{f.name}"
-        shutil.copy(f, out)
+        head = f"# commit {a.commit}; machine {a.kind}" + (f"; command: {a.command}" if a.command else "") + "\n"
+        out.write_text(head + f.read_text(errors="replace"))
         print("kept", out)
