@@ -86,17 +86,6 @@ __device__ __forceinline__ void warp_min2(i64& a, int& i) {
     if (oi != NONE && (i == NONE || oa < a || (oa == a && oi < i))) { a = oa; i = oi; }
   }
 }
-// lexicographic min of (a, b, i)
-__device__ __forceinline__ void warp_min3(int& a, i64& b, int& i) {
-  for (int off = 16; off > 0; off >>= 1) {
-    int oa = __shfl_xor_sync(FULL, a, off);
-    i64 ob = __shfl_xor_sync(FULL, b, off);
-    int oi = __shfl_xor_sync(FULL, i, off);
-    if (oi != NONE && (i == NONE || oa < a || (oa == a && (ob < b || (ob == b && oi < i))))) {
-      a = oa; b = ob; i = oi;
-    }
-  }
-}
 // Warp argmax of positive values (v <= 0: no candidate), ties to the lowest index; all lanes get
 // (value, index), index NONE if no lane has a candidate. Three single-instruction reductions (sm_80+)
 // instead of five shuffle rounds: max of the high words, max of the low words among lanes holding that
@@ -116,6 +105,26 @@ __device__ __forceinline__ int warp_argmax_pos(i64& v, int idx) {
   int i = v > 0 ? idx : NONE;
   warp_min2(a, i);
   v = -a;
+  return i;
+#endif
+}
+// Warp argmin of positive values (v <= 0 or idx == NONE: no candidate), ties to the lowest index; the same
+// three single-instruction reductions as warp_argmax_pos.
+__device__ __forceinline__ int warp_argmin_pos(i64& v, int idx) {
+#if __CUDA_ARCH__ >= 800
+  const bool ok = v > 0 && idx != NONE;
+  const unsigned hi = ok ? (unsigned)((unsigned long long)v >> 32) : 0xffffffffu;
+  const unsigned mh = __reduce_min_sync(FULL, hi);
+  const unsigned ml = __reduce_min_sync(FULL, (ok && hi == mh) ? (unsigned)(unsigned long long)v : 0xffffffffu);
+  const i64 m = (i64)(((unsigned long long)mh << 32) | (unsigned long long)ml);
+  const int bi = (int)__reduce_min_sync(FULL, (ok && v == m) ? (unsigned)idx : (unsigned)NONE);
+  v = m;
+  return bi;
+#else
+  i64 a = v;
+  int i = (v > 0 && idx != NONE) ? idx : NONE;
+  warp_min2(a, i);
+  v = a;
   return i;
 #endif
 }
@@ -323,8 +332,11 @@ __device__ int run_exact(const PlanSm& s, int R, int lane) {
         const int a = 2 * kneed(s.psum + c * epn, epn, d) + (x < d ? 1 : 0);
         if (ki == NONE || a < ka || (a == ka && -x < kb)) { ka = a; kb = -x; ki = c; }
       }
-      warp_min3(ka, kb, ki);
-      o = ki;
+      // lexicographic min of (ka, -x, index): the smallest ka, then the largest excess (argmax), one
+      // reduction each instead of five shuffle rounds of three values
+      const unsigned amin = warp_umin(ki != NONE ? (unsigned)ka : 0xffffffffu);
+      i64 xm = (ki != NONE && (unsigned)ka == amin) ? -kb : 0;
+      o = warp_argmax_pos(xm, ki);
     }
     if (o == NONE) return 0;  // unreachable: total excess == total deficit
     wfill(s, u, o, d, lane);
@@ -334,15 +346,13 @@ __device__ int run_exact(const PlanSm& s, int R, int lane) {
 // warp 0, cap mode (cpu.py _plan_core, cap branch); returns 1 if stuck
 __device__ int run_cap(const PlanSm& s, int R, int lane) {
   while (true) {
-    i64 ba = 0; int bi = NONE;                 // donor: largest excess over the cap
+    i64 x = 0; int bi = NONE;                  // donor: largest excess over the cap, lowest index
     for (int r = lane; r < R; r += 32) {
-      i64 x = s.bal[r];
-      if (x > 0 && (bi == NONE || -x < ba)) { ba = -x; bi = r; }
+      const i64 xr = s.bal[r];
+      if (xr > x) { x = xr; bi = r; }
     }
-    warp_min2(ba, bi);
-    if (bi == NONE) return 0;
-    const int o = bi;
-    i64 x = -ba;
+    const int o = warp_argmax_pos(x, bi);
+    if (o == NONE) return 0;
     if (lane == 0) s.used[o] = 1;
     __syncwarp();
     while (x > 0) {
@@ -354,11 +364,12 @@ __device__ int run_cap(const PlanSm& s, int R, int lane) {
         if (room >= x && (fi == NONE || room < fa)) { fa = room; fi = v; }
         if (gi == NONE || -room < ga) { ga = -room; gi = v; }
       }
-      warp_min2(fa, fi);
-      warp_min2(ga, gi);
+      fi = warp_argmin_pos(fa, fi);
+      i64 gm = gi != NONE ? -ga : 0;
+      gi = warp_argmax_pos(gm, gi);
       const int v = fi != NONE ? fi : gi;
       if (v == NONE) return 1;
-      const i64 room = fi != NONE ? fa : -ga;
+      const i64 room = fi != NONE ? fa : gm;
       const i64 a = x < room ? x : room;
       if (lane == 0) s.used[v] = 1;
       wfill(s, v, o, a, lane);
@@ -710,7 +721,8 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
     __syncthreads();
     for (int e = tid; e < E; e += nt) {
       i64 sum = P ? __ldcg(&w.pre[e]) : 0;
-      for (int bb = 0; bb < b; ++bb) sum += __ldcg(&w.hist[(i64)bb * E + e]);
+#pragma unroll 8
+      for (int bb = 0; bb < b; ++bb) sum += __ldcg(&w.hist[(i64)bb * E + e]);  // 8 loads in flight
       off[e] = sum;
     }
     __syncthreads();
