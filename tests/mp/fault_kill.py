@@ -105,6 +105,14 @@ def main():
     rec.update(t=time.time(), elapsed=time.time() - t0)
     with open(os.path.join(args.out, f"rank{rt.rank}.json"), "w") as f:
         json.dump(rec, f)
+    # Wait (through the files, MPI being broken) until every pair's survivor has its record: a process that
+    # ends abnormally (gloo's threads can abort at exit with a dead peer) makes mpiexec kill the rest of the
+    # job, which must not cut short a survivor still inside its timeout.
+    expected = {2 * i + 1 - SCENARIOS[i][2] for i in range(pairs)}
+    deadline = time.time() + 10 * args.timeout + 30
+    while time.time() < deadline and not all(os.path.exists(os.path.join(args.out, f"rank{r}.json"))
+                                              for r in expected):
+        time.sleep(0.05)
     # Leave normally: moonep must make the process end even though MPI_Finalize waits for the dead peer.
 
 
