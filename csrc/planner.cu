@@ -25,6 +25,19 @@
 //   earlier blocks/warps and of earlier source ranks (prefix blocks), and finds its chunk (rank)
 //   in the plan's per-expert chunk table.
 typedef long long i64;
+
+// MOONEP_PLAN_CLOCKS (a profiling build, scripts/profile_planner.py --clocks): warp 0 accumulates clock64()
+// cycles per phase of moonep_plan and per part of a fill step into CLK[0..15], written to the layout's
+// hist scratch at the end (read before any layout runs). Costs a few instructions per step when on.
+#ifdef MOONEP_PLAN_CLOCKS
+#define CLK_DECL __shared__ i64 CLK[16];
+#define CLK_ADD(i, t0) do { if ((threadIdx.x & 31) == 0) { const i64 t1_ = clock64(); CLK[i] += t1_ - (t0); (t0) = t1_; } } while (0)
+#define CLK_BLK(i) do { if (threadIdx.x == 0) { const i64 t1_ = clock64(); CLK[i] += t1_ - tb_; tb_ = t1_; } } while (0)
+#else
+#define CLK_BLK(i) do { } while (0)
+#define CLK_DECL
+#define CLK_ADD(i, t0) do { } while (0)
+#endif
 #define FULL 0xffffffffu
 #define NONE 0x7fffffff
 #define FLAG_INTS 256
@@ -300,8 +313,12 @@ __device__ __forceinline__ void wfill(const PlanSm& s, int u, int o, i64 need, i
 }
 
 // warp 0, exact mode (cpu.py _plan_core, exact branch)
-__device__ int run_exact(const PlanSm& s, int R, int lane) {
+__device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
   const int epn = s.epn;
+#ifdef MOONEP_PLAN_CLOCKS
+  i64* CLK = CLKp;
+  i64 tc = clock64();
+#endif
   while (true) {
     i64 d = 0; int bi = NONE;                  // receiver: largest deficit, lowest index
     for (int r = lane; r < R; r += 32) {
@@ -309,6 +326,7 @@ __device__ int run_exact(const PlanSm& s, int R, int lane) {
       if (dr > d) { d = dr; bi = r; }
     }
     const int u = warp_argmax_pos(d, bi);
+    CLK_ADD(8, tc);
     if (u == NONE) return 0;
     // donor: min (k, excess < d, -excess, index). Fast path: if some donor covers d with its largest
     // remaining expert (k = 1), only k = 1 donors compete, by (excess < d, -excess, index).
@@ -338,8 +356,13 @@ __device__ int run_exact(const PlanSm& s, int R, int lane) {
       i64 xm = (ki != NONE && (unsigned)ka == amin) ? -kb : 0;
       o = warp_argmax_pos(xm, ki);
     }
+    CLK_ADD(cmin < 2 ? 9 : 10, tc);
     if (o == NONE) return 0;  // unreachable: total excess == total deficit
     wfill(s, u, o, d, lane);
+    CLK_ADD(11, tc);
+#ifdef MOONEP_PLAN_CLOCKS
+    if (lane == 0) CLK[12] += 1;
+#endif
   }
 }
 
@@ -388,6 +411,12 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
   extern __shared__ __align__(16) unsigned char sm_raw[];
   __shared__ i64 red[32];
   __shared__ int s_stuck;
+  CLK_DECL
+#ifdef MOONEP_PLAN_CLOCKS
+  i64 tb_ = clock64();
+  if (threadIdx.x < 16) CLK[threadIdx.x] = 0;
+  __syncthreads();
+#endif
   PlanSm s;
   s.rem = (i64*)sm_raw;
   s.psum = s.rem + E;
@@ -453,6 +482,7 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
     for (int e = tid; e < E; e += nt) { s.rem[e] = w.L[e]; neg |= w.hist[e] != 0; }
     if (__syncthreads_or(neg)) errbits |= 1;
   }
+  CLK_BLK(0);
   i64 part = 0;
   for (int e = tid; e < E; e += nt) part += s.rem[e];
   const i64 T = block_sum(part, red);
@@ -463,6 +493,7 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
   }
 
   bool exact = true;
+  CLK_BLK(1);
   for (int attempt = 0; attempt < 2; ++attempt) {
     exact = !(flags & F_CAP) || attempt == 1;
     for (int e = tid; e < E; e += nt) {
@@ -485,8 +516,14 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
       if (lane == 0) s.bal[r] = tot - tgt_of(r, exact, T, R, cap);
     }
     __syncthreads();
+    CLK_BLK(2);
     if (warp == 0) {
-      int st = exact ? run_exact(s, R, lane) : run_cap(s, R, lane);
+#ifdef MOONEP_PLAN_CLOCKS
+      i64* clkp = CLK;
+#else
+      i64* clkp = nullptr;
+#endif
+      int st = exact ? run_exact(s, R, lane, clkp) : run_cap(s, R, lane);
       if (lane == 0) s_stuck = st;
     } else if (attempt == 0 && (flags & F_ASSIGN) && (warp & 3)) {
       // meanwhile warps on the other schedulers zero the [E, R] assignment (16-byte stores); its
@@ -506,6 +543,7 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
     __syncthreads();
   }
 
+  CLK_BLK(3);
   // 3. outputs and the layout's chunk table
   for (int e = tid; e < E; e += nt) w.rem[e] = s.rem[e];
   for (int r = tid; r < R; r += nt) {
@@ -566,6 +604,11 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
       if (h >= 0) w.A[((i64)h * epn + j) * R + r] = w.amt[(i64)r * epn + j];  // r's replicas of h's expert j
     }
   }
+#ifdef MOONEP_PLAN_CLOCKS
+  __syncthreads();
+  CLK_BLK(4);
+  if (threadIdx.x < 16) ((i64*)w.hist)[threadIdx.x] = CLK[threadIdx.x];
+#endif
 }
 
 // Large R*E: expert loads as a grid kernel (negative flags per expert in the hist scratch).

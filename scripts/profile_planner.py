@@ -50,12 +50,30 @@ def host_time(fn, n=200):
     return dt
 
 
+CLOCK_NAMES = ("colsum", "total", "sort_psum", "fill_loop", "outputs", None, None, None,
+               "step_receiver", "step_donor_fast", "step_donor_slow", "step_fill", "steps")
+
+
+def plan_clocks(counts):
+    """Cycles per phase of one plan (the MOONEP_PLAN_CLOCKS build writes them to the hist scratch)."""
+    p = plan_balanced(counts)
+    torch.cuda.synchronize()
+    g = p._geo
+    clk = p._ws[g.hist:g.hist + 16].tolist()
+    return {name: int(v) for name, v in zip(CLOCK_NAMES, clk) if name}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--configs", default="256,8,8;896,64,16")
     ap.add_argument("--families", default="uniform,zipf1.5,theorem2")
+    ap.add_argument("--clocks", action="store_true",
+                    help="a profiling build of the plan kernel (-DMOONEP_PLAN_CLOCKS): cycles per phase and per "
+                         "part of a fill step, from clock64() on warp 0; timings of this build are not reported")
     a = ap.parse_args()
+    if a.clocks:
+        os.environ["MOONEP_PLAN_CLOCKS"] = "1"  # read when the kernels are first compiled (below)
     res = {"command": " ".join([sys.executable] + sys.argv), "commit": os.environ.get("MOONEP_GIT_COMMIT"),
            "machine": machine(), "rows": []}
     for cfg in a.configs.split(";"):
@@ -70,6 +88,11 @@ def main():
             fb = lambda: token_destinations(plan_balanced(c), rank, tk)  # noqa: E731
             for f in (fp, fl, fb):
                 f(); f()  # noqa: E702
+            if a.clocks:
+                row = {"E": E, "R": R, "K": K, "family": fam, **plan_clocks(c)}
+                res["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                continue
             row = {"E": E, "R": R, "K": K, "family": fam,
                    "graph_plan_us": graph_time(fp), "graph_layout_us": graph_time(fl), "graph_both_us": graph_time(fb),
                    "eager_plan_us": _events(fp, 50), "eager_layout_us": _events(fl, 50),

@@ -82,7 +82,9 @@ class _Dev:
             src = f.read()
         with cupy.cuda.Device(di):
             # MOONEP_LINEINFO=1: source lines in profiles (ncu --page source)
-            opts = ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ())
+            # MOONEP_PLAN_CLOCKS=1: cycle counters per plan phase (scripts/profile_planner.py --clocks)
+            opts = ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ()) + (
+                ("-DMOONEP_PLAN_CLOCKS",) if os.environ.get("MOONEP_PLAN_CLOCKS") else ())
             mod = cupy.RawModule(code=src, options=opts)
             self.raw = {k: mod.get_function(k) for k in _KERNELS}
             self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
