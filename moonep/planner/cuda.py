@@ -168,7 +168,8 @@ class _Geo:
         self.words = o
         self.big = R * E > BIG
         self.nt = min(1024, max(128, 1 << (E - 1).bit_length()))
-        self.smem = (8 * (2 * E + R) + 4 * (E + 4 * R + 2 + self.epn) + R + 15) // 16 * 16
+        # + 128: kneed (planner.cu) reads 16 psum words unconditionally, past the last rank's
+        self.smem = (8 * (2 * E + R) + 4 * (E + 4 * R + 2 + self.epn) + R + 15) // 16 * 16 + 128
         nw = 32  # layout: warps per block, so that per-warp expert counters fit in shared memory
         while nw > 2 and (16 + 2 * nw) * E > 48 * 1024:
             nw //= 2
