@@ -149,6 +149,30 @@ __device__ __forceinline__ unsigned warp_umin(unsigned v) {
   return v;
 #endif
 }
+// One-reduction forms for small values (PlanSm.ib >= 0: every value compared is below 2^(31 - ib), ib bits
+// hold a rank): the value and the (inverted) index packed in one 32-bit key. REDUX latency, not
+// instruction count, is what a fill step waits on (clock64 per phase: ~150 cycles each, 3 per argmax).
+__device__ __forceinline__ int warp_argmax_small(i64& v, int idx, int ib) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned mask = (1u << ib) - 1u;
+  const unsigned key = v > 0 ? ((unsigned)v << ib) | (mask - (unsigned)idx) : 0u;
+  const unsigned m = __reduce_max_sync(FULL, key);
+  v = (i64)(m >> ib);
+  return m ? (int)(mask - (m & mask)) : NONE;
+#else
+  return warp_argmax_pos(v, idx);
+#endif
+}
+__device__ __forceinline__ int warp_argmin_small(i64& v, int idx, int ib) {
+#if __CUDA_ARCH__ >= 800
+  const unsigned key = (v > 0 && idx != NONE) ? ((unsigned)v << ib) | (unsigned)idx : 0xffffffffu;
+  const unsigned m = __reduce_min_sync(FULL, key);
+  v = m == 0xffffffffu ? -1 : (i64)(m >> ib);
+  return m == 0xffffffffu ? NONE : (int)(m & ((1u << ib) - 1u));
+#else
+  return warp_argmin_pos(v, idx);
+#endif
+}
 __device__ __forceinline__ i64 block_sum(i64 v, i64* red) {
   v = warp_sum(v);
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -174,7 +198,14 @@ struct PlanSm {
   i64* amt;    // global [R*epn]
   i64* rx;     // global [R*epn]
   int epn;
+  int ib;      // >= 0: values fit the one-reduction selections with ib index bits (see warp_argmax_small)
 };
+__device__ __forceinline__ int argmax_pos(const PlanSm& s, i64& v, int idx) {
+  return s.ib >= 0 ? warp_argmax_small(v, idx, s.ib) : warp_argmax_pos(v, idx);
+}
+__device__ __forceinline__ int argmin_pos(const PlanSm& s, i64& v, int idx) {
+  return s.ib >= 0 ? warp_argmin_small(v, idx, s.ib) : warp_argmin_pos(v, idx);
+}
 
 // warp: psum[base + a] = sum of rem over order[base .. base+a]; returns the total
 __device__ __forceinline__ i64 rank_psum(const PlanSm& s, int base, int lane) {
@@ -331,7 +362,7 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
       const i64 dr = -s.bal[r];
       if (dr > d) { d = dr; bi = r; }
     }
-    const int u = warp_argmax_pos(d, bi);
+    const int u = argmax_pos(s, d, bi);
     CLK_ADD(8, tc);
     if (u == NONE) return 0;
     // donor: min (k, excess < d, -excess, index). Fast path: if some donor covers d with its largest
@@ -343,12 +374,26 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
       const unsigned cs = x < d ? 1u : 0u;
       if (cs < bc || (cs == bc && x > bx)) { bc = cs; bx = x; bo = c; }
     }
-    const unsigned cmin = warp_umin(bc);
-    int o;
-    if (cmin < 2) {
-      i64 xm = bc == cmin ? bx : 0;
-      o = warp_argmax_pos(xm, bo);
+    unsigned cmin;
+    int o = NONE;
+    if (s.ib >= 0) {  // one reduction: key (excess >= d, excess, -index)
+#if __CUDA_ARCH__ >= 800
+      const unsigned mask = (1u << s.ib) - 1u;
+      const unsigned key = bo != NONE ? ((1u - bc) << 31) | ((unsigned)bx << s.ib) | (mask - (unsigned)bo) : 0u;
+      const unsigned m = __reduce_max_sync(FULL, key);
+      cmin = m ? 1u - (m >> 31) : 2u;
+      if (m) o = (int)(mask - (m & mask));
+#else
+      cmin = 2;  // unreachable: ib < 0 below sm_80
+#endif
     } else {
+      cmin = warp_umin(bc);
+      if (cmin < 2) {
+        i64 xm = bc == cmin ? bx : 0;
+        o = warp_argmax_pos(xm, bo);
+      }
+    }
+    if (cmin >= 2) {
       int ka = 0; i64 kb = 0; int ki = NONE;
       for (int c = lane; c < R; c += 32) {
         const i64 x = s.bal[c];
@@ -360,7 +405,7 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
       // reduction each instead of five shuffle rounds of three values
       const unsigned amin = warp_umin(ki != NONE ? (unsigned)ka : 0xffffffffu);
       i64 xm = (ki != NONE && (unsigned)ka == amin) ? -kb : 0;
-      o = warp_argmax_pos(xm, ki);
+      o = argmax_pos(s, xm, ki);
     }
     CLK_ADD(cmin < 2 ? 9 : 10, tc);
     if (o == NONE) return 0;  // unreachable: total excess == total deficit
@@ -380,7 +425,7 @@ __device__ int run_cap(const PlanSm& s, int R, int lane) {
       const i64 xr = s.bal[r];
       if (xr > x) { x = xr; bi = r; }
     }
-    const int o = warp_argmax_pos(x, bi);
+    const int o = argmax_pos(s, x, bi);
     if (o == NONE) return 0;
     if (lane == 0) s.used[o] = 1;
     __syncwarp();
@@ -393,9 +438,9 @@ __device__ int run_cap(const PlanSm& s, int R, int lane) {
         if (room >= x && (fi == NONE || room < fa)) { fa = room; fi = v; }
         if (gi == NONE || -room < ga) { ga = -room; gi = v; }
       }
-      fi = warp_argmin_pos(fa, fi);
+      fi = argmin_pos(s, fa, fi);
       i64 gm = gi != NONE ? -ga : 0;
-      gi = warp_argmax_pos(gm, gi);
+      gi = argmax_pos(s, gm, gi);
       const int v = fi != NONE ? fi : gi;
       if (v == NONE) return 1;
       const i64 room = fi != NONE ? fa : gm;
@@ -499,6 +544,15 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
     if (capf > cap) cap = capf;
   }
 
+  {  // one-reduction selections when every deficit, excess and room (each <= max(T, cap)) fits
+#if __CUDA_ARCH__ >= 800
+    const int ib = R > 1 ? 32 - __clz(R - 1) : 1;
+    const i64 lim = T > cap ? T : cap;
+    s.ib = lim < (1LL << (31 - ib)) - 1 ? ib : -1;
+#else
+    s.ib = -1;
+#endif
+  }
   bool exact = true;
   CLK_BLK(1);
   for (int attempt = 0; attempt < 2; ++attempt) {
