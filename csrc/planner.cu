@@ -50,6 +50,7 @@ typedef long long i64;
 #define F_ASSIGN 8
 #define F_DECL_SCALAR 16
 #define F_DECL_PTR 32
+#define F_FUSED 64  // moonep_plan_layout: leave the layout's flags alone, publish "plan done" (i64 flag 1)
 
 // Workspace layout in int64 words; mirrored by _Geo in moonep/planner/cuda.py.
 struct Ws {
@@ -455,9 +456,12 @@ __device__ int run_cap(const PlanSm& s, int R, int lane) {
 
 // Single block. Dynamic shared memory (bytes): 8*(2E + R) + 4*(E + 4R + 2 + epn) + R, plus 128 of padding
 // (kneed's unconditional loads).
-extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
+__device__ __forceinline__ void ld_acq_wait64(const i64* p, i64 want);
+__device__ __forceinline__ void st_release64(i64* p, i64 v);
+
+__device__ __forceinline__ void plan_body(
     const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
-    const i64* __restrict__ decl, i64 decl_scalar) {
+    const i64* __restrict__ decl, i64 decl_scalar, i64 nonce) {
   const int R = (int)R_, E = (int)E_, epn = E / R;
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
   const Ws w = ws_layout(wsp, R_, E_);
@@ -613,7 +617,8 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
     w.rc[r] = s.bal[r] + tgt_of(r, exact, T, R, cap);
     nrecv[r] = 0;
   }
-  for (int q = tid; q < FLAG_INTS; q += nt) w.flags[q] = 0;
+  if (!(flags & F_FUSED))
+    for (int q = tid; q < FLAG_INTS; q += nt) w.flags[q] = 0;
   if (tid == 0) { w.err[0] = errbits; w.err[1] = 0; }
   __syncthreads();
   for (int v = tid; v < R; v += nt) {
@@ -669,8 +674,21 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
 #ifdef MOONEP_PLAN_CLOCKS
   __syncthreads();
   CLK_BLK(4);
-  if (threadIdx.x < 16) ((i64*)w.hist)[threadIdx.x] = CLK[threadIdx.x];
+  if (!(flags & F_FUSED) && threadIdx.x < 16) ((i64*)w.hist)[threadIdx.x] = CLK[threadIdx.x];
 #endif
+  if (flags & F_FUSED) {  // every output above is written: the layout blocks may read them
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      st_release64((i64*)w.flags + 1, nonce);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
+    const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
+    const i64* __restrict__ decl, i64 decl_scalar) {
+  plan_body(counts, wsp, R_, E_, flags & ~(i64)F_FUSED, slack_bits, decl, decl_scalar, 0);
 }
 
 // Large R*E: expert loads as a grid kernel (negative flags per expert in the hist scratch).
@@ -742,25 +760,53 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
 __device__ __forceinline__ void st_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ i64 ld_acquire64(const i64* p) {
+  i64 v;
+  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release64(i64* p, i64 v) {
+  asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void ld_acq_wait64(const i64* p, i64 want) {
+  while (ld_acquire64(p) != want) __nanosleep(64);
+}
 __device__ __forceinline__ int load_e(const void* topk, i64 idx, bool t32, i64 n, int E) {
   if (idx >= n) return -1;
   i64 e = t32 ? (i64)__ldg((const int*)topk + idx) : __ldg((const i64*)topk + idx);
   return (e >= 0 && e < E) ? (int)e : -1;
 }
+// Plan outputs: through the read-only cache when an earlier kernel wrote them, through L2 when the plan
+// block of the same launch did (moonep_plan_layout: the non-coherent path could hold stale lines).
+template <bool FUSED, typename T>
+__device__ __forceinline__ T ld_plan(const T* p) {
+  return FUSED ? __ldcg(p) : __ldg(p);
+}
 
 // Token layout of source rank `rank`: out[0:n] = dst rank, out[n:2n] = dst row (int64, -1 masked).
-// cfg: bits 0-7 P (prefix blocks), 8-15 B (tile blocks), 16-31 SUB (copies per warp), bit 32: int32 topk.
+// cfg: bits 0-7 P (prefix blocks), 8-15 B (tile blocks), 16-31 SUB (copies per warp), bit 32: int32 topk,
+// bit 33: int32 counts, bits 40-47: warps that own copies (0: all of the block's).
 // Blocks [0, P): copies of each expert on source ranks < rank. Blocks [P, P+B): tiles of nw*SUB copies.
-// Dynamic shared memory (bytes): (16 + 2*nw) * E.
-extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
-    const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const i64* __restrict__ counts,
-    i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg) {
+// Dynamic shared memory (bytes): max((16 + 2*nw) * E, 256 * warps of the block).
+//
+// FUSED (moonep_plan_layout, layout block blk = blockIdx.x - 1 beside the plan in block 0): nothing in the
+// workspace is zeroed beforehand, so the flags are i64 words holding this launch's `nonce` (a 2^-64
+// chance that stale memory matches), "plan done" is flag 1, block blk's is flag 2 + blk, and flag 0 counts
+// finished layout blocks under a 56-bit nonce tag; the last one zeroes every flag, so a CUDA graph that
+// replays the same nonce starts clean. Pass 1 and the prefix blocks need no plan: they overlap it.
+template <bool FUSED>
+__device__ __forceinline__ void layout_body(
+    const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const void* __restrict__ counts,
+    i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg, int blk, i64 nonce) {
   const int R = (int)R_, E = (int)E_, epn = E / R;
   const int P = (int)(cfg & 0xff), B = (int)((cfg >> 8) & 0xff), SUB = (int)((cfg >> 16) & 0xffff);
-  const bool t32 = (cfg >> 32) & 1;
-  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, nw = nt >> 5;
-  const int blk = blockIdx.x, G = P + B;
+  const bool t32 = (cfg >> 32) & 1, c32 = (cfg >> 33) & 1;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, ntw = nt >> 5;
+  const int nw = ((cfg >> 40) & 0xff) ? (int)((cfg >> 40) & 0xff) : ntw;
+  const bool owns = warp < nw;
+  const int G = P + B;
   const Ws w = ws_layout(wsp, R_, E_);
+  i64* f64 = (i64*)w.flags;
   extern __shared__ __align__(16) unsigned char sm_raw[];
   i64* off = (i64*)sm_raw;                                 // [E] copies of e before this block
   int* Tt = (int*)(off + E);                               // [R, 2*epn] row offsets (home j | replica j)
@@ -768,17 +814,18 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
   const i64 w0 = ((i64)(blk - P) * nw + warp) * SUB;       // this warp's first copy (tile blocks)
 
   if (blk < P) {
-    i64* red = off;  // [nw * 32]
+    i64* red = off;  // [ntw * 32]
     for (int e0 = blk * 32; e0 < E; e0 += P * 32) {
       int e = e0 + lane;
       i64 sum = 0;
       if (e < E)
-        for (i64 src = warp; src < rank; src += nw) sum += counts[src * E + e];
+        for (i64 src = warp; src < rank; src += ntw)
+          sum += c32 ? (i64)((const int*)counts)[src * E + e] : ((const i64*)counts)[src * E + e];
       red[warp * 32 + lane] = sum;
       __syncthreads();
       if (warp == 0 && e < E) {
         i64 t = 0;
-        for (int q = 0; q < nw; ++q) t += red[q * 32 + lane];
+        for (int q = 0; q < ntw; ++q) t += red[q * 32 + lane];
         w.pre[e] = t;
       }
       __syncthreads();
@@ -787,26 +834,41 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
     const int b = blk - P;
     for (int q = tid; q < nw * E; q += nt) cnt[q] = 0;
     __syncthreads();
-    for (int c = 0; c < SUB; c += 32) {  // pass 1: per-warp counts
-      int e = load_e(topk, w0 + c + lane, t32, n, E);
-      unsigned peers = __match_any_sync(FULL, e);
-      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-      __syncwarp();
-    }
+    if (owns)
+      for (int c = 0; c < SUB; c += 32) {  // pass 1: per-warp counts
+        int e = load_e(topk, w0 + c + lane, t32, n, E);
+        unsigned peers = __match_any_sync(FULL, e);
+        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+        __syncwarp();
+      }
     __syncthreads();
     for (int e = tid; e < E; e += nt) {
       int run = 0;
       for (int q = 0; q < nw; ++q) { int c = cnt[q * E + e]; cnt[q * E + e] = (unsigned short)run; run += c; }
       w.hist[(i64)b * E + e] = run;
     }
-    for (int r = warp; r < R; r += nw) {  // row offsets of every (rank, slot) for this align
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    if (FUSED) st_release64(f64 + 2 + blk, nonce);
+    else st_release(&w.flags[1 + blk], 1);
+  }
+
+  if (blk >= P) {
+    const int b = blk - P;
+    if (FUSED) {
+      if (tid == 0) ld_acq_wait64(f64 + 1, nonce);  // the plan block's outputs
+      __syncthreads();
+    }
+    for (int r = warp; r < R; r += ntw) {  // row offsets of every (rank, slot) for this align
       const int base = r * epn;
       i64 carry = 0;
       for (int k0 = 0; k0 < 2 * epn; k0 += 32) {
         int k = k0 + lane;
         i64 v = 0;
         if (k < 2 * epn) {
-          i64 x = k < epn ? w.rem[base + k] : w.amt[base + k - epn];
+          i64 x = k < epn ? ld_plan<FUSED>(w.rem + base + k) : ld_plan<FUSED>(w.amt + base + k - epn);
           v = (x + align - 1) / align * align;
         }
         i64 inc = warp_incl_scan(v, lane);
@@ -814,15 +876,10 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
         carry += __shfl_sync(FULL, inc, 31);
       }
     }
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) st_release(&w.flags[1 + blk], 1);
-
-  if (blk >= P) {
-    const int b = blk - P;
-    for (int q = tid; q < blk; q += nt)
-      while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
+    for (int q = tid; q < blk; q += nt) {
+      if (FUSED) ld_acq_wait64(f64 + 2 + q, nonce);
+      else while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
+    }
     __syncthreads();
     for (int e = tid; e < E; e += nt) {
       i64 sum = P ? __ldcg(&w.pre[e]) : 0;
@@ -832,40 +889,73 @@ extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
     }
     __syncthreads();
     const unsigned lt = (1u << lane) - 1u;
-    for (int c = 0; c < SUB; c += 32) {  // pass 2: global copy index -> (rank, row)
-      const i64 idx = w0 + c + lane;
-      const int e = load_e(topk, idx, t32, n, E);
-      const unsigned peers = __match_any_sync(FULL, e);
-      i64 g = 0;
-      if (e >= 0) g = off[e] + cnt[warp * E + e] + __popc(peers & lt);
-      __syncwarp();
-      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-      __syncwarp();
-      if (idx < n) {
-        i64 dr = -1, rw = -1;
-        if (e >= 0) {
-          const int h = e / epn, j = e - h * epn;
-          int lo = __ldg(w.cseg + e), hi = __ldg(w.cseg + e + 1) - 1;
-          while (lo < hi) {  // last chunk starting at or before g
-            int mid = (lo + hi + 1) >> 1;
-            if (__ldg(w.cst + mid) <= g) lo = mid; else hi = mid - 1;
+    if (owns)
+      for (int c = 0; c < SUB; c += 32) {  // pass 2: global copy index -> (rank, row)
+        const i64 idx = w0 + c + lane;
+        const int e = load_e(topk, idx, t32, n, E);
+        const unsigned peers = __match_any_sync(FULL, e);
+        i64 g = 0;
+        if (e >= 0) g = off[e] + cnt[warp * E + e] + __popc(peers & lt);
+        __syncwarp();
+        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+        __syncwarp();
+        if (idx < n) {
+          i64 dr = -1, rw = -1;
+          if (e >= 0) {
+            const int h = e / epn, j = e - h * epn;
+            int lo = ld_plan<FUSED>(w.cseg + e), hi = ld_plan<FUSED>(w.cseg + e + 1) - 1;
+            while (lo < hi) {  // last chunk starting at or before g
+              int mid = (lo + hi + 1) >> 1;
+              if (ld_plan<FUSED>(w.cst + mid) <= g) lo = mid; else hi = mid - 1;
+            }
+            const int r = ld_plan<FUSED>(w.crk + lo);
+            dr = r;
+            rw = (i64)Tt[2 * r * epn + (r == h ? j : epn + j)] + (g - ld_plan<FUSED>(w.cst + lo));
           }
-          const int r = __ldg(w.crk + lo);
-          dr = r;
-          rw = (i64)Tt[2 * r * epn + (r == h ? j : epn + j)] + (g - __ldg(w.cst + lo));
+          out[idx] = dr;
+          out[n + idx] = rw;
         }
-        out[idx] = dr;
-        out[n + idx] = rw;
       }
-    }
   }
   __syncthreads();
   if (tid == 0) {  // the last block to finish re-arms the flags for the next call
     __threadfence();
-    if (atomicAdd(&w.flags[0], 1) == G - 1) {
+    if (FUSED) {
+      const unsigned long long tag = (unsigned long long)nonce & ((1ull << 56) - 1);
+      unsigned long long* ctr = (unsigned long long*)f64;
+      unsigned long long cur = *(volatile unsigned long long*)ctr, nxt;
+      while (true) {  // a count under another tag is stale memory: this block is the first
+        nxt = (cur >> 8) == tag ? cur + 1 : (tag << 8) | 1ull;
+        const unsigned long long prev = atomicCAS(ctr, cur, nxt);
+        if (prev == cur) break;
+        cur = prev;
+      }
+      if ((int)(nxt & 0xff) == G) {
+        for (int q = 1; q <= G + 1; ++q) f64[q] = 0;
+        __threadfence();
+        *(volatile unsigned long long*)ctr = 0ull;
+      }
+    } else if (atomicAdd(&w.flags[0], 1) == G - 1) {
       for (int q = 1; q <= G; ++q) w.flags[q] = 0;
       __threadfence();
       w.flags[0] = 0;
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
+    const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const i64* __restrict__ counts,
+    i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg) {
+  layout_body<false>(topk, out, wsp, counts, n, R_, E_, rank, align, cfg & ~(3ll << 33), blockIdx.x, 0);
+}
+
+// Plan and this rank's layout in one launch: block 0 plans (moonep_plan with F_FUSED), blocks 1.. are
+// moonep_layout's blocks. The layout's counting and its prefix blocks run while the plan's one-warp loop
+// does; only the row offsets and pass 2 wait for the plan. Lower-indexed blocks are resident first
+// (moonep_layout's assumption), so block 0 never waits behind blocks that spin on it.
+extern "C" __global__ void __launch_bounds__(1024) moonep_plan_layout(
+    const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
+    const void* __restrict__ topk, i64* __restrict__ out, i64 n, i64 rank, i64 align, i64 cfg, i64 nonce) {
+  if (blockIdx.x == 0) plan_body(counts, wsp, R_, E_, flags | F_FUSED, slack_bits, nullptr, 0, nonce);
+  else layout_body<true>(topk, out, wsp, counts, n, R_, E_, rank, align, cfg, (int)blockIdx.x - 1, nonce);
 }

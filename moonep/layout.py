@@ -22,7 +22,7 @@ import torch
 from .errors import expect, expect_int, expect_slack, expect_tensor
 from .planner import Plan, cap_for
 
-__all__ = ["slot_experts", "slot_sizes", "cu_seqlens", "capacity", "token_destinations"]
+__all__ = ["slot_experts", "slot_sizes", "cu_seqlens", "capacity", "token_destinations", "plan_and_destinations"]
 
 
 def _check_align(align):
@@ -132,6 +132,32 @@ def _layout_fast():
         from .planner.cuda import layout_fast
         _LAYOUT_FAST = layout_fast
     return _LAYOUT_FAST
+
+
+def plan_and_destinations(counts: torch.Tensor, rank: int, topk_idx: torch.Tensor, *, slack: float = 0.0,
+                          align: int = 1):
+    """``plan_balanced(counts, slack=slack)`` and ``token_destinations(plan, rank, topk_idx, align)`` in one
+    call: what a source rank needs each step. On CUDA it is one kernel launch (``moonep_plan_layout``: the
+    layout's counting overlaps the plan's sequential loop) when the shapes allow, else the two calls.
+
+    counts    int32/int64 [R, E], E % R == 0: the step's routing counts (identical on every rank)
+    rank      this source rank; topk_idx int32/int64 [s, K] its expert ids (-1: masked), counted in counts[rank]
+    returns   (plan, dst_rank int64 [s, K], dst_row int64 [s, K]); -1 where topk_idx == -1
+    """
+    from .planner import _validate, plan_balanced
+
+    _validate(counts, slack, None, None)
+    _check_align(align)
+    rank = _check_rank(rank, counts.shape[0])
+    if (counts.is_cuda and type(topk_idx) is torch.Tensor and topk_idx.is_cuda and topk_idx.dim() == 2
+            and topk_idx.dtype in (torch.int32, torch.int64)):
+        from .planner.cuda import plan_layout_cuda
+        res = plan_layout_cuda(counts, float(slack), rank, topk_idx, align)
+        if res is not None:
+            return res
+    plan = plan_balanced(counts, slack=slack)
+    dst_rank, dst_row = token_destinations(plan, rank, topk_idx, align=align)
+    return plan, dst_rank, dst_row
 
 
 def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int = 1):

@@ -5,7 +5,7 @@
 For each (E, R, K) and routing family: ``graph_plan_us`` / ``graph_layout_us`` / ``graph_both_us`` are
 N calls captured in ONE CUDA graph and replayed, divided by N (device time per call, no launch gaps);
 ``eager_*`` are single calls timed with CUDA events as a user makes them; ``host_*`` the Python time of a
-call without sync. Run under ``ncu --metrics gpu__time_duration.sum -k regex:moonep`` for kernel times.
+call without sync; ``*_fused_*`` the same for ``plan_and_destinations`` (plan and layout in one launch). Run under ``ncu --metrics gpu__time_duration.sum -k regex:moonep`` for kernel times.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_planner import _events, bench_routing, machine  # noqa: E402
-from moonep.layout import token_destinations  # noqa: E402
+from moonep.layout import plan_and_destinations, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
 
 
@@ -86,7 +86,8 @@ def main():
             fp = lambda: plan_balanced(c)  # noqa: E731
             fl = lambda: token_destinations(plan, rank, tk)  # noqa: E731
             fb = lambda: token_destinations(plan_balanced(c), rank, tk)  # noqa: E731
-            for f in (fp, fl, fb):
+            ff = lambda: plan_and_destinations(c, rank, tk)  # noqa: E731  (one launch: moonep_plan_layout)
+            for f in (fp, fl, fb, ff):
                 f(); f()  # noqa: E702
             if a.clocks:
                 row = {"E": E, "R": R, "K": K, "family": fam, **plan_clocks(c)}
@@ -97,7 +98,8 @@ def main():
                    "graph_plan_us": graph_time(fp), "graph_layout_us": graph_time(fl), "graph_both_us": graph_time(fb),
                    "eager_plan_us": _events(fp, 50), "eager_layout_us": _events(fl, 50),
                    "eager_both_us": _events(fb, 50),
-                   "host_plan_us": host_time(fp), "host_layout_us": host_time(fl), "host_both_us": host_time(fb)}
+                   "host_plan_us": host_time(fp), "host_layout_us": host_time(fl), "host_both_us": host_time(fb),
+                   "graph_fused_us": graph_time(ff), "eager_fused_us": _events(ff, 50), "host_fused_us": host_time(ff)}
             res["rows"].append(row)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     if a.out:

@@ -74,3 +74,21 @@ def test_bad_topk_shape():
     plan = plan_balanced(torch.ones(2, 4, dtype=torch.int64))
     with pytest.raises(ValueError, match="topk_idx"):
         token_destinations(plan, 0, torch.zeros(4, dtype=torch.int64))
+
+
+def test_plan_and_destinations_is_plan_then_layout():
+    from moonep.layout import plan_and_destinations
+
+    R, E, K, s = 4, 16, 2, 30
+    tk = routing("zipf1.5", E, R, K, s, 5)
+    c = torch.from_numpy(counts_from_topk(tk, E))
+    for slack, align in ((0.0, 1), (0.1, 8)):
+        plan, dr, dw = plan_and_destinations(c, 3, torch.from_numpy(tk[3]), slack=slack, align=align)
+        ref = plan_balanced(c, slack=slack)
+        assert torch.equal(plan.assignment, ref.assignment)
+        a, b = token_destinations(ref, 3, torch.from_numpy(tk[3]), align)
+        assert torch.equal(dr, a) and torch.equal(dw, b)
+    with pytest.raises(ValueError, match="rank"):
+        plan_and_destinations(c, 4, torch.from_numpy(tk[3]))
+    with pytest.raises(ValueError, match="align"):
+        plan_and_destinations(c, 0, torch.from_numpy(tk[0]), align=0)

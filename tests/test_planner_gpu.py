@@ -137,3 +137,64 @@ def test_cuda_graph_replay(R, epn):
         same(pc, plan)
         ref = token_destinations(pc, 0, torch.from_numpy(tk[0]))
         assert torch.equal(ref[0], dst[0].cpu()) and torch.equal(ref[1], dst[1].cpu())
+
+
+@pytest.mark.parametrize("R,epn,K,s", [(8, 32, 8, 700), (64, 14, 16, 512), (16, 24, 8, 3000), (3, 5, 2, 40)])
+def test_plan_and_destinations_one_launch(R, epn, K, s):
+    """moonep_plan_layout (plan and layout in one launch) gives the CPU plan and layout bit for bit, for
+    int32/int64 counts and topk, exact and slack plans, every kind of source rank, called back to back
+    (its flags must re-arm) and on stale workspace memory."""
+    from moonep.layout import plan_and_destinations
+    from moonep.planner.cuda import plan_layout_cuda
+
+    E = R * epn
+    rng = np.random.default_rng(R * 7 + s)
+    tk = rng.integers(0, E, size=(R, s, K))
+    tk[:, :, 0] = rng.integers(0, 4, size=(R, s))
+    tk[rng.random(tk.shape) < 0.05] = -1
+    c = torch.from_numpy(counts_from_topk(tk, E))
+    junk = torch.full((1 << 20,), -1, dtype=torch.int64, device="cuda")  # leave non-zero memory behind
+    del junk
+    for slack in (0.0, 0.1):
+        pc = plan_balanced(c, slack=slack)
+        for r in sorted({0, 1, R // 2, R - 1}):
+            for al, cdt, tdt in ((1, torch.int64, torch.int64), (8, torch.int32, torch.int32)):
+                tkr = torch.from_numpy(tk[r]).to(tdt).cuda()
+                assert plan_layout_cuda(c.to(cdt).cuda(), slack, r, tkr, al) is not None  # the fused kernel ran
+                for _ in range(2):
+                    pg, dr, dw = plan_and_destinations(c.to(cdt).cuda(), r, tkr, slack=slack, align=al)
+                    same(pc, pg)
+                    a = token_destinations(pc, r, torch.from_numpy(tk[r]), al)
+                    assert torch.equal(a[0], dr.cpu()) and torch.equal(a[1], dw.cpu()), (r, al, slack)
+                    assert torch.equal(cu_seqlens(pc, r, al), cu_seqlens(pg, r, al).cpu())
+
+
+def test_plan_and_destinations_graph_replay():
+    """One launch captured in a CUDA graph: replays reuse the launch's tag, so its flags must be re-armed
+    by the kernel itself."""
+    from moonep.layout import plan_and_destinations
+
+    R, epn, K, s = 8, 32, 8, 256
+    E = R * epn
+    static_c = torch.zeros(R, E, dtype=torch.int64, device="cuda")
+    static_tk = torch.zeros(s, K, dtype=torch.int64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            plan_and_destinations(static_c, 2, static_tk)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        plan, dr, dw = plan_and_destinations(static_c, 2, static_tk)
+    for seed, fam in enumerate(["uniform", "zipf2.0", "theorem2", "hot", "dirichlet", "uniform"]):
+        tk = routing(fam, E, R, K, s, seed)
+        c = counts_from_topk(tk, E)
+        static_c.copy_(torch.from_numpy(c))
+        static_tk.copy_(torch.from_numpy(tk[2]))
+        g.replay()
+        torch.cuda.synchronize()
+        pc = plan_balanced(torch.from_numpy(c))
+        same(pc, plan)
+        ref = token_destinations(pc, 2, torch.from_numpy(tk[2]))
+        assert torch.equal(ref[0], dr.cpu()) and torch.equal(ref[1], dw.cpu()), fam

@@ -31,7 +31,7 @@ FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
 F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR = 1, 2, 4, 8, 16, 32
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
-_KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout")
+_KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout", "moonep_plan_layout")
 _DEV: dict = {}
 _GEO: dict = {}
 _i64 = torch.int64
@@ -384,6 +384,58 @@ def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     return out.unbind(0)
 
 
+_NONCE = [int.from_bytes(os.urandom(7), "little") | 1]  # 56-bit launch tags of moonep_plan_layout (never 0)
+
+
+def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: torch.Tensor, align: int):
+    """Plan and source ``rank``'s token layout in ONE launch (``moonep_plan_layout``): the layout's
+    counting overlaps the plan. Returns ``(plan, dst_rank, dst_row)``, or None when the case needs the
+    separate kernels (R*E > 2**18, too many layout blocks, no copies, shared memory); the caller falls back.
+    Arguments are validated by the caller."""
+    di = counts.get_device()
+    if topk_idx.get_device() != di or _guard(di):
+        return None
+    if counts.dtype is not _i64 and counts.dtype is not _i32:
+        return None
+    if topk_idx.dtype is not _i64 and topk_idx.dtype is not _i32:
+        return None
+    counts, topk_idx = counts.contiguous(), topk_idx.contiguous()
+    R, E = counts.shape
+    s, K = topk_idx.shape
+    n = s * K
+    c32 = counts.dtype is _i32
+    g = _geo(R, E, c32)
+    if g.big or n == 0:
+        return None
+    cfg = g.layout_cfg(n, rank == 0)
+    if cfg is None:
+        return None
+    grid, c = cfg
+    if grid + 2 > FLAG_INTS // 2:  # i64 flags: counter, plan done, one per layout block
+        return None
+    d = _dev(di)
+    threads = max(g.nt, g.lay_nw * 32)
+    smem = max(g.smem, g.lay_smem, threads // 32 * 256)
+    if smem > d.smem_max:
+        return None
+    if smem > 48 * 1024:
+        d.need_smem("moonep_plan_layout", smem)
+    ws = torch.empty(g.words, dtype=_i64, device=counts.device)
+    out = torch.empty((2, s, K), dtype=_i64, device=counts.device)
+    flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN
+    sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
+    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | (g.lay_nw << 40)
+    _NONCE[0] = (_NONCE[0] + 1) & ((1 << 56) - 1) or 1
+    a = d.arg
+    d.launch("moonep_plan_layout", 1 + grid, threads,
+             (a(counts.data_ptr()), a(ws.data_ptr()), d.c(R), d.c(E), d.c(flags), a(sb), a(topk_idx.data_ptr()),
+              a(out.data_ptr()), a(n), d.c(rank), d.c(align), a(c), a(_NONCE[0])), smem)
+    from . import Plan
+    plan = Plan._cuda(ws, g, None if c32 else counts, float(slack))
+    dst_rank, dst_row = out.unbind(0)
+    return plan, dst_rank, dst_row
+
+
 def cu_seqlens_cuda(plan, rank, align: int):
     """int32 cu_seqlens of ``rank`` ([2*epn + 1]) or of every rank ([R, 2*epn + 1]) from a CUDA plan."""
     g = plan._geo
@@ -402,4 +454,4 @@ def cu_seqlens_cuda(plan, rank, align: int):
     return out
 
 
-__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "cu_seqlens_cuda"]
+__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "cu_seqlens_cuda"]

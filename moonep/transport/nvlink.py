@@ -4,7 +4,7 @@
 GPUs reach each other) routes the data path through :class:`NVLinkEngine`:
 
     plan_step   validation, counts and routing flags on device -> ``moonep_gather`` (peer stores)
-                -> ``plan_balanced`` (GPU kernel) -> ``layout.token_destinations``
+                -> ``layout.plan_and_destinations`` (plan + layout, one GPU kernel)
     dispatch    ``moonep_dispatch_send``: each token once per destination rank, into its first row there,
                 with its row list, weights and epoch tags (in zero-copy mode the token's rows on the own
                 rank are all written here, x read once); ``moonep_dispatch_expand``: after the data
@@ -411,7 +411,6 @@ class NVLinkEngine:
         """Shape checks on the host, value checks on device; all-gather counts through peer stores; plan;
         destinations.  No host sync.  Returns ``(plan, NvStep)``."""
         from .. import layout
-        from ..planner import plan_balanced
 
         ep, E, K, dev = self.ep, self.E, self.K, self.device
         self.check(inputs=False)
@@ -437,9 +436,10 @@ class NVLinkEngine:
                           _p(idx), _p(w32), _p(self._scratch), _p(gathered), np.int64(total)))
         else:
             idx, w32, gathered = self._validate_gather(s, topk_idx, topk_weights, total)
-        plan = plan_balanced(gathered[:, :E].contiguous(), slack=ep.slack)
+        # plan + this rank's layout: one launch (the layout's counting overlaps the plan's loop)
+        plan, dst_rank, dst_row = layout.plan_and_destinations(gathered[:, :E].contiguous(), self.rank, idx,
+                                                               slack=ep.slack, align=ep.align)
         self.mark("planner")
-        dst_rank, dst_row = layout.token_destinations(plan, self.rank, idx, align=ep.align)
         st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
         st.extra["w32"] = w32
         self.mark("layout")
