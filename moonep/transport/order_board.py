@@ -10,9 +10,17 @@ sync with the GPU: only the hosts go in step, as the kernels would anyway.
 
 Slots alternate between two halves by generation parity.  A rank writes generation g + 2 into the half
 of g only after it read every peer's g + 1, which each peer wrote after it finished reading g.
+
+A slot also holds a check word over its generation and header, and a reader takes a slot only when the
+check matches what it read.  Why: the header is written before the generation, but on a weakly ordered
+host (Arm, e.g. Grace) a peer may see the new generation before the new header words; it then reads a
+slot whose check fails and reads it again, instead of taking last generation's header for this one.
+On x86 (stores stay in order) readers skip the check; ``MOONEP_BOARD_CHECK=1`` forces it.
 """
 from __future__ import annotations
 
+import os
+import platform
 import time
 from multiprocessing import resource_tracker, shared_memory
 
@@ -20,7 +28,24 @@ import numpy as np
 
 from ..errors import MoonepError
 
-WORDS = 5  # generation, then the 4-word header
+WORDS = 6  # generation, the 4-word header, the check word
+_M64 = (1 << 64) - 1
+_MUL = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F)
+
+
+# Readers verify the check word where stores may become visible out of order. x86 keeps store order
+# (TSO), so there the generation written last is enough and the check is skipped (~1 µs per peer).
+VERIFY = os.environ.get("MOONEP_BOARD_CHECK", "") == "1" or platform.machine().lower() not in (
+    "x86_64", "amd64", "i386", "i686")
+
+
+def _check(w) -> int:
+    """Check word (signed int64) of [generation, h0..h3]: a sum with odd 64-bit multipliers, so any
+    stale word (one that differs from the fresh one) changes it."""
+    m = _MUL
+    v = ((w[0] & _M64) * m[0] + (w[1] & _M64) * m[1] + (w[2] & _M64) * m[2] + (w[3] & _M64) * m[3]
+         + (w[4] & _M64) * m[4]) & _M64
+    return v - (1 << 64) if v >> 63 else v
 
 
 class OrderBoard:
@@ -56,12 +81,20 @@ class OrderBoard:
                               "cannot be used any more")
         self.gen += 1
         half = self.table[self.gen & 1]
-        half[self.rank, 1:] = header
-        half[self.rank, 0] = self.gen  # after the header: a peer that sees gen sees the header (x86 TSO)
+        header = [int(v) for v in header]
+        half[self.rank, 1:5] = header
+        half[self.rank, 5] = _check([self.gen] + header)
+        half[self.rank, 0] = self.gen  # last; a reader still checks the whole slot (module docstring)
         t0 = time.monotonic()
         spins = 0
+        got = []
         for p in range(self.R):
-            while int(half[p, 0]) < self.gen:
+            while True:
+                if int(half[p, 0]) >= self.gen:
+                    row = half[p].tolist()
+                    if not VERIFY or (row[0] == self.gen and row[5] == _check(row)):
+                        got.append(row[1:5])
+                        break
                 spins += 1
                 if spins & 63 == 0:
                     dt = time.monotonic() - t0
@@ -75,7 +108,6 @@ class OrderBoard:
                                           "collective)")
                     if dt > 0.002:  # spin while peers are µs apart (the usual case), then yield the core
                         time.sleep(0.0001 if dt < 0.1 else 0.002)
-        got = half[:, 1:].tolist()
         del half
         return got
 
