@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from moonep.layout import token_destinations  # noqa: E402
+from moonep.layout import plan_and_destinations, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
 from moonep.planner.corpus import FAMILIES, corpus, expert_probs  # noqa: E402
 
@@ -116,6 +116,27 @@ def gpu_time(c, tk, n):
     g.replay()
     torch.cuda.synchronize()
     res["graph_plan_layout_us"] = _events(g.replay, n)
+    # The library's one-call form (what the NVLink path runs each step): plan and layout in one launch
+    fused = lambda: plan_and_destinations(c, rank, tk)  # noqa: E731
+    for _ in range(3):
+        fused()
+    res["eager_fused_us"] = _events(fused, n)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fused()
+    res["host_fused_us"] = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fused()
+    torch.cuda.current_stream().wait_stream(side)
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2):
+        fused()
+    g2.replay()
+    torch.cuda.synchronize()
+    res["graph_fused_us"] = _events(g2.replay, n)
     return res
 
 
@@ -154,14 +175,16 @@ def main():
             fams = row["families"].values()
             worst = {k: max(f[k] for f in fams) for k in ("eager_plan_only_us", "eager_layout_only_us",
                                                             "eager_plan_layout_us", "graph_plan_layout_us",
-                                                            "host_plan_layout_us")}
+                                                            "host_plan_layout_us", "eager_fused_us",
+                                                            "graph_fused_us", "host_fused_us")}
             med = {k: float(np.median([f[k] for f in fams])) for k in worst}
             tgt = TARGET_US.get((E, R, K))
+            # the target is checked on the one-call form (plan_and_destinations), the path the library runs
             row["gpu_summary"] = {"worst": worst, "median": med, "target_eager_plan_layout_us": tgt,
-                                  "meets_target": None if tgt is None else worst["eager_plan_layout_us"] <= tgt}
+                                  "meets_target": None if tgt is None else worst["eager_fused_us"] <= tgt}
             print(f"== GPU (E,R,K)=({E},{R},{K}) over families, median / worst [us]: "
                   + ", ".join(f"{k[:-3]} {med[k]:.1f} / {worst[k]:.1f}" for k in worst)
-                  + (f"; target eager_plan_layout <= {tgt:.0f}: {'MET' if worst['eager_plan_layout_us'] <= tgt else 'MISSED'}"
+                  + (f"; target eager_fused <= {tgt:.0f}: {'MET' if worst['eager_fused_us'] <= tgt else 'MISSED'}"
                      if tgt else ""), flush=True)
     if not a.no_oracle:
         from moonep.planner.oracle import oracle_plan

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
 # (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
-#   steps: fuzz_gpu faults_gpu faults_np2 faults_np4 soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: fused_gpu fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -17,6 +17,7 @@ step() {  # name timeout cmd...
 for s in "$@"; do case $s in
   planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/test_planner_gpu.py tests/test_balance_gpu.py ;;
   planner_gpu) step planner_gpu 120 python3 -m pytest -q -rA tests/test_planner_gpu.py ;;
+  fused_gpu) step fused_gpu 90 python3 -m pytest -q -rA -x tests/test_planner_gpu.py -k plan_and_destinations ;;
   qb_timing) step qb_timing 90 python3 benchmarks/bench_balance.py gpu --out $o ;;
   planner_bench) step planner_bench 150 python3 benchmarks/bench_planner.py --no-oracle --reps 30 --out $o/planner_gpu.json ;;
   layers_gpu) step layers_gpu 120 python3 -m pytest -q -rA tests/test_layers.py ;;
@@ -49,6 +50,7 @@ for s in "$@"; do case $s in
   fuzz_gpu) step fuzz_gpu 150 python3 -m pytest -q -rA tests/test_planner_fuzz_gpu.py ;;
   faults_np2) MOONEP_GPU_NRANKS=2 step faults_np2 300 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
   faults_np4) MOONEP_GPU_NRANKS=4 step faults_np4 300 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
+  faults_np4_check) MOONEP_BOARD_CHECK=1 MOONEP_GPU_NRANKS=4 step faults_np4_check 300 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
   faults_gpu) MOONEP_GPU_NRANKS="2 4" step faults_gpu 420 python3 -m pytest -q -rA tests/test_mp_faults_gpu.py ;;
   soak_gpu) step soak_gpu 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/soak_gpu.py --out $o/soak_gpu_nvlink.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;

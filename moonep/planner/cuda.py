@@ -43,6 +43,7 @@ _cur_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # keyword). plan: (di, shape, dtype, slack) -> _PlanFast; layout: (geo, n, rank, align, dtype, di) -> tuple.
 _PLAN_FAST: dict = {}
 _LAY_FAST: dict = {}
+_FUSED_FAST: dict = {}  # plan_layout_cuda: (di, shapes, dtypes, slack, rank, align) -> launch record
 _NEW = object.__new__
 _Plan = None
 
@@ -427,13 +428,49 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | (g.lay_nw << 40)
     _NONCE[0] = (_NONCE[0] + 1) & ((1 << 56) - 1) or 1
     a = d.arg
+    mid = (d.c(R), d.c(E), d.c(flags), a(sb))
+    tail = (a(n), d.c(rank), d.c(align), a(c))
     d.launch("moonep_plan_layout", 1 + grid, threads,
-             (a(counts.data_ptr()), a(ws.data_ptr()), d.c(R), d.c(E), d.c(flags), a(sb), a(topk_idx.data_ptr()),
-              a(out.data_ptr()), a(n), d.c(rank), d.c(align), a(c), a(_NONCE[0])), smem)
+             (a(counts.data_ptr()), a(ws.data_ptr())) + mid + (a(topk_idx.data_ptr()), a(out.data_ptr())) + tail
+             + (a(_NONCE[0]),), smem)
+    if d.kw_stream and type(slack) is float:
+        if _Plan is None:
+            _plan_cls()
+        _FUSED_FAST[(di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align)] = (
+            d.fn["moonep_plan_layout"], (1 + grid,), (threads,), smem, d.streams, g.words, d.device, (2, s, K),
+            g, mid, tail, d.arg, not c32, d)
     from . import Plan
     plan = Plan._cuda(ws, g, None if c32 else counts, float(slack))
     dst_rank, dst_row = out.unbind(0)
     return plan, dst_rank, dst_row
+
+
+def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: torch.Tensor, align: int):
+    """The hot path of :func:`plan_layout_cuda`: a launch recorded by an earlier validated call of the same
+    kind (device, shapes, dtypes, slack, rank, align), else None. Two ``torch.empty`` and one launch."""
+    di = counts.get_device()
+    f = _FUSED_FAST.get((di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align))
+    if (f is None or topk_idx.get_device() != di or _cur_dev() != di or not counts.is_contiguous()
+            or not topk_idx.is_contiguous()):
+        return None
+    fn, grid, block, smem, streams, words, device, oshape, geo, mid, tail, arg, keep, dev = f
+    ws = _empty(words, dtype=_i64, device=device)
+    out = _empty(oshape, dtype=_i64, device=device)
+    ptr = _cur_stream(di)
+    st = streams.get(ptr)
+    if st is None:
+        st = dev.stream(ptr)
+    nonce = _NONCE[0] = (_NONCE[0] + 1) & 0xFFFFFFFFFFFFFF or 1
+    fn(grid, block, (arg(counts.data_ptr()), arg(ws.data_ptr())) + mid + (arg(topk_idx.data_ptr()),
+                                                                        arg(out.data_ptr())) + tail + (arg(nonce),),
+       smem, st)
+    p = _NEW(_Plan)
+    d = p.__dict__
+    d["_ws"], d["_geo"], d["slack"] = ws, geo, slack
+    if keep:
+        d["counts"] = counts
+    dst_rank, dst_row = out.unbind(0)
+    return p, dst_rank, dst_row
 
 
 def cu_seqlens_cuda(plan, rank, align: int):
@@ -454,4 +491,4 @@ def cu_seqlens_cuda(plan, rank, align: int):
     return out
 
 
-__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "cu_seqlens_cuda"]
+__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "plan_layout_fast", "cu_seqlens_cuda"]
