@@ -33,11 +33,21 @@ typedef long long i64;
 #define CLK_DECL __shared__ i64 CLK[16];
 #define CLK_ADD(i, t0) do { if ((threadIdx.x & 31) == 0) { const i64 t1_ = clock64(); CLK[i] += t1_ - (t0); (t0) = t1_; } } while (0)
 #define CLK_BLK(i) do { if (threadIdx.x == 0) { const i64 t1_ = clock64(); CLK[i] += t1_ - tb_; tb_ = t1_; } } while (0)
+// Fused launches (moonep_plan_layout) also stamp %globaltimer (ns, shared by all SMs) at phase ends, thread 0
+// of each block: block x owns the 32 words ending 32*x words before the end of the hist scratch (block 0,
+// the plan: CLK[0..15] at words 16..31).
+#define TS_MARK(k) do { if (TSp && threadIdx.x == 0) TSp[k] = gtime(); } while (0)
 #else
+#define TS_MARK(k) do { } while (0)
 #define CLK_BLK(i) do { } while (0)
 #define CLK_DECL
 #define CLK_ADD(i, t0) do { } while (0)
 #endif
+__device__ __forceinline__ long long gtime() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 #define FULL 0xffffffffu
 #define NONE 0x7fffffff
 #define FLAG_INTS 256
@@ -470,6 +480,8 @@ __device__ __forceinline__ void plan_body(
   __shared__ int s_stuck;
   CLK_DECL
 #ifdef MOONEP_PLAN_CLOCKS
+  i64* TSp = (flags & F_FUSED) ? (i64*)w.hist + HIST_BLOCKS * (i64)E / 2 - 32 : nullptr;
+  TS_MARK(0);
   i64 tb_ = clock64();
   if (threadIdx.x < 16) CLK[threadIdx.x] = 0;
   __syncthreads();
@@ -560,6 +572,7 @@ __device__ __forceinline__ void plan_body(
   }
   bool exact = true;
   CLK_BLK(1);
+  TS_MARK(1);
   for (int attempt = 0; attempt < 2; ++attempt) {
     exact = !(flags & F_CAP) || attempt == 1;
     for (int e = tid; e < E; e += nt) {
@@ -583,6 +596,7 @@ __device__ __forceinline__ void plan_body(
     }
     __syncthreads();
     CLK_BLK(2);
+    TS_MARK(2);
     if (warp == 0) {
 #ifdef MOONEP_PLAN_CLOCKS
       i64* clkp = CLK;
@@ -610,6 +624,7 @@ __device__ __forceinline__ void plan_body(
   }
 
   CLK_BLK(3);
+  TS_MARK(3);
   // 3. outputs and the layout's chunk table
   for (int e = tid; e < E; e += nt) w.rem[e] = s.rem[e];
   for (int r = tid; r < R; r += nt) {
@@ -621,6 +636,7 @@ __device__ __forceinline__ void plan_body(
     for (int q = tid; q < FLAG_INTS; q += nt) w.flags[q] = 0;
   if (tid == 0) { w.err[0] = errbits; w.err[1] = 0; }
   __syncthreads();
+  CLK_BLK(5);
   for (int v = tid; v < R; v += nt) {
     int h = s.rsrc[v];
     if (h >= 0) {
@@ -631,6 +647,7 @@ __device__ __forceinline__ void plan_body(
     }
   }
   __syncthreads();
+  CLK_BLK(6);
   if (warp == 0) {
     int carry = 0;
     for (int r0 = 0; r0 <= R; r0 += 32) {
@@ -642,12 +659,14 @@ __device__ __forceinline__ void plan_body(
     }
   }
   __syncthreads();
+  CLK_BLK(7);
   int* rlist = s.order;  // receivers of each home rank, ascending (order is no longer needed)
   for (int v = tid; v < R; v += nt) {
     int h = s.rsrc[v];
     if (h >= 0) rlist[rptr[h] + rpos[v]] = v;
   }
   __syncthreads();
+  CLK_BLK(13);
   // chunks of expert e (home h, local j): ranks {h} + receivers of h, ascending; chunk starts are
   // the running sum of assignment[e, r] in that order (layout.py's chunk_start)
   for (int e = tid; e < E; e += nt) {
@@ -664,6 +683,11 @@ __device__ __forceinline__ void plan_body(
     }
     if (!hdone) { w.cst[c] = run; w.crk[c] = h; }
   }
+#ifdef MOONEP_PLAN_CLOCKS
+  __syncthreads();
+  CLK_BLK(14);
+  TS_MARK(4);
+#endif
   if (flags & F_ASSIGN) {  // zeroed during the plan (ordered before this by the barriers above)
     for (int idx = tid; idx < E; idx += nt) {
       const int r = idx / epn, j = idx - r * epn, h = s.rsrc[r];
@@ -675,6 +699,7 @@ __device__ __forceinline__ void plan_body(
   __syncthreads();
   CLK_BLK(4);
   if (!(flags & F_FUSED) && threadIdx.x < 16) ((i64*)w.hist)[threadIdx.x] = CLK[threadIdx.x];
+  if (TSp && threadIdx.x < 16) TSp[16 + threadIdx.x] = CLK[threadIdx.x];
 #endif
   if (flags & F_FUSED) {  // every output above is written: the layout blocks may read them
     __syncthreads();
@@ -682,6 +707,7 @@ __device__ __forceinline__ void plan_body(
       __threadfence();
       st_release64((i64*)w.flags + 1, nonce);
     }
+    TS_MARK(5);
   }
 }
 
@@ -812,6 +838,10 @@ __device__ __forceinline__ void layout_body(
   int* Tt = (int*)(off + E);                               // [R, 2*epn] row offsets (home j | replica j)
   unsigned short* cnt = (unsigned short*)(Tt + 2 * E);     // [nw, E] per-warp counts -> prefixes
   const i64 w0 = ((i64)(blk - P) * nw + warp) * SUB;       // this warp's first copy (tile blocks)
+#ifdef MOONEP_PLAN_CLOCKS
+  i64* TSp = FUSED ? (i64*)w.hist + HIST_BLOCKS * (i64)E / 2 - 32 * (i64)(blk + 2) : nullptr;
+  TS_MARK(0);
+#endif
 
   if (blk < P) {
     i64* red = off;  // [ntw * 32]
@@ -854,6 +884,7 @@ __device__ __forceinline__ void layout_body(
     if (FUSED) st_release64(f64 + 2 + blk, nonce);
     else st_release(&w.flags[1 + blk], 1);
   }
+  TS_MARK(1);
 
   if (blk >= P) {
     const int b = blk - P;
@@ -861,6 +892,7 @@ __device__ __forceinline__ void layout_body(
       if (tid == 0) ld_acq_wait64(f64 + 1, nonce);  // the plan block's outputs
       __syncthreads();
     }
+    TS_MARK(2);
     for (int r = warp; r < R; r += ntw) {  // row offsets of every (rank, slot) for this align
       const int base = r * epn;
       i64 carry = 0;
@@ -876,11 +908,13 @@ __device__ __forceinline__ void layout_body(
         carry += __shfl_sync(FULL, inc, 31);
       }
     }
+    TS_MARK(3);
     for (int q = tid; q < blk; q += nt) {
       if (FUSED) ld_acq_wait64(f64 + 2 + q, nonce);
       else while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
     }
     __syncthreads();
+    TS_MARK(4);
     for (int e = tid; e < E; e += nt) {
       i64 sum = P ? __ldcg(&w.pre[e]) : 0;
 #pragma unroll 8
@@ -888,6 +922,7 @@ __device__ __forceinline__ void layout_body(
       off[e] = sum;
     }
     __syncthreads();
+    TS_MARK(5);
     const unsigned lt = (1u << lane) - 1u;
     if (owns)
       for (int c = 0; c < SUB; c += 32) {  // pass 2: global copy index -> (rank, row)
@@ -918,6 +953,7 @@ __device__ __forceinline__ void layout_body(
       }
   }
   __syncthreads();
+  TS_MARK(6);
   if (tid == 0) {  // the last block to finish re-arms the flags for the next call
     __threadfence();
     if (FUSED) {

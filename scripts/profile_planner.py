@@ -50,8 +50,11 @@ def host_time(fn, n=200):
     return dt
 
 
-CLOCK_NAMES = ("colsum", "total", "sort_psum", "fill_loop", "outputs", None, None, None,
-               "step_receiver", "step_donor_fast", "step_donor_slow", "step_fill", "steps")
+CLOCK_NAMES = ("colsum", "total", "sort_psum", "fill_loop", "out_assign", "out_write", "out_rpos", "out_scan",
+               "step_receiver", "step_donor_fast", "step_donor_slow", "step_fill", "steps", "out_rlist",
+               "out_chunks")
+PLAN_STAMPS = ("colsum_total", "sorted", "loop_end", "chunks", "published")
+LAYOUT_STAMPS = ("pass1_published", "plan_seen", "row_offsets", "lower_seen", "prefixes", "end")
 
 
 def plan_clocks(counts):
@@ -61,6 +64,35 @@ def plan_clocks(counts):
     g = p._geo
     clk = p._ws[g.hist:g.hist + 16].tolist()
     return {name: int(v) for name, v in zip(CLOCK_NAMES, clk) if name}
+
+
+def fused_timeline(c, rank, tk, reps=20):
+    """The fused launch's phases (planner.cu TS_MARK, clocks build): µs after the plan block's start, medians
+    over reps; per layout phase the latest tile block. Plus the plan block's cycle counters in that launch."""
+    from moonep.planner.cuda import HIST_BLOCKS, _geo
+
+    R, E = c.shape
+    g = _geo(R, E, c.dtype == torch.int32)
+    grid, cfg = g.layout_cfg(tk.numel(), rank == 0)
+    P = cfg & 0xFF
+    end = g.hist + HIST_BLOCKS * E // 2
+    runs = []
+    for _ in range(reps):
+        plan, _, _ = plan_and_destinations(c, rank, tk)
+        torch.cuda.synchronize()
+        runs.append(plan._ws[end - 32 * (grid + 1):end].view(grid + 1, 32).flip(0).cpu().numpy())
+    t = np.stack(runs)                      # [reps, block, 32]; block 0 = plan
+    base = t[:, 0, 0:1]
+    row = {f"plan_{k}_us": float(np.median(t[:, 0, i + 1] - base[:, 0])) / 1e3 for i, k in enumerate(PLAN_STAMPS)}
+    tiles = t[:, 1 + P:, :]
+    row["tile_start_us"] = float(np.median(tiles[:, :, 0].max(1) - base[:, 0])) / 1e3
+    for i, k in enumerate(LAYOUT_STAMPS):
+        row[f"tile_{k}_us"] = float(np.median(tiles[:, :, i + 1].max(1) - base[:, 0])) / 1e3
+    if P:
+        row["prefix_end_us"] = float(np.median(t[:, 1:1 + P, 1].max(1) - base[:, 0])) / 1e3
+    clk = t[-1, 0, 16:32].tolist()
+    row.update({f"fused_{n}": int(v) for n, v in zip(CLOCK_NAMES, clk) if n})
+    return row
 
 
 def main():
@@ -90,7 +122,7 @@ def main():
             for f in (fp, fl, fb, ff):
                 f(); f()  # noqa: E702
             if a.clocks:
-                row = {"E": E, "R": R, "K": K, "family": fam, **plan_clocks(c)}
+                row = {"E": E, "R": R, "K": K, "family": fam, **plan_clocks(c), **fused_timeline(c, rank, tk)}
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 continue
