@@ -61,6 +61,7 @@ __device__ __forceinline__ long long gtime() {
 #define F_DECL_SCALAR 16
 #define F_DECL_PTR 32
 #define F_FUSED 64  // moonep_plan_layout: leave the layout's flags alone, publish "plan done" (i64 flag 1)
+#define F_AMT_SMEM 128  // the fill's per-replica amounts live in shared memory (8E more bytes), copied out at the end
 
 // Workspace layout in int64 words; mirrored by _Geo in moonep/planner/cuda.py.
 struct Ws {
@@ -184,16 +185,6 @@ __device__ __forceinline__ int warp_argmin_small(i64& v, int idx, int ib) {
 #else
   return warp_argmin_pos(v, idx);
 #endif
-}
-__device__ __forceinline__ i64 block_sum(i64 v, i64* red) {
-  v = warp_sum(v);
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  i64 t = 0;
-  for (int q = 0; q < nw; ++q) t += red[q];
-  __syncthreads();
-  return t;
 }
 __device__ __forceinline__ i64 tgt_of(int r, bool exact, i64 T, int R, i64 cap) {
   return exact ? T / R + (r < T % R ? 1 : 0) : cap;
@@ -465,11 +456,11 @@ __device__ int run_cap(const PlanSm& s, int R, int lane) {
 }
 
 // Single block. Dynamic shared memory (bytes): 8*(2E + R) + 4*(E + 4R + 2 + epn) + R, plus 128 of padding
-// (kneed's unconditional loads).
+// (kneed's unconditional loads), plus 8E with F_AMT_SMEM.
 __device__ __forceinline__ void ld_acq_wait64(const i64* p, i64 want);
 __device__ __forceinline__ void st_release64(i64* p, i64 v);
 
-__device__ __forceinline__ void plan_body(
+__device__ __noinline__ void plan_body(
     const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
     const i64* __restrict__ decl, i64 decl_scalar, i64 nonce) {
   const int R = (int)R_, E = (int)E_, epn = E / R;
@@ -490,21 +481,25 @@ __device__ __forceinline__ void plan_body(
   s.rem = (i64*)sm_raw;
   s.psum = s.rem + E;
   s.bal = s.psum + E;
-  s.order = (int*)(s.bal + R);
+  // amounts in shared memory when they fit: the chunk table reads them back per receiver, and from
+  // global memory those loads were serialised behind the table's stores (11.8k cycles at (896, 64, 16) Zipf)
+  const bool amt_sm = flags & F_AMT_SMEM;
+  s.amt = amt_sm ? s.bal + R : w.amt;
+  s.order = (int*)(s.bal + R + (amt_sm ? E : 0));
   s.rsrc = s.order + E;
   int* rpos = s.rsrc + R;      // [R]   receiver's index among its source's receivers
   int* nrecv = rpos + R;       // [R+1]
   int* rptr = nrecv + R + 1;   // [R+1] exclusive scan of nrecv
   s.tj = rptr + R + 1;         // [epn]
   s.used = (unsigned char*)(s.tj + epn);
-  s.amt = w.amt;
   s.rx = w.rx;
   s.epn = epn;
 
   // 0. expert loads (column sums), negative check, declared row sums
   int errbits = 0;
+  i64 part = 0;  // this thread's share of T
+  bool neg = false;
   if (flags & F_COLSUM) {
-    bool neg = false;
     for (int e = tid; e < E; e += nt) {
       i64 sum = 0;
       if (flags & F_C32) {
@@ -533,8 +528,23 @@ __device__ __forceinline__ void plan_body(
       }
       w.L[e] = sum;
       s.rem[e] = sum;
+      part += sum;
     }
-    if (__syncthreads_or(neg)) errbits |= 1;
+  } else {  // moonep_colsum ran: L in the workspace, negative flags per expert in hist
+    for (int e = tid; e < E; e += nt) {
+      const i64 v = w.L[e];
+      s.rem[e] = v;
+      part += v;
+      neg |= w.hist[e] != 0;
+    }
+  }
+  // T = sum of the loads, and the negative flag, with one barrier
+  part = warp_sum(part);
+  if (lane == 0) red[warp] = part;
+  if (__syncthreads_or(neg)) errbits |= 1;
+  i64 T = 0;
+  for (int q = 0; q < nw; ++q) T += red[q];
+  if (flags & F_COLSUM) {
     if (flags & (F_DECL_SCALAR | F_DECL_PTR)) {
       bool bad = false;
       for (int r = warp; r < R; r += nw) {
@@ -546,15 +556,8 @@ __device__ __forceinline__ void plan_body(
       }
       if (__syncthreads_or(bad)) errbits |= 2;
     }
-  } else {  // moonep_colsum ran: L in the workspace, negative flags per expert in hist
-    bool neg = false;
-    for (int e = tid; e < E; e += nt) { s.rem[e] = w.L[e]; neg |= w.hist[e] != 0; }
-    if (__syncthreads_or(neg)) errbits |= 1;
   }
   CLK_BLK(0);
-  i64 part = 0;
-  for (int e = tid; e < E; e += nt) part += s.rem[e];
-  const i64 T = block_sum(part, red);
   i64 cap = (T + R - 1) / R;
   {
     i64 capf = (i64)ceil((1.0 + __longlong_as_double(slack_bits)) * (double)T / (double)R);
@@ -577,7 +580,7 @@ __device__ __forceinline__ void plan_body(
     exact = !(flags & F_CAP) || attempt == 1;
     for (int e = tid; e < E; e += nt) {
       if (attempt) s.rem[e] = w.L[e];
-      w.amt[e] = 0;
+      s.amt[e] = 0;
       w.rx[e] = -1;
     }
     for (int r = tid; r < R; r += nt) { s.rsrc[r] = -1; s.used[r] = 0; }
@@ -626,7 +629,10 @@ __device__ __forceinline__ void plan_body(
   CLK_BLK(3);
   TS_MARK(3);
   // 3. outputs and the layout's chunk table
-  for (int e = tid; e < E; e += nt) w.rem[e] = s.rem[e];
+  for (int e = tid; e < E; e += nt) {
+    w.rem[e] = s.rem[e];
+    if (amt_sm) w.amt[e] = s.amt[e];
+  }
   for (int r = tid; r < R; r += nt) {
     w.rs[r] = s.rsrc[r];
     w.rc[r] = s.bal[r] + tgt_of(r, exact, T, R, cap);
@@ -679,7 +685,7 @@ __device__ __forceinline__ void plan_body(
     for (int q = 0; q < nr; ++q) {
       int v = rlist[r0 + q];
       if (!hdone && h < v) { w.cst[c] = run; w.crk[c] = h; run += s.rem[e]; ++c; hdone = true; }
-      w.cst[c] = run; w.crk[c] = v; run += w.amt[(i64)v * epn + j]; ++c;
+      w.cst[c] = run; w.crk[c] = v; run += s.amt[(i64)v * epn + j]; ++c;
     }
     if (!hdone) { w.cst[c] = run; w.crk[c] = h; }
   }
@@ -688,11 +694,19 @@ __device__ __forceinline__ void plan_body(
   CLK_BLK(14);
   TS_MARK(4);
 #endif
+  if (flags & F_FUSED) {  // the layout's inputs are written (the [E, R] assignment is not one of them)
+    __syncthreads();
+    if (tid == 0) {
+      __threadfence();
+      st_release64((i64*)w.flags + 1, nonce);
+    }
+    TS_MARK(5);
+  }
   if (flags & F_ASSIGN) {  // zeroed during the plan (ordered before this by the barriers above)
     for (int idx = tid; idx < E; idx += nt) {
       const int r = idx / epn, j = idx - r * epn, h = s.rsrc[r];
       w.A[(i64)idx * R + r] = s.rem[idx];                                  // home copies of expert idx
-      if (h >= 0) w.A[((i64)h * epn + j) * R + r] = w.amt[(i64)r * epn + j];  // r's replicas of h's expert j
+      if (h >= 0) w.A[((i64)h * epn + j) * R + r] = s.amt[(i64)r * epn + j];  // r's replicas of h's expert j
     }
   }
 #ifdef MOONEP_PLAN_CLOCKS
@@ -701,14 +715,6 @@ __device__ __forceinline__ void plan_body(
   if (!(flags & F_FUSED) && threadIdx.x < 16) ((i64*)w.hist)[threadIdx.x] = CLK[threadIdx.x];
   if (TSp && threadIdx.x < 16) TSp[16 + threadIdx.x] = CLK[threadIdx.x];
 #endif
-  if (flags & F_FUSED) {  // every output above is written: the layout blocks may read them
-    __syncthreads();
-    if (tid == 0) {
-      __threadfence();
-      st_release64((i64*)w.flags + 1, nonce);
-    }
-    TS_MARK(5);
-  }
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moonep_plan(
@@ -811,9 +817,10 @@ __device__ __forceinline__ T ld_plan(const T* p) {
 
 // Token layout of source rank `rank`: out[0:n] = dst rank, out[n:2n] = dst row (int64, -1 masked).
 // cfg: bits 0-7 P (prefix blocks), 8-15 B (tile blocks), 16-31 SUB (copies per warp), bit 32: int32 topk,
-// bit 33: int32 counts, bits 40-47: warps that own copies (0: all of the block's).
-// Blocks [0, P): copies of each expert on source ranks < rank. Blocks [P, P+B): tiles of nw*SUB copies.
-// Dynamic shared memory (bytes): max((16 + 2*nw) * E, 256 * warps of the block).
+// bit 33: int32 counts, bit 34: chunk tables staged in shared memory, bits 40-47: warps that own copies
+// (0: all of the block's). Blocks [0, P): copies of each expert on source ranks < rank. Blocks [P, P+B):
+// tiles of nw*SUB copies. Dynamic shared memory (bytes): max((16 + 2*nw) * E, 256 * warps of the block),
+// (44 + 2*nw) * E + 16 with bit 34.
 //
 // FUSED (moonep_plan_layout, layout block blk = blockIdx.x - 1 beside the plan in block 0): nothing in the
 // workspace is zeroed beforehand, so the flags are i64 words holding this launch's `nonce` (a 2^-64
@@ -821,7 +828,7 @@ __device__ __forceinline__ T ld_plan(const T* p) {
 // finished layout blocks under a 56-bit nonce tag; the last one zeroes every flag, so a CUDA graph that
 // replays the same nonce starts clean. Pass 1 and the prefix blocks need no plan: they overlap it.
 template <bool FUSED>
-__device__ __forceinline__ void layout_body(
+__device__ __noinline__ void layout_body(
     const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const void* __restrict__ counts,
     i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg, int blk, i64 nonce) {
   const int R = (int)R_, E = (int)E_, epn = E / R;
@@ -836,12 +843,22 @@ __device__ __forceinline__ void layout_body(
   extern __shared__ __align__(16) unsigned char sm_raw[];
   i64* off = (i64*)sm_raw;                                 // [E] copies of e before this block
   int* Tt = (int*)(off + E);                               // [R, 2*epn] row offsets (home j | replica j)
-  unsigned short* cnt = (unsigned short*)(Tt + 2 * E);     // [nw, E] per-warp counts -> prefixes
+  // cfg bit 34: the plan's chunk tables are staged in shared memory (pass 2's binary searches then wait on
+  // shared memory, not on chains of L2 loads; measured 20 us of 24 after the plan at (896, 64, 16))
+  const bool stage = (cfg >> 34) & 1;
+  i64* cst_s = (i64*)(Tt + 2 * E);                         // [2E] staged w.cst
+  int* crk_s = (int*)(cst_s + 2 * E);                      // [2E] staged w.crk
+  int* cseg_s = crk_s + 2 * E;                             // [E+1] staged w.cseg
+  unsigned short* cnt = (unsigned short*)(stage ? (void*)(cseg_s + E + 1) : (void*)(Tt + 2 * E));  // [nw, E]
   const i64 w0 = ((i64)(blk - P) * nw + warp) * SUB;       // this warp's first copy (tile blocks)
 #ifdef MOONEP_PLAN_CLOCKS
   i64* TSp = FUSED ? (i64*)w.hist + HIST_BLOCKS * (i64)E / 2 - 32 * (i64)(blk + 2) : nullptr;
   TS_MARK(0);
 #endif
+  // The first NC rounds of a warp's copies stay in registers from pass 1 to pass 2, and their loads are
+  // all issued before the first use (one memory latency instead of one per round).
+  constexpr int NC = 8;
+  int ec[NC];
 
   if (blk < P) {
     i64* red = off;  // [ntw * 32]
@@ -863,14 +880,25 @@ __device__ __forceinline__ void layout_body(
   } else {
     const int b = blk - P;
     for (int q = tid; q < nw * E; q += nt) cnt[q] = 0;
+#pragma unroll
+    for (int it = 0; it < NC; ++it) ec[it] = (owns && it * 32 < SUB) ? load_e(topk, w0 + it * 32 + lane, t32, n, E) : -1;
     __syncthreads();
-    if (owns)
-      for (int c = 0; c < SUB; c += 32) {  // pass 1: per-warp counts
-        int e = load_e(topk, w0 + c + lane, t32, n, E);
-        unsigned peers = __match_any_sync(FULL, e);
+    if (owns) {  // pass 1: per-warp counts
+#pragma unroll
+      for (int it = 0; it < NC; ++it) {
+        if (it * 32 >= SUB) break;
+        const int e = ec[it];
+        const unsigned peers = __match_any_sync(FULL, e);
         if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
         __syncwarp();
       }
+      for (int c = NC * 32; c < SUB; c += 32) {
+        const int e = load_e(topk, w0 + c + lane, t32, n, E);
+        const unsigned peers = __match_any_sync(FULL, e);
+        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+        __syncwarp();
+      }
+    }
     __syncthreads();
     for (int e = tid; e < E; e += nt) {
       int run = 0;
@@ -888,11 +916,29 @@ __device__ __forceinline__ void layout_body(
 
   if (blk >= P) {
     const int b = blk - P;
+    // copies of each expert before this block: needs only the lower blocks (not the plan), so in a fused
+    // launch it is done while the plan block still runs
+    for (int q = tid; q < blk; q += nt) {
+      if (FUSED) ld_acq_wait64(f64 + 2 + q, nonce);
+      else while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
+    }
+    __syncthreads();
+    TS_MARK(2);
+    for (int e = tid; e < E; e += nt) {
+      i64 sum = P ? __ldcg(&w.pre[e]) : 0;
+#pragma unroll 8
+      for (int bb = 0; bb < b; ++bb) sum += __ldcg(&w.hist[(i64)bb * E + e]);  // 8 loads in flight
+      off[e] = sum;
+    }
     if (FUSED) {
       if (tid == 0) ld_acq_wait64(f64 + 1, nonce);  // the plan block's outputs
       __syncthreads();
     }
-    TS_MARK(2);
+    TS_MARK(3);
+    if (stage) {
+      for (int q = tid; q < 2 * E; q += nt) { cst_s[q] = ld_plan<FUSED>(w.cst + q); crk_s[q] = ld_plan<FUSED>(w.crk + q); }
+      for (int q = tid; q <= E; q += nt) cseg_s[q] = ld_plan<FUSED>(w.cseg + q);
+    }
     for (int r = warp; r < R; r += ntw) {  // row offsets of every (rank, slot) for this align
       const int base = r * epn;
       i64 carry = 0;
@@ -908,49 +954,47 @@ __device__ __forceinline__ void layout_body(
         carry += __shfl_sync(FULL, inc, 31);
       }
     }
-    TS_MARK(3);
-    for (int q = tid; q < blk; q += nt) {
-      if (FUSED) ld_acq_wait64(f64 + 2 + q, nonce);
-      else while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
-    }
     __syncthreads();
     TS_MARK(4);
-    for (int e = tid; e < E; e += nt) {
-      i64 sum = P ? __ldcg(&w.pre[e]) : 0;
-#pragma unroll 8
-      for (int bb = 0; bb < b; ++bb) sum += __ldcg(&w.hist[(i64)bb * E + e]);  // 8 loads in flight
-      off[e] = sum;
-    }
-    __syncthreads();
-    TS_MARK(5);
     const unsigned lt = (1u << lane) - 1u;
-    if (owns)
-      for (int c = 0; c < SUB; c += 32) {  // pass 2: global copy index -> (rank, row)
-        const i64 idx = w0 + c + lane;
-        const int e = load_e(topk, idx, t32, n, E);
-        const unsigned peers = __match_any_sync(FULL, e);
-        i64 g = 0;
-        if (e >= 0) g = off[e] + cnt[warp * E + e] + __popc(peers & lt);
-        __syncwarp();
-        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-        __syncwarp();
-        if (idx < n) {
-          i64 dr = -1, rw = -1;
-          if (e >= 0) {
-            const int h = e / epn, j = e - h * epn;
-            int lo = ld_plan<FUSED>(w.cseg + e), hi = ld_plan<FUSED>(w.cseg + e + 1) - 1;
-            while (lo < hi) {  // last chunk starting at or before g
-              int mid = (lo + hi + 1) >> 1;
-              if (ld_plan<FUSED>(w.cst + mid) <= g) lo = mid; else hi = mid - 1;
-            }
-            const int r = ld_plan<FUSED>(w.crk + lo);
-            dr = r;
-            rw = (i64)Tt[2 * r * epn + (r == h ? j : epn + j)] + (g - ld_plan<FUSED>(w.cst + lo));
-          }
-          out[idx] = dr;
-          out[n + idx] = rw;
-        }
+    // (dst rank, dst row) of the copy with global index g among expert e's copies
+    auto place = [&](int e, i64 g, i64& dr, i64& rw) {
+      const int h = e / epn, j = e - h * epn;
+      int lo, hi;
+      if (stage) { lo = cseg_s[e]; hi = cseg_s[e + 1] - 1; }
+      else { lo = ld_plan<FUSED>(w.cseg + e); hi = ld_plan<FUSED>(w.cseg + e + 1) - 1; }
+      while (lo < hi) {  // last chunk starting at or before g
+        const int mid = (lo + hi + 1) >> 1;
+        const i64 cm = stage ? cst_s[mid] : ld_plan<FUSED>(w.cst + mid);
+        if (cm <= g) lo = mid; else hi = mid - 1;
       }
+      const int r = stage ? crk_s[lo] : ld_plan<FUSED>(w.crk + lo);
+      const i64 c0 = stage ? cst_s[lo] : ld_plan<FUSED>(w.cst + lo);
+      dr = r;
+      rw = (i64)Tt[2 * r * epn + (r == h ? j : epn + j)] + (g - c0);
+    };
+    auto pass2 = [&](int e, i64 idx) {  // global copy index -> (rank, row)
+      const unsigned peers = __match_any_sync(FULL, e);
+      i64 g = 0;
+      if (e >= 0) g = off[e] + cnt[warp * E + e] + __popc(peers & lt);
+      __syncwarp();
+      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+      __syncwarp();
+      if (idx < n) {
+        i64 dr = -1, rw = -1;
+        if (e >= 0) place(e, g, dr, rw);
+        out[idx] = dr;
+        out[n + idx] = rw;
+      }
+    };
+    if (owns) {
+#pragma unroll
+      for (int it = 0; it < NC; ++it) {
+        if (it * 32 >= SUB) break;
+        pass2(ec[it], w0 + it * 32 + lane);
+      }
+      for (int c = NC * 32; c < SUB; c += 32) pass2(load_e(topk, w0 + c + lane, t32, n, E), w0 + c + lane);
+    }
   }
   __syncthreads();
   TS_MARK(6);
@@ -982,7 +1026,7 @@ __device__ __forceinline__ void layout_body(
 extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
     const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const i64* __restrict__ counts,
     i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg) {
-  layout_body<false>(topk, out, wsp, counts, n, R_, E_, rank, align, cfg & ~(3ll << 33), blockIdx.x, 0);
+  layout_body<false>(topk, out, wsp, counts, n, R_, E_, rank, align, cfg & ~(1ll << 33), blockIdx.x, 0);
 }
 
 // Plan and this rank's layout in one launch: block 0 plans (moonep_plan with F_FUSED), blocks 1.. are

@@ -54,7 +54,7 @@ CLOCK_NAMES = ("colsum", "total", "sort_psum", "fill_loop", "out_assign", "out_w
                "step_receiver", "step_donor_fast", "step_donor_slow", "step_fill", "steps", "out_rlist",
                "out_chunks")
 PLAN_STAMPS = ("colsum_total", "sorted", "loop_end", "chunks", "published")
-LAYOUT_STAMPS = ("pass1_published", "plan_seen", "row_offsets", "lower_seen", "prefixes", "end")
+LAYOUT_STAMPS = ("pass1_published", "lower_seen", "plan_seen", "tables", None, "end")
 
 
 def plan_clocks(counts):
@@ -87,6 +87,8 @@ def fused_timeline(c, rank, tk, reps=20):
     tiles = t[:, 1 + P:, :]
     row["tile_start_us"] = float(np.median(tiles[:, :, 0].max(1) - base[:, 0])) / 1e3
     for i, k in enumerate(LAYOUT_STAMPS):
+        if k is None:
+            continue
         row[f"tile_{k}_us"] = float(np.median(tiles[:, :, i + 1].max(1) - base[:, 0])) / 1e3
     if P:
         row["prefix_end_us"] = float(np.median(t[:, 1:1 + P, 1].max(1) - base[:, 0])) / 1e3

@@ -29,7 +29,8 @@ import torch
 
 FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
-F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR = 1, 2, 4, 8, 16, 32
+F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR, F_FUSED, F_AMT_SMEM = 1, 2, 4, 8, 16, 32, 64, 128
+LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 _KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout", "moonep_plan_layout")
 _DEV: dict = {}
@@ -171,11 +172,13 @@ class _Geo:
         self.nt = min(1024, max(128, 1 << (E - 1).bit_length()))
         # + 128: kneed (planner.cu) reads 16 psum words unconditionally, past the last rank's
         self.smem = (8 * (2 * E + R) + 4 * (E + 4 * R + 2 + self.epn) + R + 15) // 16 * 16 + 128
+        self.smem_amt = self.smem + 8 * E   # F_AMT_SMEM: the fill's amounts in shared memory too
         nw = 32  # layout: warps per block, so that per-warp expert counters fit in shared memory
         while nw > 2 and (16 + 2 * nw) * E > 48 * 1024:
             nw //= 2
         self.lay_nw = nw
         self.lay_smem = max((16 + 2 * nw) * E, nw * 256)
+        self.lay_smem_stage = max((44 + 2 * nw) * E + 16, nw * 256)  # + staged chunk tables (LAY_STAGE)
         self.lay: dict = {}
         self.args: dict = {}
 
@@ -288,23 +291,27 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
         d.launch("moonep_colsum", -(-E // 256), 256, (d.arg(counts.data_ptr()), wp, d.c(R), d.c(E), d.c(int(c32))))
     else:
         flags |= F_COLSUM | F_ASSIGN
+    psm = g.smem
+    if g.smem_amt <= d.smem_max:
+        flags |= F_AMT_SMEM
+        psm = g.smem_amt
     key = (flags, slack, decl_scalar)
     tail = g.args.get(key)
     if tail is None:
         sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
         tail = g.args[key] = (d.c(R), d.c(E), d.c(flags), d.c(sb))
-    if g.smem > 48 * 1024:
-        if g.smem > d.smem_max:
-            raise ValueError(f"counts: R={R}, E={E} needs {g.smem} B of shared memory for the GPU planner, "
+    if psm > 48 * 1024:
+        if psm > d.smem_max:
+            raise ValueError(f"counts: R={R}, E={E} needs {psm} B of shared memory for the GPU planner, "
                              f"the device has {d.smem_max} B per block")
-        d.need_smem("moonep_plan", g.smem)
+        d.need_smem("moonep_plan", psm)
     d.launch("moonep_plan", 1, g.nt, (d.arg(counts.data_ptr()), wp) + tail + (d.arg(decl_ptr), d.c(decl_scalar)),
-             g.smem)
+             psm)
     if tokens_per_rank is None and not g.big and d.kw_stream and counts.dtype in (_i64, _i32):
         if _Plan is None:
             _plan_cls()
         _PLAN_FAST[(di, counts.shape, counts.dtype, slack)] = (
-            d.fn["moonep_plan"], (1,), (g.nt,), g.smem, d.streams, g.words, d.device, g, tail + (d.c(0), d.c(0)),
+            d.fn["moonep_plan"], (1,), (g.nt,), psm, d.streams, g.words, d.device, g, tail + (d.c(0), d.c(0)),
             d.arg, not c32, d)
     if g.big:
         n = E * R
@@ -362,25 +369,29 @@ def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     d = _dev(di)
     if cfg is None or g.lay_smem > d.smem_max:
         return None
+    stage = g.lay_smem_stage <= d.smem_max
+    lsm = g.lay_smem_stage if stage else g.lay_smem
     if _guard(di):
         with torch.cuda.device(di):
             return layout_cuda(plan, rank, topk_idx, align)
     out = torch.empty((2, s, K), dtype=_i64, device=ws.device)
     if n == 0:
         return out.unbind(0)
-    if g.lay_smem > 48 * 1024:
-        d.need_smem("moonep_layout", g.lay_smem)
+    if lsm > 48 * 1024:
+        d.need_smem("moonep_layout", lsm)
     grid, c = cfg
     if dt is torch.int32:
         c |= 1 << 32
+    if stage:
+        c |= LAY_STAGE
     a = d.arg
     tail = (a(n), d.c(g.R), d.c(g.E), d.c(rank), d.c(align), d.c(c))
     d.launch("moonep_layout", grid, g.lay_nw * 32,
              (a(topk_idx.data_ptr()), a(out.data_ptr()), a(ws.data_ptr()), a(plan.counts.data_ptr())) + tail,
-             g.lay_smem)
+             lsm)
     if d.kw_stream and (dt is _i64 or dt is _i32) and isinstance(rank, int) and isinstance(align, int):
         _LAY_FAST[(g, topk_idx.shape, rank, align, dt, di)] = (
-            d.fn["moonep_layout"], (grid,), (g.lay_nw * 32,), g.lay_smem, d.streams, d.device, (2, s, K), tail,
+            d.fn["moonep_layout"], (grid,), (g.lay_nw * 32,), lsm, d.streams, d.device, (2, s, K), tail,
             d.arg, 8 * g.c64, d)
     return out.unbind(0)
 
@@ -416,16 +427,16 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
         return None
     d = _dev(di)
     threads = max(g.nt, g.lay_nw * 32)
-    smem = max(g.smem, g.lay_smem, threads // 32 * 256)
+    smem = max(g.smem_amt, g.lay_smem_stage, threads // 32 * 256)
     if smem > d.smem_max:
         return None
     if smem > 48 * 1024:
         d.need_smem("moonep_plan_layout", smem)
     ws = torch.empty(g.words, dtype=_i64, device=counts.device)
     out = torch.empty((2, s, K), dtype=_i64, device=counts.device)
-    flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN
+    flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
     sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
-    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | (g.lay_nw << 40)
+    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | (g.lay_nw << 40) | LAY_STAGE
     _NONCE[0] = (_NONCE[0] + 1) & ((1 << 56) - 1) or 1
     a = d.arg
     mid = (d.c(R), d.c(E), d.c(flags), a(sb))
