@@ -88,6 +88,35 @@ def _events(fn, n):
     return float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
 
 
+def graph_time(fn, n=20, reps=20):
+    """Device time [us] of one ``fn()``: ``n`` calls captured in ONE CUDA graph (after a warm-up call on a
+    side stream), the graph replayed ``reps`` times under CUDA events; the median replay divided by ``n``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return _events(g.replay, reps) / n
+
+
+def host_time(fn, n=200):
+    """Python-side time [us] of one ``fn()``: the mean over ``n`` calls without sync (synchronised before
+    and after, outside the timed loop)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return dt
+
+
 def gpu_time(c, tk, n):
     c, tk = c.cuda(), tk.cuda()
     rank = c.shape[0] - 1
@@ -99,44 +128,15 @@ def gpu_time(c, tk, n):
     res = {"eager_plan_only_us": _events(lambda: plan_balanced(c), n),
            "eager_layout_only_us": _events(lambda: token_destinations(plan, rank, tk), n),
            "eager_plan_layout_us": _events(run, n)}
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        run()
-    res["host_plan_layout_us"] = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    res["graph_plan_layout_us"] = _events(g.replay, n)
+    res["host_plan_layout_us"] = host_time(run, n)
+    res["graph_plan_layout_us"] = graph_time(run, 1, reps=n)
     # The library's one-call form (what the NVLink path runs each step): plan and layout in one launch
     fused = lambda: plan_and_destinations(c, rank, tk)  # noqa: E731
     for _ in range(3):
         fused()
     res["eager_fused_us"] = _events(fused, n)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fused()
-    res["host_fused_us"] = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fused()
-    torch.cuda.current_stream().wait_stream(side)
-    g2 = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g2):
-        fused()
-    g2.replay()
-    torch.cuda.synchronize()
-    res["graph_fused_us"] = _events(g2.replay, n)
+    res["host_fused_us"] = host_time(fused, n)
+    res["graph_fused_us"] = graph_time(fused, 1, reps=n)
     return res
 
 

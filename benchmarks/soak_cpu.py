@@ -14,7 +14,6 @@ bitwise that of an earlier run with the same seed. The JSON records the command,
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
@@ -28,19 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process (Linux ``/proc/self/statm``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def git_commit() -> str:
-    """The commit measured (``MOONEP_GIT_COMMIT`` on the device machine, else HEAD)."""
-    from moonep.bench.provenance import git_commit as _gc
-    return _gc()
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _soak_common import all_gather, due, parser, provenance, rss_bytes, wave, write_json  # noqa: E402
 
 
 def machine() -> dict:
@@ -50,14 +38,6 @@ def machine() -> dict:
 
 def curve_hash(losses) -> str:
     return hashlib.sha256(b"".join(struct.pack("<d", v) for v in losses)).hexdigest()
-
-
-def _all_gather(rt, obj):
-    if rt.world_size == 1:
-        return [obj]
-    out = [None] * rt.world_size
-    dist.all_gather_object(out, obj, group=rt.cpu_group)
-    return out
 
 
 def run_soak(rt, *, steps: int, seed: int, warmup: int, sample_every: int, phase: int = 250, tokens: int = 64,
@@ -85,7 +65,7 @@ def run_soak(rt, *, steps: int, seed: int, warmup: int, sample_every: int, phase
     losses, maxvio, replicas, rss = [], [], [], []
     t0 = time.monotonic()
     for step in range(steps):
-        amp = 4.0 * abs(math.sin(math.pi * step / phase))         # rises and falls within a phase
+        amp = wave(step, phase, 4.0)
         x = torch.randn(tokens, d_model, generator=data) + amp * directions[step // phase]
         y = model["head"](model["moe"](x))
         loss = torch.nn.functional.mse_loss(y, torch.tanh(x @ target))
@@ -104,7 +84,7 @@ def run_soak(rt, *, steps: int, seed: int, warmup: int, sample_every: int, phase
         replicas.append(int(st["replicas"].sum()))
         recv = st["recv_counts"]
         assert int(recv.max()) - int(recv.min()) <= 1, recv.tolist()
-        if step % sample_every == 0 or step == steps - 1:
+        if due(step, steps, sample_every):
             rss.append((step, rss_bytes()))
         if log_every and rt.rank == 0 and step % log_every == 0:
             print(f"step {step:5d} loss {losses[-1]:.5f} maxvio {maxvio[-1]:5.2f} replicas {replicas[-1]} "
@@ -120,15 +100,10 @@ def rss_growth(rss, warmup: int) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=2000)
+    ap = parser(__doc__, steps=2000, warmup=200, sample_every=50, phase=250, out_name="soak_cpu_np{R}.json")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--sample-every", type=int, default=50)
-    ap.add_argument("--phase", type=int, default=250)
     ap.add_argument("--max-growth", type=float, default=1.0, help="allowed RSS growth after warm-up, percent")
     ap.add_argument("--compare", help="JSON of an earlier run with the same seed: the loss curve must match bitwise")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak_cpu_np{R}.json)")
     ap.add_argument("--log-every", type=int, default=100)
     args = ap.parse_args()
 
@@ -138,15 +113,12 @@ def main():
     rt = moonep.init()
     res = run_soak(rt, steps=args.steps, seed=args.seed, warmup=args.warmup, sample_every=args.sample_every,
                    phase=args.phase, log_every=args.log_every)
-    rss_all = _all_gather(rt, res["rss"])
-    hashes = _all_gather(rt, res["loss_hash"])
+    rss_all = all_gather(rt, res["rss"])
+    hashes = all_gather(rt, res["loss_hash"])
     if rt.rank == 0:
         growth = [rss_growth(r, args.warmup) for r in rss_all]
         out = dict(
-            benchmark="soak_cpu",
-            command=f"mpiexec -n {rt.world_size} python " + " ".join([sys.argv[0]] + sys.argv[1:]),
-            git_commit=git_commit(), machine=machine(), world_size=rt.world_size,
-            config=dict(vars(args)), seconds=round(res["seconds"], 2),
+            provenance(rt, args, "soak_cpu", "mpiexec", "python", machine()), seconds=round(res["seconds"], 2),
             loss_hash=res["loss_hash"], hash_equal_on_all_ranks=len(set(hashes)) == 1,
             loss_first=res["losses"][0], loss_last=res["losses"][-1],
             losses_float64_hex=[v.hex() for v in res["losses"]],
@@ -168,9 +140,7 @@ def main():
                                   reference_rss_growth_pct_max=ref["rss_growth_pct_max"])
             ok = ok and same
         out["passed"] = ok
-        path = Path(args.out or ROOT / f"benchmarks/results/soak_cpu_np{rt.world_size}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1) + "\n")
+        path = write_json(args.out, f"soak_cpu_np{rt.world_size}.json", out)
         print(f"loss {out['loss_first']:.5f} -> {out['loss_last']:.5f}  hash {out['loss_hash'][:16]}  "
               f"rss growth {out['rss_growth_pct_max']:.3f}%  maxvio {out['maxvio']['min']:.2f}..{out['maxvio']['max']:.2f}"
               + (f"  bitwise identical to reference: {out['compare']['bitwise_identical']}" if args.compare else "")

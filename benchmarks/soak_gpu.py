@@ -22,20 +22,15 @@ Rank 0 writes JSON (command, commit, machine, samples, verdicts) to ``--out``.  
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from soak_cpu import _all_gather, git_commit, rss_bytes  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _soak_common import all_gather, due, parser, provenance, rss_bytes, wave, write_json  # noqa: E402
 
 
 def mem(dev) -> int:
@@ -57,7 +52,7 @@ def free_bytes(dev) -> int:
 def routing(step: int, s: int, E: int, K: int, phase: int, g: torch.Generator, dev):
     """``topk_idx [s, K]`` distinct experts with a moving hot expert, and weights ``[s, K]``."""
     hot = (step // phase * 7) % E
-    strength = 6.0 * abs(math.sin(math.pi * step / phase))
+    strength = wave(step, phase, 6.0)
     scores = torch.rand(s, E, generator=g)
     scores[:, hot] += strength * torch.rand(s, generator=g)
     idx = scores.topk(K, dim=1).indices
@@ -95,19 +90,19 @@ def cycle(rt, args, steps: int, record: bool) -> dict:
         y = ep.combine(h.tokens * (1 + 0 * slots[0, 0, 0]), h)  # identity experts (keeps the pool in use)
         if grad:
             y.float().square().sum().backward()
-        if step % args.check_every == 0 or step == steps - 1:
+        if due(step, steps, args.check_every):
             want = ((w.float() * (idx >= 0)).sum(1, keepdim=True) * x.detach().float())
             err = float((y.detach().float() - want).abs().max()) if s else 0.0
             tol = 1e-4 if dtype == torch.float32 else 0.05 * max(1.0, float(want.abs().max()))
             assert err <= tol, f"step {step}: combine off by {err}"
-            rows = _all_gather(rt, int(h.num_rows) if not torch.is_tensor(h.num_rows) else int(h.num_rows.item()))
+            rows = all_gather(rt, int(h.num_rows) if not torch.is_tensor(h.num_rows) else int(h.num_rows.item()))
             assert max(rows) - min(rows) <= 1, rows
             checks += 1
             del want  # the reference must not count as memory held after close()
         del h, slots, y, x, idx, w
         if record and step == args.warmup:
             warm_mem = mem(dev)
-        if record and (step % args.sample_every == 0 or step == steps - 1):
+        if record and due(step, steps, args.sample_every):
             samples.append((step, mem(dev)))
     ep.synchronize()
     seconds = time.monotonic() - t0
@@ -120,14 +115,11 @@ def cycle(rt, args, steps: int, record: bool) -> dict:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=10_000)
+    ap = parser(__doc__, steps=10_000, warmup=500, sample_every=250, phase=400,
+                out_name="soak_gpu_np{R}_{device type}.json")
     ap.add_argument("--warm-steps", type=int, default=50)
-    ap.add_argument("--warmup", type=int, default=500)
-    ap.add_argument("--sample-every", type=int, default=250)
     ap.add_argument("--check-every", type=int, default=500)
     ap.add_argument("--grad-every", type=int, default=10)
-    ap.add_argument("--phase", type=int, default=400)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--experts-per-rank", type=int, default=8)
@@ -137,7 +129,6 @@ def main():
     ap.add_argument("--device", default=None, help="cpu for a dry run of the script without GPUs")
     ap.add_argument("--tol-bytes", type=int, default=0, help="allowed memory_allocated growth after warm-up")
     ap.add_argument("--tol-free", type=int, default=8 << 20, help="allowed drop of free device memory, bytes")
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.device == "cpu":
         args.tol_bytes = max(args.tol_bytes, 16 << 20)  # RSS moves with the Python heap: a loose dry run
@@ -158,19 +149,16 @@ def main():
     )
     verdict["passed"] = all(verdict[k] for k in ("allocated_flat", "allocated_back_after_close",
                                                   "free_memory_back_after_close"))
-    per_rank = _all_gather(rt, dict(rank=rt.rank, device=str(dev), cycle1=c1, cycle2=c2, verdict=verdict))
+    per_rank = all_gather(rt, dict(rank=rt.rank, device=str(dev), cycle1=c1, cycle2=c2, verdict=verdict))
     ok = all(r["verdict"]["passed"] for r in per_rank)
     if rt.rank == 0:
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none"
-        out = dict(benchmark="soak_gpu", command=f"mpirun -n {rt.world_size} python3 " + " ".join(sys.argv),
-                   git_commit=git_commit(), world_size=rt.world_size, config=vars(args),
-                   machine=dict(hostname=platform.node(), gpu=gpu, torch=torch.__version__,
-                                cuda=torch.version.cuda, gpus=torch.cuda.device_count()),
+        machine = dict(hostname=platform.node(), gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda,
+                       gpus=torch.cuda.device_count())
+        out = dict(provenance(rt, args, "soak_gpu", "mpirun", "python3", machine),
                    transport=c2["transport"], steps=args.steps, seconds=round(c2["seconds"], 2),
                    passed=ok, ranks=per_rank)
-        path = Path(args.out or ROOT / f"benchmarks/results/soak_gpu_np{rt.world_size}_{dev.type}.json")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1) + "\n")
+        path = write_json(args.out, f"soak_gpu_np{rt.world_size}_{dev.type}.json", out)
         for r in per_rank:
             v = r["verdict"]
             print(f"rank {r['rank']}: {args.steps} steps in {r['cycle2']['seconds']:.1f}s on {r['cycle2']['transport']}"

@@ -271,9 +271,14 @@ class ExpertParallel:
         try:
             yield
         except MoonepError:
-            self._failed = True
-            mark_failed(self.rt, self.transport.timeout_s())
+            self._record_failure()
             raise
+
+    def _record_failure(self) -> None:
+        """A collective of this instance raised MoonepError: close() must not wait for peers, and the
+        runtime's shutdown skips its barriers (see mark_failed)."""
+        self._failed = True
+        mark_failed(self.rt, self.transport.timeout_s())
 
     @property
     def transport_name(self) -> str:
@@ -285,8 +290,7 @@ class ExpertParallel:
             try:
                 self._engine.synchronize()
             except MoonepError:
-                self._failed = True
-                mark_failed(self.rt, self.transport.timeout_s())
+                self._record_failure()
                 raise
 
     def close(self, check: bool = True) -> None:

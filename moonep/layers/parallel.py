@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
+from ..combine import reduce_local
 from ..errors import expect
 
 
@@ -63,16 +64,12 @@ class LocalExpertParallel:
         return torch.cat([local_weight, torch.zeros_like(local_weight)])
 
     def combine(self, expert_out, h):
-        acc = torch.float64 if expert_out.dtype == torch.float64 else torch.float32
-        rows = expert_out.to(acc) * h.weights.to(acc)[:, None]
-        # Back to (token, k) order, then a sum in k order: index_add_ over repeated tokens uses atomics on
-        # CUDA, whose order (so the float result) changes from run to run.
-        per = rows.new_zeros(h.num_tokens * h.topk, expert_out.shape[1]).index_copy_(0, h.order, rows)
-        per = per.view(h.num_tokens, h.topk, expert_out.shape[1])
-        y = torch.zeros_like(per[:, 0])  # 0 + c0 + c1 ...: the order (and signed zeros) of the EP path
-        for k in range(h.topk):
-            y += per[:, k]
-        return y.to(expert_out.dtype)
+        # reduce_local is the k-order weighted sum of the EP path (same acc dtype, same addition order and
+        # no CUDA atomics), so R = 1 adds up bitwise like R > 1. rows[token, k] = the expert-grouped row
+        # of that copy (the inverse of h.order), -1 for a masked choice.
+        rows = torch.full((h.num_tokens * h.topk,), -1, dtype=torch.int64, device=h.order.device)
+        rows[h.order] = torch.arange(h.order.numel(), device=h.order.device)
+        return reduce_local(expert_out, h.weights, rows.view(h.num_tokens, h.topk)).to(expert_out.dtype)
 
 
 class EPProvider:

@@ -31,6 +31,7 @@ FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
 F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR, F_FUSED, F_AMT_SMEM = 1, 2, 4, 8, 16, 32, 64, 128
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
+LAY_TILES = int(os.environ.get("MOONEP_LAY_TILES", "16"))  # layout tile blocks aimed at (profiling override)
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 _KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout", "moonep_plan_layout")
 _DEV: dict = {}
@@ -206,7 +207,7 @@ class _Geo:
         v = self.lay.get(key)
         if v is None:
             nw = self.lay_nw
-            per_warp = -(-n // (nw * 16))          # aim at ~16 tile blocks
+            per_warp = -(-n // (nw * LAY_TILES))   # aim at ~LAY_TILES tile blocks
             sub = max(32, (per_warp + 31) // 32 * 32)
             if nw * sub > 32768:
                 sub = 32768 // nw

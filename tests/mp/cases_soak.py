@@ -30,7 +30,7 @@ def case_soak_short_deterministic_and_flat(rt):
     b = soak.run_soak(rt, **kw)
     assert a["losses"] == b["losses"] and a["loss_hash"] == b["loss_hash"], \
         next(i for i, (u, v) in enumerate(zip(a["losses"], b["losses"])) if u != v)
-    hashes = soak._all_gather(rt, a["loss_hash"])
+    hashes = soak.all_gather(rt, a["loss_hash"])
     assert len(set(hashes)) == 1, hashes
     assert a["losses"][-1] < a["losses"][0], (a["losses"][0], a["losses"][-1])  # it trains
     assert max(a["maxvio"]) > 2 * min(a["maxvio"]), "the skew must move"
