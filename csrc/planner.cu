@@ -29,16 +29,21 @@ typedef long long i64;
 // MOONEP_PLAN_CLOCKS (a profiling build, scripts/profile_planner.py --clocks): warp 0 accumulates clock64()
 // cycles per phase of moonep_plan and per part of a fill step into CLK[0..15], written to the layout's
 // hist scratch at the end (read before any layout runs). Costs a few instructions per step when on.
+// MOONEP_PLAN_STAMPS (or CLOCKS; profile_planner.py --stamps): fused launches (moonep_plan_layout) stamp
+// %globaltimer (ns, shared by all SMs) at phase ends, thread 0 of each block: block x owns words
+// [32x, 32x + 32) after the workspace's last region (the launcher adds them in these builds); block 0, the
+// plan, has CLK[0..15] at words 16..31 in the clocks build. Stamps alone barely perturb the timing.
+#if defined(MOONEP_PLAN_CLOCKS) || defined(MOONEP_PLAN_STAMPS)
+#define MOONEP_PLAN_TS
+#define TS_MARK(k) do { if (TSp && threadIdx.x == 0) TSp[k] = gtime(); } while (0)
+#else
+#define TS_MARK(k) do { } while (0)
+#endif
 #ifdef MOONEP_PLAN_CLOCKS
 #define CLK_DECL __shared__ i64 CLK[16];
 #define CLK_ADD(i, t0) do { if ((threadIdx.x & 31) == 0) { const i64 t1_ = clock64(); CLK[i] += t1_ - (t0); (t0) = t1_; } } while (0)
 #define CLK_BLK(i) do { if (threadIdx.x == 0) { const i64 t1_ = clock64(); CLK[i] += t1_ - tb_; tb_ = t1_; } } while (0)
-// Fused launches (moonep_plan_layout) also stamp %globaltimer (ns, shared by all SMs) at phase ends, thread 0
-// of each block: block x owns the 32 words ending 32*x words before the end of the hist scratch (block 0,
-// the plan: CLK[0..15] at words 16..31).
-#define TS_MARK(k) do { if (TSp && threadIdx.x == 0) TSp[k] = gtime(); } while (0)
 #else
-#define TS_MARK(k) do { } while (0)
 #define CLK_BLK(i) do { } while (0)
 #define CLK_DECL
 #define CLK_ADD(i, t0) do { } while (0)
@@ -470,9 +475,11 @@ __device__ __noinline__ void plan_body(
   __shared__ i64 red[32];
   __shared__ int s_stuck;
   CLK_DECL
-#ifdef MOONEP_PLAN_CLOCKS
-  i64* TSp = (flags & F_FUSED) ? (i64*)w.hist + HIST_BLOCKS * (i64)E / 2 - 32 : nullptr;
+#ifdef MOONEP_PLAN_TS
+  i64* TSp = (flags & F_FUSED) ? w.c64 + ((flags & F_C32) ? R_ * E_ : 0) : nullptr;
   TS_MARK(0);
+#endif
+#ifdef MOONEP_PLAN_CLOCKS
   i64 tb_ = clock64();
   if (threadIdx.x < 16) CLK[threadIdx.x] = 0;
   __syncthreads();
@@ -692,8 +699,8 @@ __device__ __noinline__ void plan_body(
 #ifdef MOONEP_PLAN_CLOCKS
   __syncthreads();
   CLK_BLK(14);
-  TS_MARK(4);
 #endif
+  TS_MARK(4);
   if (flags & F_FUSED) {  // the layout's inputs are written (the [E, R] assignment is not one of them)
     __syncthreads();
     if (tid == 0) {
@@ -851,8 +858,8 @@ __device__ __noinline__ void layout_body(
   int* cseg_s = crk_s + 2 * E;                             // [E+1] staged w.cseg
   unsigned short* cnt = (unsigned short*)(stage ? (void*)(cseg_s + E + 1) : (void*)(Tt + 2 * E));  // [nw, E]
   const i64 w0 = ((i64)(blk - P) * nw + warp) * SUB;       // this warp's first copy (tile blocks)
-#ifdef MOONEP_PLAN_CLOCKS
-  i64* TSp = FUSED ? (i64*)w.hist + HIST_BLOCKS * (i64)E / 2 - 32 * (i64)(blk + 2) : nullptr;
+#ifdef MOONEP_PLAN_TS
+  i64* TSp = FUSED ? w.c64 + (c32 ? R_ * E_ : 0) + 32 * (i64)(blk + 1) : nullptr;
   TS_MARK(0);
 #endif
   // The first NC rounds of a warp's copies stay in registers from pass 1 to pass 2, and their loads are

@@ -40,21 +40,20 @@ def plan_clocks(counts):
     return {name: int(v) for name, v in zip(CLOCK_NAMES, clk) if name}
 
 
-def fused_timeline(c, rank, tk, reps=20):
+def fused_timeline(c, rank, tk, reps=20, clocks=True):
     """The fused launch's phases (planner.cu TS_MARK, clocks build): µs after the plan block's start, medians
     over reps; per layout phase the latest tile block. Plus the plan block's cycle counters in that launch."""
-    from moonep.planner.cuda import HIST_BLOCKS, _geo
+    from moonep.planner.cuda import _dev, _geo
 
     R, E = c.shape
     g = _geo(R, E, c.dtype == torch.int32)
-    grid, cfg = g.layout_cfg(tk.numel(), rank == 0)
+    grid, cfg, _, _ = g.fused_cfg(tk.numel(), rank == 0, _dev(c.get_device()).smem_max)
     P = cfg & 0xFF
-    end = g.hist + HIST_BLOCKS * E // 2
     runs = []
     for _ in range(reps):
         plan, _, _ = plan_and_destinations(c, rank, tk)
         torch.cuda.synchronize()
-        runs.append(plan._ws[end - 32 * (grid + 1):end].view(grid + 1, 32).flip(0).cpu().numpy())
+        runs.append(plan._ws[g.stamps:g.stamps + 32 * grid].view(grid, 32).cpu().numpy())
     t = np.stack(runs)                      # [reps, block, 32]; block 0 = plan
     base = t[:, 0, 0:1]
     row = {f"plan_{k}_us": float(np.median(t[:, 0, i + 1] - base[:, 0])) / 1e3 for i, k in enumerate(PLAN_STAMPS)}
@@ -66,8 +65,9 @@ def fused_timeline(c, rank, tk, reps=20):
         row[f"tile_{k}_us"] = float(np.median(tiles[:, :, i + 1].max(1) - base[:, 0])) / 1e3
     if P:
         row["prefix_end_us"] = float(np.median(t[:, 1:1 + P, 1].max(1) - base[:, 0])) / 1e3
-    clk = t[-1, 0, 16:32].tolist()
-    row.update({f"fused_{n}": int(v) for n, v in zip(CLOCK_NAMES, clk) if n})
+    if clocks:
+        clk = t[-1, 0, 16:32].tolist()
+        row.update({f"fused_{n}": int(v) for n, v in zip(CLOCK_NAMES, clk) if n})
     return row
 
 
@@ -79,9 +79,13 @@ def main():
     ap.add_argument("--clocks", action="store_true",
                     help="a profiling build of the plan kernel (-DMOONEP_PLAN_CLOCKS): cycles per phase and per "
                          "part of a fill step, from clock64() on warp 0; timings of this build are not reported")
+    ap.add_argument("--stamps", action="store_true",
+                    help="a profiling build with only the fused launch's %%globaltimer phase stamps: its timeline")
     a = ap.parse_args()
     if a.clocks:
         os.environ["MOONEP_PLAN_CLOCKS"] = "1"  # read when the kernels are first compiled (below)
+    if a.stamps:
+        os.environ["MOONEP_PLAN_STAMPS"] = "1"
     res = {"command": " ".join([sys.executable] + sys.argv), "commit": os.environ.get("MOONEP_GIT_COMMIT"),
            "machine": machine(), "rows": []}
     for cfg in a.configs.split(";"):
@@ -97,8 +101,9 @@ def main():
             ff = lambda: plan_and_destinations(c, rank, tk)  # noqa: E731  (one launch: moonep_plan_layout)
             for f in (fp, fl, fb, ff):
                 f(); f()  # noqa: E702
-            if a.clocks:
-                row = {"E": E, "R": R, "K": K, "family": fam, **plan_clocks(c), **fused_timeline(c, rank, tk)}
+            if a.clocks or a.stamps:
+                row = {"E": E, "R": R, "K": K, "family": fam, **(plan_clocks(c) if a.clocks else {}),
+                       **fused_timeline(c, rank, tk, clocks=a.clocks)}
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 continue

@@ -31,7 +31,7 @@ FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
 F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR, F_FUSED, F_AMT_SMEM = 1, 2, 4, 8, 16, 32, 64, 128
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
-LAY_TILES = int(os.environ.get("MOONEP_LAY_TILES", "16"))  # layout tile blocks aimed at (profiling override)
+LAY_TILES = int(os.environ.get("MOONEP_LAY_TILES", "48"))  # tile blocks aimed at (48 beat 16: round 20)
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 _KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout", "moonep_plan_layout")
 _DEV: dict = {}
@@ -85,9 +85,11 @@ class _Dev:
             src = f.read()
         with cupy.cuda.Device(di):
             # MOONEP_LINEINFO=1: source lines in profiles (ncu --page source)
-            # MOONEP_PLAN_CLOCKS=1: cycle counters per plan phase (scripts/profile_planner.py --clocks)
+            # MOONEP_PLAN_CLOCKS=1: cycle counters per plan phase (scripts/profile_planner.py --clocks);
+            # MOONEP_PLAN_STAMPS=1: only the fused launch's phase stamps (--stamps)
             opts = ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ()) + (
-                ("-DMOONEP_PLAN_CLOCKS",) if os.environ.get("MOONEP_PLAN_CLOCKS") else ())
+                ("-DMOONEP_PLAN_CLOCKS",) if os.environ.get("MOONEP_PLAN_CLOCKS") else ()) + (
+                ("-DMOONEP_PLAN_STAMPS",) if os.environ.get("MOONEP_PLAN_STAMPS") else ())
             mod = cupy.RawModule(code=src, options=opts)
             self.raw = {k: mod.get_function(k) for k in _KERNELS}
             self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
@@ -168,6 +170,9 @@ class _Geo:
         self.L, self.rem, self.amt, self.cst = take(E), take(E), take(E), take(2 * E)
         self.crk, self.cseg, self.err, self.flags = take(E), take((E + 2) // 2), take(1), take(FLAG_INTS // 2)
         self.pre, self.hist, self.c64 = take(E), take(HIST_BLOCKS * E // 2), take(R * E if c32 else 0)
+        # profiling builds (MOONEP_PLAN_CLOCKS / _STAMPS): 32 words of phase stamps per block of a fused launch
+        prof = os.environ.get("MOONEP_PLAN_CLOCKS") or os.environ.get("MOONEP_PLAN_STAMPS")
+        self.stamps = take(32 * (FLAG_INTS // 2) if prof else 0)
         self.words = o
         self.big = R * E > BIG
         self.nt = min(1024, max(128, 1 << (E - 1).bit_length()))
@@ -181,6 +186,7 @@ class _Geo:
         self.lay_smem = max((16 + 2 * nw) * E, nw * 256)
         self.lay_smem_stage = max((44 + 2 * nw) * E + 16, nw * 256)  # + staged chunk tables (LAY_STAGE)
         self.lay: dict = {}
+        self.fused: dict = {}
         self.args: dict = {}
 
     def view(self, ws: torch.Tensor, name: str):
@@ -215,6 +221,33 @@ class _Geo:
             P = 0 if rank0 else min(-(-self.E // 32), 128)
             v = None if B > HIST_BLOCKS else (P + B, P | (B << 8) | (sub << 16))
             self.lay[key] = v
+        return v
+
+
+    def fused_cfg(self, n: int, rank0: bool, smem_max: int):
+        """(grid, cfg, threads, smem) of moonep_plan_layout for n copies, or None (too large: two launches).
+
+        Unlike moonep_layout's, the layout blocks here count, publish and build their prefixes while the
+        plan block runs, so many blocks cost nothing on the critical path: up to HIST_BLOCKS tile blocks of
+        the plan's thread count, each warp owning as few rounds of 32 copies as that allows (pass 2, the part
+        after the plan, is then one or two rounds)."""
+        key = (n, rank0, smem_max)
+        v = self.fused.get(key)
+        if v is None and key not in self.fused:
+            E, nt = self.E, self.nt
+            nw = nt // 32
+            while nw > 1 and (44 + 2 * nw) * E + 16 > smem_max:  # staged tables + per-warp counters
+                nw //= 2
+            P = 0 if rank0 else min(-(-E // 32), 128)
+            bmax = min(HIST_BLOCKS, FLAG_INTS // 2 - 2 - P)  # i64 flags: counter, plan done, one per block
+            smem = max(self.smem_amt, (44 + 2 * nw) * E + 16, nt // 32 * 256)
+            v = None
+            if bmax >= 1 and smem <= smem_max:
+                sub = 32 * -(-n // (nw * 32 * bmax))
+                B = -(-n // (nw * sub))
+                if nw * sub <= 32768 and B <= bmax:  # per-warp counters are 16-bit
+                    v = (1 + P + B, P | (B << 8) | (sub << 16) | (nw << 40) | LAY_STAGE, nt, smem)
+            self.fused[key] = v
         return v
 
 
@@ -420,36 +453,30 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     g = _geo(R, E, c32)
     if g.big or n == 0:
         return None
-    cfg = g.layout_cfg(n, rank == 0)
+    d = _dev(di)
+    cfg = g.fused_cfg(n, rank == 0, d.smem_max)
     if cfg is None:
         return None
-    grid, c = cfg
-    if grid + 2 > FLAG_INTS // 2:  # i64 flags: counter, plan done, one per layout block
-        return None
-    d = _dev(di)
-    threads = max(g.nt, g.lay_nw * 32)
-    smem = max(g.smem_amt, g.lay_smem_stage, threads // 32 * 256)
-    if smem > d.smem_max:
-        return None
+    grid, c, threads, smem = cfg
     if smem > 48 * 1024:
         d.need_smem("moonep_plan_layout", smem)
     ws = torch.empty(g.words, dtype=_i64, device=counts.device)
     out = torch.empty((2, s, K), dtype=_i64, device=counts.device)
     flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
     sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
-    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | (g.lay_nw << 40) | LAY_STAGE
+    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0)
     _NONCE[0] = (_NONCE[0] + 1) & ((1 << 56) - 1) or 1
     a = d.arg
     mid = (d.c(R), d.c(E), d.c(flags), a(sb))
     tail = (a(n), d.c(rank), d.c(align), a(c))
-    d.launch("moonep_plan_layout", 1 + grid, threads,
+    d.launch("moonep_plan_layout", grid, threads,
              (a(counts.data_ptr()), a(ws.data_ptr())) + mid + (a(topk_idx.data_ptr()), a(out.data_ptr())) + tail
              + (a(_NONCE[0]),), smem)
     if d.kw_stream and type(slack) is float:
         if _Plan is None:
             _plan_cls()
         _FUSED_FAST[(di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align)] = (
-            d.fn["moonep_plan_layout"], (1 + grid,), (threads,), smem, d.streams, g.words, d.device, (2, s, K),
+            d.fn["moonep_plan_layout"], (grid,), (threads,), smem, d.streams, g.words, d.device, (2, s, K),
             g, mid, tail, d.arg, not c32, d)
     from . import Plan
     plan = Plan._cuda(ws, g, None if c32 else counts, float(slack))
