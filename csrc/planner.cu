@@ -704,6 +704,7 @@ __device__ __noinline__ void plan_body(
   if (flags & F_FUSED) {  // the layout's inputs are written (the [E, R] assignment is not one of them)
     __syncthreads();
     if (tid == 0) {
+      ((i64*)w.flags)[0] = 0;  // the layout blocks' finish counter (stale memory: it is not zeroed upstream)
       __threadfence();
       st_release64((i64*)w.flags + 1, nonce);
     }
@@ -830,10 +831,11 @@ __device__ __forceinline__ T ld_plan(const T* p) {
 // (44 + 2*nw) * E + 16 with bit 34.
 //
 // FUSED (moonep_plan_layout, layout block blk = blockIdx.x - 1 beside the plan in block 0): nothing in the
-// workspace is zeroed beforehand, so the flags are i64 words holding this launch's `nonce` (a 2^-64
+// workspace is zeroed beforehand, so the flags are i64 words holding this launch's 56-bit `nonce` (a 2^-56
 // chance that stale memory matches), "plan done" is flag 1, block blk's is flag 2 + blk, and flag 0 counts
-// finished layout blocks under a 56-bit nonce tag; the last one zeroes every flag, so a CUDA graph that
-// replays the same nonce starts clean. Pass 1 and the prefix blocks need no plan: they overlap it.
+// finished layout blocks (zeroed by the plan block before "plan done"); the last one zeroes every flag, so
+// a CUDA graph that replays the same nonce starts clean. Pass 1, the prefix blocks and each tile's
+// prefixes need no plan: they overlap it.
 template <bool FUSED>
 __device__ __noinline__ void layout_body(
     const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const void* __restrict__ counts,
@@ -942,6 +944,10 @@ __device__ __noinline__ void layout_body(
       __syncthreads();
     }
     TS_MARK(3);
+    // first value of this warp's first row-offset scan, loaded now so that its latency overlaps the staging
+    i64 x0 = 0;
+    if (warp < R && lane < 2 * epn)
+      x0 = lane < epn ? ld_plan<FUSED>(w.rem + warp * epn + lane) : ld_plan<FUSED>(w.amt + warp * epn + lane - epn);
     if (stage) {
       for (int q = tid; q < 2 * E; q += nt) { cst_s[q] = ld_plan<FUSED>(w.cst + q); crk_s[q] = ld_plan<FUSED>(w.crk + q); }
       for (int q = tid; q <= E; q += nt) cseg_s[q] = ld_plan<FUSED>(w.cseg + q);
@@ -953,7 +959,8 @@ __device__ __noinline__ void layout_body(
         int k = k0 + lane;
         i64 v = 0;
         if (k < 2 * epn) {
-          i64 x = k < epn ? ld_plan<FUSED>(w.rem + base + k) : ld_plan<FUSED>(w.amt + base + k - epn);
+          i64 x = (r == warp && k0 == 0) ? x0
+                  : k < epn ? ld_plan<FUSED>(w.rem + base + k) : ld_plan<FUSED>(w.amt + base + k - epn);
           v = (x + align - 1) / align * align;
         }
         i64 inc = warp_incl_scan(v, lane);
@@ -1008,19 +1015,14 @@ __device__ __noinline__ void layout_body(
   if (tid == 0) {  // the last block to finish re-arms the flags for the next call
     __threadfence();
     if (FUSED) {
-      const unsigned long long tag = (unsigned long long)nonce & ((1ull << 56) - 1);
-      unsigned long long* ctr = (unsigned long long*)f64;
-      unsigned long long cur = *(volatile unsigned long long*)ctr, nxt;
-      while (true) {  // a count under another tag is stale memory: this block is the first
-        nxt = (cur >> 8) == tag ? cur + 1 : (tag << 8) | 1ull;
-        const unsigned long long prev = atomicCAS(ctr, cur, nxt);
-        if (prev == cur) break;
-        cur = prev;
-      }
-      if ((int)(nxt & 0xff) == G) {
+      // The plan block zeroed the counter before publishing "plan done", so one atomicAdd per block
+      // counts (a CAS loop that recognised stale counts by a tag cost ~18 us of contention at 72 blocks).
+      // Prefix blocks never waited for the plan: they do now, to count after the zeroing.
+      if (blk < P) ld_acq_wait64(f64 + 1, nonce);
+      if (atomicAdd((unsigned long long*)f64, 1ull) == (unsigned long long)(G - 1)) {
         for (int q = 1; q <= G + 1; ++q) f64[q] = 0;
         __threadfence();
-        *(volatile unsigned long long*)ctr = 0ull;
+        f64[0] = 0;
       }
     } else if (atomicAdd(&w.flags[0], 1) == G - 1) {
       for (int q = 1; q <= G; ++q) w.flags[q] = 0;
