@@ -948,9 +948,18 @@ __device__ __noinline__ void layout_body(
     i64 x0 = 0;
     if (warp < R && lane < 2 * epn)
       x0 = lane < epn ? ld_plan<FUSED>(w.rem + warp * epn + lane) : ld_plan<FUSED>(w.amt + warp * epn + lane - epn);
-    if (stage) {
-      for (int q = tid; q < 2 * E; q += nt) { cst_s[q] = ld_plan<FUSED>(w.cst + q); crk_s[q] = ld_plan<FUSED>(w.crk + q); }
-      for (int q = tid; q <= E; q += nt) cseg_s[q] = ld_plan<FUSED>(w.cseg + q);
+    if (stage) {  // two rounds per thread unrolled: every load issued before the first store waits
+      for (int q0 = tid; q0 < 2 * E; q0 += 2 * nt) {
+        const int q1 = q0 + nt;
+        const bool h1 = q1 < 2 * E;
+        const i64 a0 = ld_plan<FUSED>(w.cst + q0), a1 = h1 ? ld_plan<FUSED>(w.cst + q1) : 0;
+        const int b0 = ld_plan<FUSED>(w.crk + q0), b1 = h1 ? ld_plan<FUSED>(w.crk + q1) : 0;
+        const int c0 = q0 <= E ? ld_plan<FUSED>(w.cseg + q0) : 0, c1 = q1 <= E ? ld_plan<FUSED>(w.cseg + q1) : 0;
+        cst_s[q0] = a0; crk_s[q0] = b0;
+        if (q0 <= E) cseg_s[q0] = c0;
+        if (h1) { cst_s[q1] = a1; crk_s[q1] = b1; }
+        if (q1 <= E) cseg_s[q1] = c1;
+      }
     }
     for (int r = warp; r < R; r += ntw) {  // row offsets of every (rank, slot) for this align
       const int base = r * epn;
