@@ -16,7 +16,7 @@ step() {  # name timeout cmd...
 }
 for s in "$@"; do case $s in
   planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/test_planner_gpu.py tests/test_balance_gpu.py ;;
-  planner_gpu) step planner_gpu 120 python3 -m pytest -q -rA tests/test_planner_gpu.py ;;
+  planner_gpu) step planner_gpu 240 python3 -m pytest -q -rA tests/test_planner_gpu.py ;;
   fused_gpu) step fused_gpu 90 python3 -m pytest -q -rA -x tests/test_planner_gpu.py -k plan_and_destinations ;;
   qb_timing) step qb_timing 90 python3 benchmarks/bench_balance.py gpu --out $o ;;
   planner_bench) step planner_bench 150 python3 benchmarks/bench_planner.py --no-oracle --reps 30 --out $o/planner_gpu.json ;;
