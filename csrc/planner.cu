@@ -1025,7 +1025,7 @@ __device__ __noinline__ void layout_body(
     __threadfence();
     if (FUSED) {
       // The plan block zeroed the counter before publishing "plan done", so one atomicAdd per block
-      // counts (a CAS loop that recognised stale counts by a tag cost ~18 us of contention at 72 blocks).
+      // counts (a CAS loop that recognised stale counts by a tag cost ~16 us of contention at 72 blocks).
       // Prefix blocks never waited for the plan: they do now, to count after the zeroing.
       if (blk < P) ld_acq_wait64(f64 + 1, nonce);
       if (atomicAdd((unsigned long long*)f64, 1ull) == (unsigned long long)(G - 1)) {
