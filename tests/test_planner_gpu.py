@@ -198,3 +198,24 @@ def test_plan_and_destinations_graph_replay():
         same(pc, plan)
         ref = token_destinations(pc, 2, torch.from_numpy(tk[2]))
         assert torch.equal(ref[0], dr.cpu()) and torch.equal(ref[1], dw.cpu()), fam
+
+
+def test_plan_and_destinations_driver_launch(monkeypatch):
+    """The hot fused launch through cuLaunchKernel (MOONEP_LAUNCH=driver) gives the CPU results."""
+    from moonep.layout import plan_and_destinations
+    from moonep.planner import cuda
+
+    monkeypatch.setattr(cuda, "_LAUNCH", "driver")
+    monkeypatch.setattr(cuda, "_FUSED_FAST", {})
+    R, epn, K, s = 8, 32, 8, 700
+    E = R * epn
+    for seed, fam in enumerate(["zipf1.5", "theorem2", "uniform"]):
+        tk = routing(fam, E, R, K, s, seed)
+        c = torch.from_numpy(counts_from_topk(tk, E))
+        pc = plan_balanced(c)
+        for _ in range(3):  # the first call records the launch, the next ones take the driver path
+            pg, dr, dw = plan_and_destinations(c.cuda(), 5, torch.from_numpy(tk[5]).cuda())
+            same(pc, pg)
+            a = token_destinations(pc, 5, torch.from_numpy(tk[5]))
+            assert torch.equal(a[0], dr.cpu()) and torch.equal(a[1], dw.cpu()), fam
+    assert all(rec[-1] is not None for rec in cuda._FUSED_FAST.values())
