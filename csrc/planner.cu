@@ -1029,7 +1029,9 @@ __device__ __noinline__ void layout_body(
       // Prefix blocks never waited for the plan: they do now, to count after the zeroing.
       if (blk < P) ld_acq_wait64(f64 + 1, nonce);
       if (atomicAdd((unsigned long long*)f64, 1ull) == (unsigned long long)(G - 1)) {
-        for (int q = 1; q <= G + 1; ++q) f64[q] = 0;
+        // every flag word, not only this launch's: a plan from this launch may later be given to
+        // moonep_layout (token_destinations), whose int flags must start zeroed, as moonep_plan leaves them
+        for (int q = 1; q < FLAG_INTS / 2; ++q) f64[q] = 0;
         __threadfence();
         f64[0] = 0;
       }

@@ -206,3 +206,24 @@ def test_plan_and_destinations_driver_launch(monkeypatch):
             a = token_destinations(pc, 5, torch.from_numpy(tk[5]))
             assert torch.equal(a[0], dr.cpu()) and torch.equal(a[1], dw.cpu()), fam
     assert all(rec[-1] is not None for rec in cuda._FUSED_FAST.values())
+
+
+def test_fused_plan_then_layout_kernel():
+    """A plan from the one-launch kernel, given to token_destinations (moonep_layout, many more blocks) on
+    memory left non-zero: the fused launch must leave every layout flag zeroed, as moonep_plan does (found
+    in review: it zeroed only its own flags, so moonep_layout's later blocks could pass unwritten ones)."""
+    from moonep.layout import plan_and_destinations
+
+    R, epn, K, s = 64, 32, 8, 512
+    E = R * epn
+    tk = routing("zipf1.5", E, R, K, s, 11)
+    c = torch.from_numpy(counts_from_topk(tk, E))
+    pc = plan_balanced(c)
+    for _ in range(3):
+        junk = torch.full((1 << 22,), -1, dtype=torch.int64, device="cuda")  # leave non-zero memory behind
+        del junk
+        pg, _, _ = plan_and_destinations(c.cuda(), 0, torch.from_numpy(tk[0]).cuda())
+        for r in (0, 5, R - 1):
+            a = token_destinations(pc, r, torch.from_numpy(tk[r]))
+            b = token_destinations(pg, r, torch.from_numpy(tk[r]).cuda())
+            assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu()), r

@@ -31,8 +31,12 @@ FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
 F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR, F_FUSED, F_AMT_SMEM = 1, 2, 4, 8, 16, 32, 64, 128
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
-LAY_TILES = int(os.environ.get("MOONEP_LAY_TILES", "48"))  # tile blocks aimed at (48 beat 16: round 21)
+LAY_TILES = max(1, int(os.environ.get("MOONEP_LAY_TILES", "48")))  # tile blocks aimed at (48 beat 16: round 21)
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
+# The kernels' static shared memory (272 B in moonep_plan / moonep_plan_layout, more in profiling builds) counts
+# against the same per-block limits as the dynamic bytes: keep this margin below both.
+STATIC_SMEM = 1024
+_DYN_DEFAULT = 48 * 1024 - STATIC_SMEM
 _KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout", "moonep_plan_layout")
 _DEV: dict = {}
 _GEO: dict = {}
@@ -93,9 +97,9 @@ class _Dev:
             mod = cupy.RawModule(code=src, options=opts)
             self.raw = {k: mod.get_function(k) for k in _KERNELS}
             self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
-        self.smem = {k: 48 * 1024 for k in _KERNELS}
+        self.smem = {k: _DYN_DEFAULT for k in _KERNELS}  # dynamic bytes allowed without the opt-in
         props = torch.cuda.get_device_properties(di)
-        self.smem_max = int(getattr(props, "shared_memory_per_block_optin", 227 * 1024))
+        self.smem_max = int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)) - STATIC_SMEM
         self.streams: dict = {}
         self.consts: dict = {}
         self.kw_stream = True
@@ -334,11 +338,10 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
     if tail is None:
         sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
         tail = g.args[key] = (d.c(R), d.c(E), d.c(flags), d.c(sb))
-    if psm > 48 * 1024:
-        if psm > d.smem_max:
-            raise ValueError(f"counts: R={R}, E={E} needs {psm} B of shared memory for the GPU planner, "
-                             f"the device has {d.smem_max} B per block")
-        d.need_smem("moonep_plan", psm)
+    if psm > d.smem_max:
+        raise ValueError(f"counts: R={R}, E={E} needs {psm} B of shared memory for the GPU planner, "
+                         f"the device has {d.smem_max} B per block")
+    d.need_smem("moonep_plan", psm)
     d.launch("moonep_plan", 1, g.nt, (d.arg(counts.data_ptr()), wp) + tail + (d.arg(decl_ptr), d.c(decl_scalar)),
              psm)
     if tokens_per_rank is None and not g.big and d.kw_stream and counts.dtype in (_i64, _i32):
@@ -411,8 +414,7 @@ def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     out = torch.empty((2, s, K), dtype=_i64, device=ws.device)
     if n == 0:
         return out.unbind(0)
-    if lsm > 48 * 1024:
-        d.need_smem("moonep_layout", lsm)
+    d.need_smem("moonep_layout", lsm)
     grid, c = cfg
     if dt is torch.int32:
         c |= 1 << 32
@@ -504,8 +506,7 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     if cfg is None:
         return None
     grid, c, threads, smem = cfg
-    if smem > 48 * 1024:
-        d.need_smem("moonep_plan_layout", smem)
+    d.need_smem("moonep_plan_layout", smem)
     ws = torch.empty(g.words, dtype=_i64, device=counts.device)
     out = torch.empty((2, s, K), dtype=_i64, device=counts.device)
     flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
