@@ -110,33 +110,42 @@ def test_device_error_flags():
         plan_balanced(torch.ones(2, 4, dtype=torch.int64, device="cuda"), tokens_per_rank=3, topk=1, validate=True)
 
 
-@pytest.mark.parametrize("R,epn", [(8, 32), (64, 14)])
-def test_cuda_graph_replay(R, epn):
+def _replay_against_cpu(step, R, epn, K, s, src, fams):
+    """Capture ``step(counts, topk) -> (plan, dst_rank, dst_row)`` (after two warm-up calls on a side stream)
+    in a CUDA graph, then replay it on each family's routing of source rank ``src``: the plan and the
+    destinations must equal the CPU planner's bit for bit."""
     E = R * epn
-    K, s = 8, 128
     static_c = torch.zeros(R, E, dtype=torch.int64, device="cuda")
     static_tk = torch.zeros(s, K, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            token_destinations(plan_balanced(static_c), 0, static_tk)
+            step(static_c, static_tk)
     torch.cuda.current_stream().wait_stream(side)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        plan = plan_balanced(static_c)
-        dst = token_destinations(plan, 0, static_tk)
-    for seed, fam in enumerate(["uniform", "zipf2.0", "theorem2", "hot", "dirichlet"]):
+        plan, dr, dw = step(static_c, static_tk)
+    for seed, fam in enumerate(fams):
         tk = routing(fam, E, R, K, s, seed)
         c = counts_from_topk(tk, E)
         static_c.copy_(torch.from_numpy(c))
-        static_tk.copy_(torch.from_numpy(tk[0]))
+        static_tk.copy_(torch.from_numpy(tk[src]))
         g.replay()
         torch.cuda.synchronize()
         pc = plan_balanced(torch.from_numpy(c))
         same(pc, plan)
-        ref = token_destinations(pc, 0, torch.from_numpy(tk[0]))
-        assert torch.equal(ref[0], dst[0].cpu()) and torch.equal(ref[1], dst[1].cpu())
+        ref = token_destinations(pc, src, torch.from_numpy(tk[src]))
+        assert torch.equal(ref[0], dr.cpu()) and torch.equal(ref[1], dw.cpu()), fam
+
+
+@pytest.mark.parametrize("R,epn", [(8, 32), (64, 14)])
+def test_cuda_graph_replay(R, epn):
+    def step(c, tk):
+        plan = plan_balanced(c)
+        return (plan, *token_destinations(plan, 0, tk))
+
+    _replay_against_cpu(step, R, epn, 8, 128, 0, ["uniform", "zipf2.0", "theorem2", "hot", "dirichlet"])
 
 
 @pytest.mark.parametrize("R,epn,K,s", [(8, 32, 8, 700), (64, 14, 16, 512), (16, 24, 8, 3000), (3, 5, 2, 40)])
@@ -174,30 +183,8 @@ def test_plan_and_destinations_graph_replay():
     by the kernel itself."""
     from moonep.layout import plan_and_destinations
 
-    R, epn, K, s = 8, 32, 8, 256
-    E = R * epn
-    static_c = torch.zeros(R, E, dtype=torch.int64, device="cuda")
-    static_tk = torch.zeros(s, K, dtype=torch.int64, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            plan_and_destinations(static_c, 2, static_tk)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        plan, dr, dw = plan_and_destinations(static_c, 2, static_tk)
-    for seed, fam in enumerate(["uniform", "zipf2.0", "theorem2", "hot", "dirichlet", "uniform"]):
-        tk = routing(fam, E, R, K, s, seed)
-        c = counts_from_topk(tk, E)
-        static_c.copy_(torch.from_numpy(c))
-        static_tk.copy_(torch.from_numpy(tk[2]))
-        g.replay()
-        torch.cuda.synchronize()
-        pc = plan_balanced(torch.from_numpy(c))
-        same(pc, plan)
-        ref = token_destinations(pc, 2, torch.from_numpy(tk[2]))
-        assert torch.equal(ref[0], dr.cpu()) and torch.equal(ref[1], dw.cpu()), fam
+    _replay_against_cpu(lambda c, tk: plan_and_destinations(c, 2, tk), 8, 32, 8, 256, 2,
+                        ["uniform", "zipf2.0", "theorem2", "hot", "dirichlet", "uniform"])
 
 
 def test_fused_plan_then_layout_kernel():
