@@ -892,21 +892,18 @@ __device__ __noinline__ void layout_body(
 #pragma unroll
     for (int it = 0; it < NC; ++it) ec[it] = (owns && it * 32 < SUB) ? load_e(topk, w0 + it * 32 + lane, t32, n, E) : -1;
     __syncthreads();
-    if (owns) {  // pass 1: per-warp counts
+    auto pass1 = [&](int e) {  // per-warp counts: one add per distinct expert of the round
+      const unsigned peers = __match_any_sync(FULL, e);
+      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
+      __syncwarp();
+    };
+    if (owns) {
 #pragma unroll
       for (int it = 0; it < NC; ++it) {
         if (it * 32 >= SUB) break;
-        const int e = ec[it];
-        const unsigned peers = __match_any_sync(FULL, e);
-        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-        __syncwarp();
+        pass1(ec[it]);
       }
-      for (int c = NC * 32; c < SUB; c += 32) {
-        const int e = load_e(topk, w0 + c + lane, t32, n, E);
-        const unsigned peers = __match_any_sync(FULL, e);
-        if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-        __syncwarp();
-      }
+      for (int c = NC * 32; c < SUB; c += 32) pass1(load_e(topk, w0 + c + lane, t32, n, E));
     }
     __syncthreads();
     for (int e = tid; e < E; e += nt) {

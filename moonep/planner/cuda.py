@@ -227,7 +227,6 @@ class _Geo:
             self.lay[key] = v
         return v
 
-
     def fused_cfg(self, n: int, rank0: bool, smem_max: int):
         """(grid, cfg, threads, smem) of moonep_plan_layout for n copies, or None (too large: two launches).
 
@@ -481,6 +480,11 @@ class _DriverLaunch:
                                f"{self.block}, {self.smem} B of shared memory)")
 
 
+def _next_nonce() -> int:
+    n = _NONCE[0] = (_NONCE[0] + 1) & 0xFFFFFFFFFFFFFF or 1
+    return n
+
+
 def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: torch.Tensor, align: int):
     """Plan and source ``rank``'s token layout in ONE launch (``moonep_plan_layout``): the layout's
     counting overlaps the plan. Returns ``(plan, dst_rank, dst_row)``, or None when the case needs the
@@ -512,13 +516,13 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
     sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
     c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0)
-    _NONCE[0] = (_NONCE[0] + 1) & ((1 << 56) - 1) or 1
+    nonce = _next_nonce()
     a = d.arg
     mid = (d.c(R), d.c(E), d.c(flags), a(sb))
     tail = (a(n), d.c(rank), d.c(align), a(c))
     d.launch("moonep_plan_layout", grid, threads,
              (a(counts.data_ptr()), a(ws.data_ptr())) + mid + (a(topk_idx.data_ptr()), a(out.data_ptr())) + tail
-             + (a(_NONCE[0]),), smem)
+             + (a(nonce),), smem)
     if d.kw_stream and type(slack) is float:
         if _Plan is None:
             _plan_cls()
@@ -547,7 +551,7 @@ def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     ws = _empty(words, dtype=_i64, device=device)
     out = _empty(oshape, dtype=_i64, device=device)
     ptr = _cur_stream(di)
-    nonce = _NONCE[0] = (_NONCE[0] + 1) & 0xFFFFFFFFFFFFFF or 1
+    nonce = _next_nonce()
     if drv is not None:
         v = drv.vals
         v[0], v[1], v[6], v[7], v[12] = counts.data_ptr(), ws.data_ptr(), topk_idx.data_ptr(), out.data_ptr(), nonce
