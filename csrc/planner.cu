@@ -166,6 +166,14 @@ __device__ __forceinline__ unsigned warp_umin(unsigned v) {
   return v;
 #endif
 }
+__device__ __forceinline__ unsigned warp_or(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+  return __reduce_or_sync(FULL, v);
+#else
+  for (int off = 16; off > 0; off >>= 1) v |= __shfl_xor_sync(FULL, v, off);
+  return v;
+#endif
+}
 // One-reduction forms for small values (PlanSm.ib >= 0: every value compared is below 2^(31 - ib), ib bits
 // hold a rank): the value and the (inverted) index packed in one 32-bit key, one dependent reduction
 // instead of three in each of the ~R steps of the fill loop (measured: -3 % plan time at (896, 64, 16),
@@ -251,7 +259,7 @@ __device__ __forceinline__ int kneed(const i64* ps, int epn, i64 d) {
 }
 
 // warp, any epn: move `need` copies from donor o's largest remaining experts to receiver u (cpu.py _fill)
-__device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane) {
+__device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal) {
   const int epn = s.epn, base = o * epn;
   int ntouch = 0;
   for (int a0 = 0; a0 < epn; a0 += 32) {
@@ -272,7 +280,10 @@ __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane) {
     ntouch += __popc(m);
     if (m != FULL) break;
   }
-  if (lane == 0) { s.bal[u] += need; s.bal[o] -= need; s.rsrc[u] = o; }
+  if (lane == 0) {
+    if (upd_bal) { s.bal[u] += need; s.bal[o] -= need; }
+    s.rsrc[u] = o;
+  }
   __syncwarp();
   for (int a = lane; a < ntouch; a += 32) {  // replica slots of u, ascending expert id
     int j = s.tj[a], pos = 0;
@@ -293,17 +304,19 @@ __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane) {
   __syncwarp();
 }
 
-// warp, epn <= 32 (lane a = position a of the donor's sorted experts): the same fill with everything in
-// registers. Positions [0, t) are touched (a prefix: values are sorted descending) and only they change,
-// so the donor's new (rem desc, id asc) order needs t rounds, not epn: an untouched expert keeps its rank
-// among the untouched ones and moves back past the touched ones that now sort before it; a touched one
-// counts the untouched ones before it with one ballot per round (they are a prefix of the untouched, so
-// their sum is a difference of old prefix sums). t is 1 or 2 for most fills.
-__device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need, int lane) {
+// warp, epn <= 32 (lane a = position a of the donor's sorted experts): the same fill in registers, in a
+// constant number of warp steps whatever the number of experts touched. Positions [0, t) are touched (a
+// prefix: values are sorted descending) and every one but the last is emptied (the fill is largest-first),
+// so the donor's new (rem desc, id asc) order is: the untouched nonzero experts in their old order with at
+// most one expert, the partly taken last one, inserted among them; then every zero by id. Both insertions
+// are a ballot (the untouched ones that sort before the partial one are a prefix of them) and a 32-bit
+// id mask (ids < 32), so a fill costs the same whether it empties one expert or all (Theorem-2 routings
+// empty most of a donor: the former per-touched-expert rounds cost ~1.7 us per step at (896, 64, 16)).
+__device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal) {
   const int epn = s.epn, base = o * epn;
   const bool in = lane < epn;
-  const int j = in ? s.order[base + lane] : lane;
-  const i64 P = in ? s.psum[base + lane] : 0;
+  const int j = in ? s.order[base + lane] : 0;
+  const i64 P = in ? s.psum[base + lane] : 0;  // old inclusive prefix sums
   i64 Pp = __shfl_up_sync(FULL, P, 1);
   if (lane == 0) Pp = 0;
   const i64 v = P - Pp, left = need - Pp;
@@ -311,74 +324,107 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
   const i64 nv = v - take;
   const bool touched = take > 0;
   const int t = __popc(__ballot_sync(FULL, touched));
-  const i64 Pt = __shfl_sync(FULL, P, (t + 31) & 31);  // old prefix sum of the touched part
-  const i64 Ptt = t ? Pt : 0;
-  int pos = touched ? 0 : lane - t, slot = 0, ub = 0;
-  i64 acc = touched ? 0 : Pp - Ptt;  // untouched experts before this one (their rem is unchanged)
-  if (4 * t > epn) {  // many touched (warp-uniform): one pass over all epn keys is the shorter chain
-    pos = 0; acc = 0;
-    for (int q = 0; q < epn; ++q) {
-      const i64 xq = __shfl_sync(FULL, nv, q);
-      const int jq = __shfl_sync(FULL, j, q);
-      const bool before = xq > nv || (xq == nv && jq < j);
-      pos += before ? 1 : 0;
-      acc += before ? xq : 0;
-      slot += (q < t && jq < j) ? 1 : 0;
-    }
-    ub = 0;
+  const int lt = t ? t - 1 : 0;                        // the last touched position
+  const i64 pv = t ? __shfl_sync(FULL, nv, lt) : 0;    // what it keeps (> 0: the partial one)
+  const int pj = __shfl_sync(FULL, j, lt);
+  const i64 Ptt = t ? __shfl_sync(FULL, P, lt) : 0;    // old sum of the touched part
+  const i64 Pall = __shfl_sync(FULL, P, epn - 1);
+  const bool part = pv > 0;
+  const bool unz = in && !touched && nv > 0;           // untouched nonzero: old positions [t, t + nu)
+  const bool zero = in && nv == 0;
+  const bool bef = unz && part && (nv > pv || (nv == pv && j < pj));  // sorts before the partial one
+  const int ub = __popc(__ballot_sync(FULL, bef));
+  const int nu = __popc(__ballot_sync(FULL, unz));
+  const unsigned zm = warp_or(zero ? 1u << j : 0u);
+  const unsigned tm = warp_or(touched ? 1u << j : 0u);
+  const i64 Pu = __shfl_sync(FULL, P, (lt + ub) & 31);  // old prefix through the last untouched before it
+  const unsigned below = (1u << j) - 1u;
+  int pos;
+  i64 acc;
+  if (unz) {
+    const bool after = part && !bef;  // the partial one moved in front of this one
+    pos = lane - t + (after ? 1 : 0);
+    acc = P - Ptt + (after ? pv : 0);
+  } else if (touched && part && lane == lt) {
+    pos = ub;
+    acc = (ub ? Pu - Ptt : 0) + pv;
+  } else {  // zeros, by id, after the nu + part nonzero ones
+    pos = nu + (part ? 1 : 0) + __popc(zm & below);
+    acc = Pall - Ptt + pv;  // the new total
   }
-  for (int q = 0; q < t && 4 * t <= epn; ++q) {
-    const i64 xq = __shfl_sync(FULL, nv, q);
-    const int jq = __shfl_sync(FULL, j, q);
-    const bool qb = xq > nv || (xq == nv && jq < j);  // touched expert q now sorts before this one
-    if (q != lane && qb) { ++pos; acc += xq; }
-    slot += jq < j ? 1 : 0;
-    const int c = __popc(__ballot_sync(FULL, in && !touched && !qb));  // untouched ones before q
-    if (lane == q) ub = c;
-  }
-  const i64 Pu = __shfl_sync(FULL, P, (t + ub + 31) & 31);  // old prefix sum up to the last of them
-  if (touched && 4 * t <= epn) { pos += ub; acc += ub ? Pu - Ptt : 0; }
   __syncwarp();
   if (in) {
     s.rem[base + j] = nv;
     s.order[base + pos] = j;
-    s.psum[base + pos] = acc + nv;
+    s.psum[base + pos] = acc;
   }
   if (touched) {  // replica slots of u, ascending expert id
     s.amt[(i64)u * epn + j] = take;
-    s.rx[(i64)u * epn + slot] = base + j;
+    s.rx[(i64)u * epn + __popc(tm & below)] = base + j;
   }
-  if (lane == 0) { s.bal[u] += need; s.bal[o] -= need; s.rsrc[u] = o; }
+  if (lane == 0) {
+    if (upd_bal) { s.bal[u] += need; s.bal[o] -= need; }
+    s.rsrc[u] = o;
+  }
   __syncwarp();
 }
 
-__device__ __forceinline__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane) {
-  if (s.epn <= 32) wfill32(s, u, o, need, lane);
-  else wfill_gen(s, u, o, need, lane);
+// upd_bal: also move `need` in s.bal (run_exact keeps the balances in registers and writes them at the end)
+__device__ __forceinline__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal = true) {
+  if (s.epn <= 32) wfill32(s, u, o, need, lane, upd_bal);
+  else wfill_gen(s, u, o, need, lane, upd_bal);
 }
 
-// warp 0, exact mode (cpu.py _plan_core, exact branch)
+// warp 0, exact mode (cpu.py _plan_core, exact branch). NR > 0 (R <= 32 NR): lane l keeps the balance and
+// the largest remaining home expert of ranks l, l + 32, ... in registers (bq, tq), so the receiver and the
+// fast donor choice are a reduction each with no shared-memory load in front, and a fill updates two
+// registers instead of two shared-memory read-modify-writes by one lane (the balances go back to s.bal at
+// the end). NR == 0 (large R): the same loop on s.bal and s.psum.
+template <int NR>
 __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
   const int epn = s.epn;
+  constexpr bool REG = NR > 0;
+  const int nr = REG ? NR : (R + 31) >> 5;
+  i64 bq[REG ? NR : 1], tq[REG ? NR : 1];
+  if constexpr (REG) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+      const int r = lane + 32 * i;
+      bq[i] = r < R ? s.bal[r] : 0;  // ranks >= R: balance 0, never a receiver or a donor
+      tq[i] = r < R ? s.psum[r * epn] : 0;
+    }
+  }
+  auto bal = [&](int i, int r) -> i64 {
+    if constexpr (REG) return bq[i]; else return s.bal[r];
+  };
+  auto top = [&](int i, int r) -> i64 {
+    if constexpr (REG) return tq[i]; else return s.psum[r * epn];
+  };
 #ifdef MOONEP_PLAN_CLOCKS
   i64* CLK = CLKp;
   i64 tc = clock64();
 #endif
   while (true) {
     i64 d = 0; int bi = NONE;                  // receiver: largest deficit, lowest index
-    for (int r = lane; r < R; r += 32) {
-      const i64 dr = -s.bal[r];
+#pragma unroll
+    for (int i = 0; i < (REG ? NR : nr); ++i) {
+      const int r = lane + 32 * i;
+      if (!REG && r >= R) break;
+      const i64 dr = -bal(i, r);
       if (dr > d) { d = dr; bi = r; }
     }
     const int u = argmax_pos(s, d, bi);
     CLK_ADD(8, tc);
-    if (u == NONE) return 0;
+    if (u == NONE) break;
     // donor: min (k, excess < d, -excess, index). Fast path: if some donor covers d with its largest
     // remaining expert (k = 1), only k = 1 donors compete, by (excess < d, -excess, index).
     unsigned bc = 2; i64 bx = 0; int bo = NONE;
-    for (int c = lane; c < R; c += 32) {
-      const i64 x = s.bal[c], top = s.psum[c * epn];
-      if (x <= 0 || top < d) continue;
+#pragma unroll
+    for (int i = 0; i < (REG ? NR : nr); ++i) {
+      const int c = lane + 32 * i;
+      if (!REG && c >= R) break;
+      const i64 x = bal(i, c);
+      if (x <= 0 || top(i, c) < d) continue;
       const unsigned cs = x < d ? 1u : 0u;
       if (cs < bc || (cs == bc && x > bx)) { bc = cs; bx = x; bo = c; }
     }
@@ -403,8 +449,11 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
     }
     if (cmin >= 2) {
       int ka = 0; i64 kb = 0; int ki = NONE;
-      for (int c = lane; c < R; c += 32) {
-        const i64 x = s.bal[c];
+#pragma unroll
+      for (int i = 0; i < (REG ? NR : nr); ++i) {
+        const int c = lane + 32 * i;
+        if (!REG && c >= R) break;
+        const i64 x = bal(i, c);
         if (x <= 0) continue;
         const int a = 2 * kneed(s.psum + c * epn, epn, d) + (x < d ? 1 : 0);
         if (ki == NONE || a < ka || (a == ka && -x < kb)) { ka = a; kb = -x; ki = c; }
@@ -416,13 +465,29 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
       o = argmax_pos(s, xm, ki);
     }
     CLK_ADD(cmin < 2 ? 9 : 10, tc);
-    if (o == NONE) return 0;  // unreachable: total excess == total deficit
-    wfill(s, u, o, d, lane);
+    if (o == NONE) break;  // unreachable: total excess == total deficit
+    wfill(s, u, o, d, lane, !REG);
+    if constexpr (REG) {
+      const i64 ntop = s.psum[o * epn];  // o's new largest remaining expert (wfill ended with __syncwarp)
+#pragma unroll
+      for (int i = 0; i < NR; ++i) {
+        const int r = lane + 32 * i;
+        if (r == u) bq[i] += d;
+        if (r == o) { bq[i] -= d; tq[i] = ntop; }
+      }
+    }
     CLK_ADD(11, tc);
 #ifdef MOONEP_PLAN_CLOCKS
     if (lane == 0) CLK[12] += 1;
 #endif
   }
+  if constexpr (REG) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i)
+      if (lane + 32 * i < R) s.bal[lane + 32 * i] = bq[i];
+    __syncwarp();
+  }
+  return 0;
 }
 
 // warp 0, cap mode (cpu.py _plan_core, cap branch); returns 1 if stuck
@@ -613,7 +678,7 @@ __device__ __noinline__ void plan_body(
 #else
       i64* clkp = nullptr;
 #endif
-      int st = exact ? run_exact(s, R, lane, clkp) : run_cap(s, R, lane);
+      int st = !exact ? run_cap(s, R, lane) : R <= 64 ? run_exact<2>(s, R, lane, clkp) : run_exact<0>(s, R, lane, clkp);
       if (lane == 0) s_stuck = st;
     } else if (attempt == 0 && (flags & F_ASSIGN) && (warp & 3)) {
       // meanwhile warps on the other schedulers zero the [E, R] assignment (16-byte stores); its
