@@ -88,6 +88,20 @@ def _events(fn, n):
     return float(np.median([a.elapsed_time(b) for a, b in ev])) * 1e3
 
 
+def loop_time(fn, n=200):
+    """Time [us] per call of ``n`` back-to-back eager calls between two CUDA events (as a training loop
+    issues them: the host enqueues the next call while the GPU runs this one), i.e. max(host, device)."""
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
+
+
 def graph_time(fn, n=20, reps=20):
     """Device time [us] of one ``fn()``: ``n`` calls captured in ONE CUDA graph (after a warm-up call on a
     side stream), the graph replayed ``reps`` times under CUDA events; the median replay divided by ``n``."""
@@ -135,6 +149,7 @@ def gpu_time(c, tk, n):
     for _ in range(3):
         fused()
     res["eager_fused_us"] = _events(fused, n)
+    res["loop_fused_us"] = loop_time(fused, 10 * n)
     res["host_fused_us"] = host_time(fused, n)
     res["graph_fused_us"] = graph_time(fused, 1, reps=n)
     return res
@@ -176,16 +191,21 @@ def main():
             worst = {k: max(f[k] for f in fams) for k in ("eager_plan_only_us", "eager_layout_only_us",
                                                             "eager_plan_layout_us", "graph_plan_layout_us",
                                                             "host_plan_layout_us", "eager_fused_us",
-                                                            "graph_fused_us", "host_fused_us")}
+                                                            "graph_fused_us", "host_fused_us", "loop_fused_us")}
             med = {k: float(np.median([f[k] for f in fams])) for k in worst}
             tgt = TARGET_US.get((E, R, K))
             # the target is checked on the one-call form (plan_and_destinations), the path the library runs
             row["gpu_summary"] = {"worst": worst, "median": med, "target_eager_plan_layout_us": tgt,
-                                  "meets_target": None if tgt is None else worst["eager_fused_us"] <= tgt}
+                                  "meets_target": None if tgt is None else worst["eager_fused_us"] <= tgt,
+                                  # device time (graph replay) and back-to-back eager calls (loop): the same
+                                  # target on the other two clocks; eager is one isolated call, host launch
+                                  # latency included
+                                  "meets_target_graph": None if tgt is None else worst["graph_fused_us"] <= tgt,
+                                  "meets_target_loop": None if tgt is None else worst["loop_fused_us"] <= tgt}
             print(f"== GPU (E,R,K)=({E},{R},{K}) over families, median / worst [us]: "
                   + ", ".join(f"{k[:-3]} {med[k]:.1f} / {worst[k]:.1f}" for k in worst)
-                  + (f"; target eager_fused <= {tgt:.0f}: {'MET' if worst['eager_fused_us'] <= tgt else 'MISSED'}"
-                     if tgt else ""), flush=True)
+                  + "".join(f"; target {k} <= {tgt:.0f}: {'MET' if worst[k + '_us'] <= tgt else 'MISSED'}"
+                            for k in ("eager_fused", "loop_fused", "graph_fused") if tgt), flush=True)
     if not a.no_oracle:
         from moonep.planner.oracle import oracle_plan
         cases, eq, ratios = [], 0, []

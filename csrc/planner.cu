@@ -178,15 +178,19 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
 // hold a rank): the value and the (inverted) index packed in one 32-bit key, one dependent reduction
 // instead of three in each of the ~R steps of the fill loop (measured: -3 % plan time at (896, 64, 16),
 // h200x1_round16 -> round17_planner_prof.json).
-__device__ __forceinline__ int warp_argmax_small(i64& v, int idx, int ib) {
+template <typename V>
+__device__ __forceinline__ int warp_argmax_small(V& v, int idx, int ib) {
 #if __CUDA_ARCH__ >= 800
   const unsigned mask = (1u << ib) - 1u;
   const unsigned key = v > 0 ? ((unsigned)v << ib) | (mask - (unsigned)idx) : 0u;
   const unsigned m = __reduce_max_sync(FULL, key);
-  v = (i64)(m >> ib);
+  v = (V)(m >> ib);
   return m ? (int)(mask - (m & mask)) : NONE;
 #else
-  return warp_argmax_pos(v, idx);
+  i64 w = v;
+  const int i = warp_argmax_pos(w, idx);
+  v = (V)w;
+  return i;
 #endif
 }
 __device__ __forceinline__ int warp_argmin_small(i64& v, int idx, int ib) {
@@ -216,8 +220,11 @@ struct PlanSm {
   int epn;
   int ib;      // >= 0: values fit the one-reduction selections with ib index bits (see warp_argmax_small)
 };
-__device__ __forceinline__ int argmax_pos(const PlanSm& s, i64& v, int idx) {
-  return s.ib >= 0 ? warp_argmax_small(v, idx, s.ib) : warp_argmax_pos(v, idx);
+// V = int: only where s.ib >= 0 (run_exact's 32-bit instantiation)
+template <typename V>
+__device__ __forceinline__ int argmax_pos(const PlanSm& s, V& v, int idx) {
+  if constexpr (sizeof(V) == 4) return warp_argmax_small(v, idx, s.ib);
+  else return s.ib >= 0 ? warp_argmax_small(v, idx, s.ib) : warp_argmax_pos(v, idx);
 }
 __device__ __forceinline__ int argmin_pos(const PlanSm& s, i64& v, int idx) {
   return s.ib >= 0 ? warp_argmin_small(v, idx, s.ib) : warp_argmin_pos(v, idx);
@@ -236,18 +243,32 @@ __device__ __forceinline__ i64 rank_psum(const PlanSm& s, int base, int lane) {
   return carry;
 }
 
+// a shared-memory int64 value as V (int: its low word, for values below 2^31)
+template <typename V>
+__device__ __forceinline__ V ldv(const i64* p) {
+  if constexpr (sizeof(V) == 4) return *(const int*)p;
+  else return *p;
+}
+
 // warp: smallest k such that the k largest remaining experts (prefix sums ps) cover d; epn+1 if none
-__device__ __forceinline__ int kneed(const i64* ps, int epn, i64 d) {
-  if (epn <= 16) {  // independent loads instead of a chain of dependent ones (ps is non-decreasing)
-    // All 16 loads first and unconditionally (the launcher pads the shared memory by 16 words, so the
-    // last rank's reads past its psum stay inside the allocation): guarded loads were issued one at a
-    // time, each waiting for the previous compare (~35 cycles x 16 per candidate, ncu SASS).
-    i64 v[16];
-#pragma unroll
-    for (int a = 0; a < 16; ++a) v[a] = ps[a];
+template <typename V>
+__device__ __forceinline__ int kneed(const i64* ps, int epn, V d) {
+  if (epn <= 32) {  // independent loads instead of a chain of dependent ones (ps is non-decreasing)
+    // 16 loads at a time, unconditionally (the launcher pads the shared memory by 16 words, so the last
+    // rank's reads past its psum stay inside the allocation): guarded loads were issued one at a time,
+    // each waiting for the previous compare (~35 cycles x 16 per candidate, ncu SASS); a binary search
+    // is 5 dependent loads at epn = 32.
     int k = 1;
+    for (int h = 0; h < epn; h += 16) {
+      V v[16];
 #pragma unroll
-    for (int a = 0; a < 16; ++a) k += (a < epn && v[a] < d) ? 1 : 0;
+      for (int a = 0; a < 16; ++a) v[a] = ldv<V>(ps + h + a);
+      int c = 0;
+#pragma unroll
+      for (int a = 0; a < 16; ++a) c += (h + a < epn && v[a] < d) ? 1 : 0;
+      k += c;
+      if (c < 16) break;  // the first position covering d is in this half
+    }
     return k;
   }
   int lo = 0, hi = epn;
@@ -312,23 +333,24 @@ __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane, boo
 // are a ballot (the untouched ones that sort before the partial one are a prefix of them) and a 32-bit
 // id mask (ids < 32), so a fill costs the same whether it empties one expert or all (Theorem-2 routings
 // empty most of a donor: the former per-touched-expert rounds cost ~1.7 us per step at (896, 64, 16)).
-__device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal) {
+template <typename V>
+__device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, V need, int lane, bool upd_bal) {
   const int epn = s.epn, base = o * epn;
   const bool in = lane < epn;
   const int j = in ? s.order[base + lane] : 0;
-  const i64 P = in ? s.psum[base + lane] : 0;  // old inclusive prefix sums
-  i64 Pp = __shfl_up_sync(FULL, P, 1);
+  const V P = in ? ldv<V>(s.psum + base + lane) : 0;  // old inclusive prefix sums
+  V Pp = __shfl_up_sync(FULL, P, 1);
   if (lane == 0) Pp = 0;
-  const i64 v = P - Pp, left = need - Pp;
-  const i64 take = (in && left > 0) ? (v < left ? v : left) : 0;
-  const i64 nv = v - take;
+  const V v = P - Pp, left = need - Pp;
+  const V take = (in && left > 0) ? (v < left ? v : left) : 0;
+  const V nv = v - take;
   const bool touched = take > 0;
   const int t = __popc(__ballot_sync(FULL, touched));
   const int lt = t ? t - 1 : 0;                        // the last touched position
-  const i64 pv = t ? __shfl_sync(FULL, nv, lt) : 0;    // what it keeps (> 0: the partial one)
+  const V pv = t ? __shfl_sync(FULL, nv, lt) : 0;    // what it keeps (> 0: the partial one)
   const int pj = __shfl_sync(FULL, j, lt);
-  const i64 Ptt = t ? __shfl_sync(FULL, P, lt) : 0;    // old sum of the touched part
-  const i64 Pall = __shfl_sync(FULL, P, epn - 1);
+  const V Ptt = t ? __shfl_sync(FULL, P, lt) : 0;    // old sum of the touched part
+  const V Pall = __shfl_sync(FULL, P, epn - 1);
   const bool part = pv > 0;
   const bool unz = in && !touched && nv > 0;           // untouched nonzero: old positions [t, t + nu)
   const bool zero = in && nv == 0;
@@ -337,10 +359,10 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
   const int nu = __popc(__ballot_sync(FULL, unz));
   const unsigned zm = warp_or(zero ? 1u << j : 0u);
   const unsigned tm = warp_or(touched ? 1u << j : 0u);
-  const i64 Pu = __shfl_sync(FULL, P, (lt + ub) & 31);  // old prefix through the last untouched before it
+  const V Pu = __shfl_sync(FULL, P, (lt + ub) & 31);  // old prefix through the last untouched before it
   const unsigned below = (1u << j) - 1u;
   int pos;
-  i64 acc;
+  V acc;
   if (unz) {
     const bool after = part && !bef;  // the partial one moved in front of this one
     pos = lane - t + (after ? 1 : 0);
@@ -354,12 +376,12 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
   }
   __syncwarp();
   if (in) {
-    s.rem[base + j] = nv;
+    s.rem[base + j] = (i64)nv;
     s.order[base + pos] = j;
-    s.psum[base + pos] = acc;
+    s.psum[base + pos] = (i64)acc;
   }
   if (touched) {  // replica slots of u, ascending expert id
-    s.amt[(i64)u * epn + j] = take;
+    s.amt[(i64)u * epn + j] = (i64)take;
     s.rx[(i64)u * epn + __popc(tm & below)] = base + j;
   }
   if (lane == 0) {
@@ -370,47 +392,49 @@ __device__ __forceinline__ void wfill32(const PlanSm& s, int u, int o, i64 need,
 }
 
 // upd_bal: also move `need` in s.bal (run_exact keeps the balances in registers and writes them at the end)
-__device__ __forceinline__ void wfill(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal = true) {
-  if (s.epn <= 32) wfill32(s, u, o, need, lane, upd_bal);
-  else wfill_gen(s, u, o, need, lane, upd_bal);
+template <typename V>
+__device__ __forceinline__ void wfill(const PlanSm& s, int u, int o, V need, int lane, bool upd_bal = true) {
+  if (s.epn <= 32) wfill32<V>(s, u, o, need, lane, upd_bal);
+  else wfill_gen(s, u, o, (i64)need, lane, upd_bal);
 }
 
 // warp 0, exact mode (cpu.py _plan_core, exact branch). NR > 0 (R <= 32 NR): lane l keeps the balance and
 // the largest remaining home expert of ranks l, l + 32, ... in registers (bq, tq), so the receiver and the
 // fast donor choice are a reduction each with no shared-memory load in front, and a fill updates two
 // registers instead of two shared-memory read-modify-writes by one lane (the balances go back to s.bal at
-// the end). NR == 0 (large R): the same loop on s.bal and s.psum.
-template <int NR>
+// the end). NR == 0 (large R): the same loop on s.bal and s.psum. V = int where every value fits
+// (s.ib >= 0): half the instructions of int64 compares, selects and shuffles on this sequential path.
+template <int NR, typename V>
 __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
   const int epn = s.epn;
   constexpr bool REG = NR > 0;
   const int nr = REG ? NR : (R + 31) >> 5;
-  i64 bq[REG ? NR : 1], tq[REG ? NR : 1];
+  V bq[REG ? NR : 1], tq[REG ? NR : 1];
   if constexpr (REG) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
       const int r = lane + 32 * i;
-      bq[i] = r < R ? s.bal[r] : 0;  // ranks >= R: balance 0, never a receiver or a donor
-      tq[i] = r < R ? s.psum[r * epn] : 0;
+      bq[i] = r < R ? ldv<V>(s.bal + r) : 0;  // ranks >= R: balance 0, never a receiver or a donor
+      tq[i] = r < R ? ldv<V>(s.psum + r * epn) : 0;
     }
   }
-  auto bal = [&](int i, int r) -> i64 {
-    if constexpr (REG) return bq[i]; else return s.bal[r];
+  auto bal = [&](int i, int r) -> V {
+    if constexpr (REG) return bq[i]; else return ldv<V>(s.bal + r);
   };
-  auto top = [&](int i, int r) -> i64 {
-    if constexpr (REG) return tq[i]; else return s.psum[r * epn];
+  auto top = [&](int i, int r) -> V {
+    if constexpr (REG) return tq[i]; else return ldv<V>(s.psum + r * epn);
   };
 #ifdef MOONEP_PLAN_CLOCKS
   i64* CLK = CLKp;
   i64 tc = clock64();
 #endif
   while (true) {
-    i64 d = 0; int bi = NONE;                  // receiver: largest deficit, lowest index
+    V d = 0; int bi = NONE;                  // receiver: largest deficit, lowest index
 #pragma unroll
     for (int i = 0; i < (REG ? NR : nr); ++i) {
       const int r = lane + 32 * i;
       if (!REG && r >= R) break;
-      const i64 dr = -bal(i, r);
+      const V dr = -bal(i, r);
       if (dr > d) { d = dr; bi = r; }
     }
     const int u = argmax_pos(s, d, bi);
@@ -418,19 +442,19 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
     if (u == NONE) break;
     // donor: min (k, excess < d, -excess, index). Fast path: if some donor covers d with its largest
     // remaining expert (k = 1), only k = 1 donors compete, by (excess < d, -excess, index).
-    unsigned bc = 2; i64 bx = 0; int bo = NONE;
+    unsigned bc = 2; V bx = 0; int bo = NONE;
 #pragma unroll
     for (int i = 0; i < (REG ? NR : nr); ++i) {
       const int c = lane + 32 * i;
       if (!REG && c >= R) break;
-      const i64 x = bal(i, c);
+      const V x = bal(i, c);
       if (x <= 0 || top(i, c) < d) continue;
       const unsigned cs = x < d ? 1u : 0u;
       if (cs < bc || (cs == bc && x > bx)) { bc = cs; bx = x; bo = c; }
     }
     unsigned cmin;
     int o = NONE;
-    if (s.ib >= 0) {  // one reduction: key (excess >= d, excess, -index)
+    if (sizeof(V) == 4 || s.ib >= 0) {  // one reduction: key (excess >= d, excess, -index)
 #if __CUDA_ARCH__ >= 800
       const unsigned mask = (1u << s.ib) - 1u;
       const unsigned key = bo != NONE ? ((1u - bc) << 31) | ((unsigned)bx << s.ib) | (mask - (unsigned)bo) : 0u;
@@ -443,32 +467,32 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
     } else {
       cmin = warp_umin(bc);
       if (cmin < 2) {
-        i64 xm = bc == cmin ? bx : 0;
+        i64 xm = bc == cmin ? (i64)bx : 0;
         o = warp_argmax_pos(xm, bo);
       }
     }
     if (cmin >= 2) {
-      int ka = 0; i64 kb = 0; int ki = NONE;
+      int ka = 0; V kb = 0; int ki = NONE;
 #pragma unroll
       for (int i = 0; i < (REG ? NR : nr); ++i) {
         const int c = lane + 32 * i;
         if (!REG && c >= R) break;
-        const i64 x = bal(i, c);
+        const V x = bal(i, c);
         if (x <= 0) continue;
-        const int a = 2 * kneed(s.psum + c * epn, epn, d) + (x < d ? 1 : 0);
+        const int a = 2 * kneed<V>(s.psum + c * epn, epn, d) + (x < d ? 1 : 0);
         if (ki == NONE || a < ka || (a == ka && -x < kb)) { ka = a; kb = -x; ki = c; }
       }
       // lexicographic min of (ka, -x, index): the smallest ka, then the largest excess (argmax), one
       // reduction each instead of five shuffle rounds of three values
       const unsigned amin = warp_umin(ki != NONE ? (unsigned)ka : 0xffffffffu);
-      i64 xm = (ki != NONE && (unsigned)ka == amin) ? -kb : 0;
+      V xm = (ki != NONE && (unsigned)ka == amin) ? -kb : 0;
       o = argmax_pos(s, xm, ki);
     }
     CLK_ADD(cmin < 2 ? 9 : 10, tc);
     if (o == NONE) break;  // unreachable: total excess == total deficit
-    wfill(s, u, o, d, lane, !REG);
+    wfill<V>(s, u, o, d, lane, !REG);
     if constexpr (REG) {
-      const i64 ntop = s.psum[o * epn];  // o's new largest remaining expert (wfill ended with __syncwarp)
+      const V ntop = ldv<V>(s.psum + o * epn);  // o's new largest remaining expert (wfill ended with __syncwarp)
 #pragma unroll
       for (int i = 0; i < NR; ++i) {
         const int r = lane + 32 * i;
@@ -484,7 +508,7 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
   if constexpr (REG) {
 #pragma unroll
     for (int i = 0; i < NR; ++i)
-      if (lane + 32 * i < R) s.bal[lane + 32 * i] = bq[i];
+      if (lane + 32 * i < R) s.bal[lane + 32 * i] = (i64)bq[i];
     __syncwarp();
   }
   return 0;
@@ -661,6 +685,7 @@ __device__ __noinline__ void plan_body(
       int r = idx / epn, base = r * epn, j = idx - base;
       i64 v = s.rem[idx];
       int pos = 0;
+#pragma unroll 8
       for (int q = 0; q < epn; ++q) { i64 x = s.rem[base + q]; pos += (x > v) || (x == v && q < j); }
       s.order[base + pos] = j;
     }
@@ -678,7 +703,8 @@ __device__ __noinline__ void plan_body(
 #else
       i64* clkp = nullptr;
 #endif
-      int st = !exact ? run_cap(s, R, lane) : R <= 64 ? run_exact<2>(s, R, lane, clkp) : run_exact<0>(s, R, lane, clkp);
+      int st = !exact ? run_cap(s, R, lane)
+               : (R <= 64 && s.ib >= 0) ? run_exact<2, int>(s, R, lane, clkp) : run_exact<0, i64>(s, R, lane, clkp);
       if (lane == 0) s_stuck = st;
     } else if (attempt == 0 && (flags & F_ASSIGN) && (warp & 3)) {
       // meanwhile warps on the other schedulers zero the [E, R] assignment (16-byte stores); its

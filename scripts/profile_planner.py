@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_planner import _events, bench_routing, graph_time, host_time, machine  # noqa: E402
+from bench_planner import _events, bench_routing, graph_time, host_time, loop_time, machine  # noqa: E402
 from moonep.layout import plan_and_destinations, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
 
@@ -112,7 +112,8 @@ def main():
                    "eager_plan_us": _events(fp, 50), "eager_layout_us": _events(fl, 50),
                    "eager_both_us": _events(fb, 50),
                    "host_plan_us": host_time(fp), "host_layout_us": host_time(fl), "host_both_us": host_time(fb),
-                   "graph_fused_us": graph_time(ff), "eager_fused_us": _events(ff, 50), "host_fused_us": host_time(ff)}
+                   "graph_fused_us": graph_time(ff), "eager_fused_us": _events(ff, 50), "host_fused_us": host_time(ff),
+                   "loop_fused_us": loop_time(ff)}
             res["rows"].append(row)
             print(json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     if a.out:

@@ -227,3 +227,18 @@ def test_fused_plan_then_layout_kernel():
             a = token_destinations(pc, r, torch.from_numpy(tk[r]))
             b = token_destinations(pg, r, torch.from_numpy(tk[r]).cuda())
             assert torch.equal(a[0], b[0].cpu()) and torch.equal(a[1], b[1].cpu()), r
+
+
+def test_bit_identical_large_counts():
+    """Counts too large for the 32-bit selections (and for int32 values): the int64 paths of the kernel."""
+    rng = np.random.default_rng(7)
+    for R, epn in [(8, 32), (64, 14), (3, 5), (100, 2)]:
+        for hi in (1 << 33, 1 << 40):
+            c = rng.integers(0, hi, size=(R, R * epn))
+            c[0, :epn] = 0  # one cold rank (Theorem 2)
+            for slack in (0.0, 0.05):
+                pc = plan_balanced(torch.from_numpy(c), slack=slack)
+                pg = plan_balanced(torch.from_numpy(c).cuda(), slack=slack)
+                same(pc, pg)
+                assert int(pg.error) == 0
+                verify_plan(pg, c, slack)
