@@ -432,52 +432,6 @@ def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
 
 
 _NONCE = [int.from_bytes(os.urandom(7), "little") | 1]  # 56-bit launch tags of moonep_plan_layout (never 0)
-# "driver": hot launches go through cuLaunchKernel with a pre-built parameter block (_DriverLaunch) instead of
-# CuPy's Function call; "cupy" (default until measured on a GPU: profile_planner.py, host_fused_us).
-_LAUNCH = os.environ.get("MOONEP_LAUNCH", "cupy")
-
-
-class _DriverLaunch:
-    """One recorded kernel launch through the CUDA driver's ``cuLaunchKernel`` (ctypes). The kernel's
-    parameter block (one int64 word per argument: every moonep planner argument is a pointer or an i64) is
-    built once; a call writes only the words that change (``vals[i] = ...``) and launches. The library is
-    loaded with ``ctypes.PyDLL`` so the GIL stays held during the call: no other thread can rewrite ``vals``
-    between the writes and the launch (the driver copies the parameters before it returns)."""
-
-    _fn = None
-
-    @classmethod
-    def make(cls, function, grid: int, block: int, smem: int, nargs: int, const: dict):
-        """A launcher for CuPy ``Function`` ``function``, or None where the driver entry point or the
-        function handle is not available (the caller keeps CuPy's launch)."""
-        import ctypes
-
-        ptr = getattr(function, "ptr", None)
-        if not ptr:
-            return None
-        if cls._fn is None:
-            try:
-                f = ctypes.PyDLL("libcuda.so.1").cuLaunchKernel
-            except (OSError, AttributeError):
-                return None
-            u = ctypes.c_uint
-            f.argtypes = [ctypes.c_void_p, u, u, u, u, u, u, u, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-            f.restype = ctypes.c_int
-            cls._fn = f
-        self = cls.__new__(cls)
-        self.vals = (ctypes.c_int64 * nargs)()
-        for i, v in const.items():
-            self.vals[i] = v
-        base = ctypes.addressof(self.vals)
-        self.params = (ctypes.c_void_p * nargs)(*[base + 8 * i for i in range(nargs)])
-        self.fn, self.grid, self.block, self.smem = ptr, grid, block, smem
-        return self
-
-    def launch(self, stream: int):
-        rc = _DriverLaunch._fn(self.fn, self.grid, 1, 1, self.block, 1, 1, self.smem, stream, self.params, None)
-        if rc:
-            raise RuntimeError(f"moonep: cuLaunchKernel failed with CUresult {rc} (grid {self.grid}, block "
-                               f"{self.block}, {self.smem} B of shared memory)")
 
 
 def _next_nonce() -> int:
@@ -511,8 +465,7 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
         return None
     grid, c, threads, smem = cfg
     d.need_smem("moonep_plan_layout", smem)
-    ws = torch.empty(g.words, dtype=_i64, device=counts.device)
-    out = torch.empty((2, s, K), dtype=_i64, device=counts.device)
+    buf, dst_rank, dst_row = _ws_and_out(g.words, s, K, counts.device)
     flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
     sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
     c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0)
@@ -521,55 +474,53 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     mid = (d.c(R), d.c(E), d.c(flags), a(sb))
     tail = (a(n), d.c(rank), d.c(align), a(c))
     d.launch("moonep_plan_layout", grid, threads,
-             (a(counts.data_ptr()), a(ws.data_ptr())) + mid + (a(topk_idx.data_ptr()), a(out.data_ptr())) + tail
-             + (a(nonce),), smem)
+             (a(counts.data_ptr()), a(buf.data_ptr())) + mid + (a(topk_idx.data_ptr()),
+                                                              a(buf.data_ptr() + 8 * g.words)) + tail + (a(nonce),), smem)
     if d.kw_stream and type(slack) is float:
         if _Plan is None:
             _plan_cls()
-        drv = None
-        if _LAUNCH == "driver":  # constant words: R, E, flags, slack bits, n, rank, align, cfg
-            drv = _DriverLaunch.make(d.fn["moonep_plan_layout"], grid, threads, smem, 13,
-                                     {2: R, 3: E, 4: flags, 5: sb, 8: n, 9: rank, 10: align, 11: c})
         _FUSED_FAST[(di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align)] = (
-            d.fn["moonep_plan_layout"], (grid,), (threads,), smem, d.streams, g.words, d.device, (2, s, K),
-            g, mid, tail, d.arg, not c32, d, drv)
+            d.fn["moonep_plan_layout"], (grid,), (threads,), smem, d.streams, g.words, d.device, (s, K),
+            g, mid, tail, d.arg, not c32, d)
     from . import Plan
-    plan = Plan._cuda(ws, g, None if c32 else counts, float(slack))
-    dst_rank, dst_row = out.unbind(0)
+    plan = Plan._cuda(buf, g, None if c32 else counts, float(slack))
     return plan, dst_rank, dst_row
+
+
+def _ws_and_out(words: int, s: int, K: int, device):
+    """One allocation for a fused launch: int64 [words + 2*s*K], the plan's workspace (the plan keeps the
+    whole buffer; its views are offsets from 0) then dst rank and dst row, returned as [s, K] views. One
+    ``torch.empty`` instead of two: each costs ~3.5 us of host time on the H200 machine, and at (256, 8, 8)
+    the host time of a call is larger than its device time (h200x1_round29_host_breakdown.json)."""
+    buf = _empty(words + 2 * s * K, dtype=_i64, device=device)
+    return buf, buf.as_strided((s, K), (K, 1), words), buf.as_strided((s, K), (K, 1), words + s * K)
 
 
 def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: torch.Tensor, align: int):
     """The hot path of :func:`plan_layout_cuda`: a launch recorded by an earlier validated call of the same
-    kind (device, shapes, dtypes, slack, rank, align), else None. Two ``torch.empty`` and one launch."""
+    kind (device, shapes, dtypes, slack, rank, align), else None. One ``torch.empty`` and one launch."""
     di = counts.get_device()
     f = _FUSED_FAST.get((di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align))
     if (f is None or topk_idx.get_device() != di or _cur_dev() != di or not counts.is_contiguous()
             or not topk_idx.is_contiguous()):
         return None
-    fn, grid, block, smem, streams, words, device, oshape, geo, mid, tail, arg, keep, dev, drv = f
-    ws = _empty(words, dtype=_i64, device=device)
-    out = _empty(oshape, dtype=_i64, device=device)
+    fn, grid, block, smem, streams, words, device, sk, geo, mid, tail, arg, keep, dev = f
+    s, K = sk
+    n = s * K
+    buf = _empty(words + 2 * n, dtype=_i64, device=device)
+    p = buf.data_ptr()
     ptr = _cur_stream(di)
-    nonce = _next_nonce()
-    if drv is not None:
-        v = drv.vals
-        v[0], v[1], v[6], v[7], v[12] = counts.data_ptr(), ws.data_ptr(), topk_idx.data_ptr(), out.data_ptr(), nonce
-        drv.launch(ptr)
-    else:
-        st = streams.get(ptr)
-        if st is None:
-            st = dev.stream(ptr)
-        fn(grid, block, (arg(counts.data_ptr()), arg(ws.data_ptr())) + mid + (arg(topk_idx.data_ptr()),
-                                                                            arg(out.data_ptr())) + tail + (arg(nonce),),
-           smem, st)
-    p = _NEW(_Plan)
-    d = p.__dict__
-    d["_ws"], d["_geo"], d["slack"] = ws, geo, slack
+    st = streams.get(ptr)
+    if st is None:
+        st = dev.stream(ptr)
+    fn(grid, block, (arg(counts.data_ptr()), arg(p)) + mid + (arg(topk_idx.data_ptr()), arg(p + 8 * words)) + tail
+       + (arg(_next_nonce()),), smem, st)
+    pl = _NEW(_Plan)
+    d = pl.__dict__
+    d["_ws"], d["_geo"], d["slack"] = buf, geo, slack
     if keep:
         d["counts"] = counts
-    dst_rank, dst_row = out.unbind(0)
-    return p, dst_rank, dst_row
+    return pl, buf.as_strided(sk, (K, 1), words), buf.as_strided(sk, (K, 1), words + n)
 
 
 def cu_seqlens_cuda(plan, rank, align: int):
