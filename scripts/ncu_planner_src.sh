@@ -14,7 +14,7 @@ for c in "$@"; do set -- $c; tag=$(echo $1_$2_$3 | tr , x)
     > $o/log_$tag.txt 2>&1
   n=$(ncu --import /tmp/ncu_$tag.ncu-rep --page source --csv --print-source cuda 2>&1 | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
   cp csrc/planner.cu /tmp/src/$n
-  ncu --import /tmp/ncu_$tag.ncu-rep --page source --csv --print-source cuda --source-folders /tmp/src > $o/src_$tag.csv 2>&1
+  ncu --import /tmp/ncu_$tag.ncu-rep --page source --csv --print-source cuda --import-source yes --source-folders /tmp/src > $o/src_$tag.csv 2>&1
   ncu --import /tmp/ncu_$tag.ncu-rep --page source --csv --print-source sass > $o/sass_$tag.csv 2>&1
   ncu --import /tmp/ncu_$tag.ncu-rep --page details > $o/details_$tag.txt 2>&1
   head -c 300 $o/src_$tag.csv; echo
