@@ -153,7 +153,9 @@ def plan_and_destinations(counts: torch.Tensor, rank: int, topk_idx: torch.Tenso
 
     counts    int32/int64 [R, E], E % R == 0: the step's routing counts (identical on every rank)
     rank      this source rank; topk_idx int32/int64 [s, K] its expert ids (-1: masked), counted in counts[rank]
-    returns   (plan, dst_rank int64 [s, K], dst_row int64 [s, K]); -1 where topk_idx == -1
+    returns   (plan, dst_rank int64 [s, K], dst_row int64 [s, K]); -1 where topk_idx == -1. On the one-launch
+              CUDA path the three share one allocation (disjoint regions: the plan's workspace, then
+              dst_rank, then dst_row), so holding dst_rank keeps that buffer alive.
     """
     # A call of the same kind as an earlier validated one (shapes, dtypes, slack, rank, align) skips the
     # Python checks: the host time of the launch is what bounds small plans.
