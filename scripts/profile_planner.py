@@ -74,7 +74,7 @@ def fused_timeline(c, rank, tk, reps=20, clocks=True):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--configs", default="256,8,8;896,64,16")
+    ap.add_argument("--configs", default="256,8,8;896,64,16;256,2,8")  # 256,2,8: the 2-GPU runs (epn 128)
     ap.add_argument("--families", default="uniform,zipf1.5,theorem2")
     ap.add_argument("--clocks", action="store_true",
                     help="a profiling build of the plan kernel (-DMOONEP_PLAN_CLOCKS): cycles per phase and per "
