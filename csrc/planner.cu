@@ -8,11 +8,13 @@
 //   R steps). The loop runs on ONE warp (warp-synchronous: shuffles and __syncwarp, no block barrier
 //   per step); ranks are strided over its lanes. Per rank the home experts are kept sorted by
 //   (remaining desc, id asc) together with their prefix sums, so "k experts needed to cover d" is a
-//   binary search and the largest-first fill is one parallel step (take = min(v, need - prefix)).
-//   Per step (about R steps for every routing family): receiver and donor are three/four
-//   __reduce_*_sync each; a donor's k is only searched when no donor covers d with its largest expert
-//   (k = 1); for epn <= 32 the fill, the donor's re-sort and its new prefix sums are one pass of
-//   shuffles in registers. The block's other warps only help with the O(R*E) parts: the column sums
+//   count of prefix sums below d and the largest-first fill is one parallel step
+//   (take = min(v, need - prefix)). Per step (about R steps for every routing family): receiver and
+//   donor are one __reduce_*_sync each where values fit 31 bits (then the loop runs in 32-bit values,
+//   with balances in registers for R <= 64); a donor's k is only counted when no donor covers d with
+//   its largest expert (k = 1); for epn <= 32 the fill, the donor's re-sort and its new prefix sums are
+//   a fixed handful of ballots and shuffles (wfill32). The step is a chain of dependent warp
+//   operations, so its cost is instruction latency. The block's other warps only help with the O(R*E) parts: the column sums
 //   before the loop (8 loads in flight per thread), zeroing the [E, R] assignment DURING the loop
 //   (warps not on warp 0's scheduler), and scattering its 2E possible nonzeros after it.
 //   For large R*E (> 2^18) the column sums and the [E, R] assignment run as grid kernels instead.
