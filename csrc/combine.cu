@@ -90,9 +90,11 @@ extern "C" __global__ void moonep_combine_reduce(const Ctx* c, const void* out, 
       if (gw_in != nullptr && lane < K)
         ((float*)(c->base[p] + gw_off))[slot * K + lane] = row >= 0 ? gw_in[row] : 0.f;
       __syncwarp();
-      char* dst = c->base[p] + acc_off + slot * row_bytes;
+      char* dst = c->base[(MOONEP_DIAG & DIAG_REDUCE_LOCAL_PUSH) ? me : p] + acc_off + slot * row_bytes;
       const bool weighted = weights != nullptr;
-      if (vec) {
+      if (MOONEP_DIAG & DIAG_REDUCE_NO_LOADS) {
+        for (i64 j = lane; j < (row_bytes >> 4); j += 32) ((int4*)dst)[j] = make_int4(0, 0, 0, 0);
+      } else if (vec) {
         if (out_dt == DT_F32) reduce_rows16<DT_F32>(dst, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, lane);
         else if (out_dt == DT_BF16) reduce_rows16<DT_BF16>(dst, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, lane);
         else reduce_rows16<DT_F16>(dst, (const char*)out, row_bytes, s_rows[wib], s_w[wib], n, weighted, lane);

@@ -94,6 +94,7 @@ extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const ch
       }
       // Destination rows of the data: the first row on every rank, plus (local_expand) every local row.
       bool dst = is_first || (local_expand && r == me && r >= 0);
+      if (MOONEP_DIAG & DIAG_SEND_REMOTE_ONLY) dst = is_first && r != me;
       unsigned dmask = __ballot_sync(FULL_MASK, dst);
       int n = __popc(dmask);
       if (dst) {
@@ -418,7 +419,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
             }
           }
           __syncwarp();
-          if (n > 0) {
+          if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
             if (vec == 16) {
               warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
             } else {
@@ -469,7 +470,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         }
         if (local) s_dst[wib][__popc(lm & ((1u << lane) - 1u))] = dst + (i64)row * row_bytes;
         __syncwarp();
-        const int n = __popc(lm);
+        const int n = (MOONEP_DIAG & DIAG_FUSED_NO_OWN_ROWS) ? 0 : __popc(lm);
         if (vec == 16) warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
         else for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
         __syncwarp();
@@ -534,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
           const unsigned dm = __ballot_sync(FULL_MASK, want);
           if (want) s_dst[wib][__popc(dm & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
           __syncwarp();
-          const int n = __popc(dm);
+          const int n = (MOONEP_DIAG & DIAG_FUSED_NO_EXPAND) ? 0 : __popc(dm);
           if (vec == 16) warp_fanout16_cg(s_dst[wib], n, sbuf + fr * row_bytes, row_bytes, lane);
           else for (int t = 0; t < n; ++t) warp_copy_cg(s_dst[wib][t], sbuf + fr * row_bytes, row_bytes, vec, lane);
           __syncwarp();

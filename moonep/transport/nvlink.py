@@ -123,7 +123,10 @@ def _module(device_index: int):
         import cupy
 
         with cupy.cuda.Device(device_index):
-            mod = cupy.RawModule(code=kernel_source(), options=("-std=c++17",), backend="nvrtc")
+            # MOONEP_NVLINK_DIAG: timing variants for benchmarks/diag_nvlink.sh only (see common.cuh)
+            diag = int(os.environ.get("MOONEP_NVLINK_DIAG", "0") or 0)
+            opts = ("-std=c++17",) + ((f"-DMOONEP_DIAG={diag}",) if diag else ())
+            mod = cupy.RawModule(code=kernel_source(), options=opts, backend="nvrtc")
             _MODULES[device_index] = {name: mod.get_function(name) for name in _KERNELS}
     return _MODULES[device_index]
 
