@@ -2,7 +2,7 @@
 # Where the NVLink dispatch/combine time goes, on a 2-GPU machine, without hardware counters: the
 # peer-store ceiling one way and both ways, then bench_ep_gpu.py's per-kernel phases for the two-kernel and
 # the fused paths, and for variants compiled with MOONEP_NVLINK_DIAG (csrc/common.cuh) that leave one stage
-# of a kernel out.  Usage: bash benchmarks/diag_nvlink.sh OUTDIR [SMS]
+# of a kernel out.  Usage: bash benchmarks/diag_nvlink.sh OUTDIR [SMS [LABEL...]] (labels: the table below)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -17,17 +17,29 @@ b() {  # label env... : one bench_ep_gpu run
     --out "$out/$label" > "$out/$label/log.txt" 2>&1
   echo "$label: exit $? in $((SECONDS - t0))s" | tee -a "$out/diag_summary.txt"
 }
-timeout 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/probe_peer_store.py --out "$out" > "$out/probe.txt" 2>&1
-echo "probe: exit $?" | tee -a "$out/diag_summary.txt"
+# variants: label -> environment (default: all of them)
+declare -A V=(
+  [unfused]="MOONEP_NVLINK_FUSED=route"
+  [unfused_remote_only]="MOONEP_NVLINK_FUSED=route MOONEP_NVLINK_DIAG=32"
+  [unfused_reduce_local]="MOONEP_NVLINK_FUSED=route MOONEP_NVLINK_DIAG=8"
+  [unfused_reduce_noload]="MOONEP_NVLINK_FUSED=route MOONEP_NVLINK_DIAG=16"
+  [fused]="MOONEP_NVLINK_FUSED=route,dispatch,combine"
+  [fused_dispatch]="MOONEP_NVLINK_FUSED=route,dispatch"
+  [fused_no_own]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=1"
+  [fused_no_expand]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=2"
+  [fused_nvlink_only]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=3"
+  [fused_local_only]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=4"
+  [fused_ch1]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_CHUNKS=1"
+  [fused_ch2]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_CHUNKS=2"
+  [fused_ch8]="MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_CHUNKS=8"
+)
+shift 2 2>/dev/null || shift $#
+labels=("$@")
+if [ ${#labels[@]} -eq 0 ]; then
+  labels=(unfused unfused_remote_only unfused_reduce_local unfused_reduce_noload fused fused_dispatch fused_no_own
+          fused_no_expand fused_nvlink_only fused_local_only fused_ch1 fused_ch8)
+  timeout 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/probe_peer_store.py --out "$out" > "$out/probe.txt" 2>&1
+  echo "probe: exit $?" | tee -a "$out/diag_summary.txt"
+fi
 export MOONEP_NVLINK_FUSED=route MOONEP_NVLINK_DIAG=0 MOONEP_NVLINK_CHUNKS=4
-b unfused
-b unfused_remote_only MOONEP_NVLINK_DIAG=32
-b unfused_reduce_local MOONEP_NVLINK_DIAG=8
-b unfused_reduce_noload MOONEP_NVLINK_DIAG=16
-b fused MOONEP_NVLINK_FUSED=route,dispatch,combine
-b fused_no_own MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=1
-b fused_no_expand MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=2
-b fused_nvlink_only MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=3
-b fused_local_only MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_DIAG=4
-b fused_ch1 MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_CHUNKS=1
-b fused_ch8 MOONEP_NVLINK_FUSED=route,dispatch MOONEP_NVLINK_CHUNKS=8
+for l in "${labels[@]}"; do b "$l" ${V[$l]}; done

@@ -11,40 +11,57 @@
 
 #define MAX_WARPS 32
 
-// Sum, in k order, the (weighted) valid rows of one token: 16 bytes of each row per lane per step, up to 8
-// rows' loads in flight, fp32 accumulation with separately rounded multiplies and adds (no FMA).  The
-// result (same element count, dtype DT: the wire dtype equals the row dtype) goes to `dst` with one
-// 16-byte store per step; dst may be a peer's memory.
+// Sum, in k order, the (weighted) valid rows of one token: per step each lane loads U = 4 16-byte words of
+// up to 4 rows (16 loads in flight: a warp that waited on one word per row per step was latency-bound,
+// ~1.4 TB/s), fp32 accumulation with separately rounded multiplies and adds (no FMA), every element summed
+// in k order.  The result (same element count, dtype DT: the wire dtype equals the row dtype) goes to `dst`
+// with 16-byte stores; dst may be a peer's memory.
 template <int DT>
 __device__ __forceinline__ void reduce_rows16(char* dst, const char* out, i64 row_bytes, const int* rows,
                                               const float* ws, int n, bool weighted, int lane) {
   constexpr int G = DT == DT_F32 ? 4 : 8;
+  constexpr int U = 4;
   const i64 nw = row_bytes >> 4;
-  for (i64 j = lane; j < nw; j += 32) {
-    float a[G];
+  for (i64 j0 = lane; j0 < nw; j0 += 32 * U) {
+    float a[U][G];
 #pragma unroll
-    for (int u = 0; u < G; ++u) a[u] = 0.f;
-    for (int k0 = 0; k0 < n; k0 += 8) {
-      int4 v[8];
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int t = 0; t < 8; ++t)
-        if (k0 + t < n) v[t] = *((const int4*)(out + (i64)rows[k0 + t] * row_bytes) + j);
+      for (int g = 0; g < G; ++g) a[u][g] = 0.f;
+    for (int k0 = 0; k0 < n; k0 += 4) {
+      int4 v[4][U];
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
+      for (int t = 0; t < 4; ++t) {
         if (k0 + t < n) {
-          float o[G];
-          unpack16<DT>(v[t], o);
-          if (weighted) {
-            const float wk = ws[k0 + t];
+          const int4* rp = (const int4*)(out + (i64)rows[k0 + t] * row_bytes);
 #pragma unroll
-            for (int u = 0; u < G; ++u) o[u] = __fmul_rn(o[u], wk);
+          for (int u = 0; u < U; ++u)
+            if (j0 + u * 32 < nw) v[t][u] = rp[j0 + u * 32];
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        if (k0 + t < n) {
+          const float wk = weighted ? ws[k0 + t] : 1.f;
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (j0 + u * 32 < nw) {
+              float o[G];
+              unpack16<DT>(v[t][u], o);
+              if (weighted) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) o[g] = __fmul_rn(o[g], wk);
+              }
+#pragma unroll
+              for (int g = 0; g < G; ++g) a[u][g] = __fadd_rn(a[u][g], o[g]);
+            }
           }
-#pragma unroll
-          for (int u = 0; u < G; ++u) a[u] = __fadd_rn(a[u], o[u]);
         }
       }
     }
-    ((int4*)dst)[j] = pack16<DT>(a);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (j0 + u * 32 < nw) ((int4*)dst)[j0 + u * 32] = pack16<DT>(a[u]);
   }
 }
 
@@ -57,7 +74,7 @@ __device__ __forceinline__ void reduce_rows16(char* dst, const char* out, i64 ro
 //   row_first/rec/src: the step-local lists written by moonep_dispatch_expand;
 //   vec: rows are 16-byte aligned multiples of 16 bytes (else a scalar path);
 //   barrier: 1 when the receive-back area is not double-buffered (see nvlink.py).
-extern "C" __global__ void moonep_combine_reduce(const Ctx* c, const void* out, int out_dt, const float* weights,
+extern "C" __global__ void __launch_bounds__(512) moonep_combine_reduce(const Ctx* c, const void* out, int out_dt, const float* weights,
                                                  const float* gw_in, const int* row_first, const int* rec,
                                                  const int* src, int vec, int barrier, i64 acc_off, i64 gw_off) {
   __shared__ int s_rows[MAX_WARPS][32];
@@ -137,24 +154,39 @@ extern "C" __global__ void moonep_combine_sum(const Ctx* c, int s, const i64* ds
     unsigned lo = __reduce_or_sync(FULL_MASK, (r >= 0 && r < 32) ? (1u << r) : 0u);
     unsigned hi = __reduce_or_sync(FULL_MASK, (r >= 32) ? (1u << (r - 32)) : 0u);
     const u64 mask = ((u64)hi << 32) | lo;
-    if (vec) {
+    if (vec) {  // U = 4 16-byte words per lane and rank in flight (latency-bound with one)
       const int G = wire_dt == DT_F32 ? 4 : 8;
-      for (i64 j = lane; j < (row_bytes >> 4); j += 32) {
-        float a[8];
+      constexpr int U = 4;
+      const i64 nw = row_bytes >> 4;
+      for (i64 j0 = lane; j0 < nw; j0 += 32 * U) {
+        float a[U][8];
 #pragma unroll
-        for (int u = 0; u < 8; ++u) a[u] = 0.f;
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int g = 0; g < 8; ++g) a[u][g] = 0.f;
         for (u64 m = mask; m; m &= m - 1) {
-          int p = __ffsll((long long)m) - 1;
-          int4 q = *((const int4*)(back + ((i64)p * S + i) * row_bytes) + j);
-          float o[8];
-          if (wire_dt == DT_F32) unpack16<DT_F32>(q, o);
-          else if (wire_dt == DT_BF16) unpack16<DT_BF16>(q, o);
-          else unpack16<DT_F16>(q, o);
+          const int p = __ffsll((long long)m) - 1;
+          const int4* rp = (const int4*)(back + ((i64)p * S + i) * row_bytes);
+          int4 q[U];
 #pragma unroll
-          for (int u = 0; u < 8; ++u)
-            if (u < G) a[u] = __fadd_rn(a[u], o[u]);
+          for (int u = 0; u < U; ++u)
+            if (j0 + u * 32 < nw) q[u] = rp[j0 + u * 32];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (j0 + u * 32 < nw) {
+              float o[8];
+              if (wire_dt == DT_F32) unpack16<DT_F32>(q[u], o);
+              else if (wire_dt == DT_BF16) unpack16<DT_BF16>(q[u], o);
+              else unpack16<DT_F16>(q[u], o);
+#pragma unroll
+              for (int g = 0; g < 8; ++g)
+                if (g < G) a[u][g] = __fadd_rn(a[u][g], o[g]);
+            }
+          }
         }
-        store_n(y, (i64)i * H + j * G, y_dt, a, G);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (j0 + u * 32 < nw) store_n(y, (i64)i * H + (j0 + u * 32) * G, y_dt, a[u], G);
       }
     } else {
       for (i64 h = lane; h < H; h += 32) {

@@ -75,7 +75,8 @@ struct Ctx {
   int* herr;                                                           // 10: host-mapped [0]=fatal, [1]=input
   i64 off_esig, off_dsig, off_gather, off_recv, off_w, off_tag, off_meta, off_msrc, off_acc, off_gwacc;  // 11..20
   i64 off_csig;                                                        // 21: chunk signals [MAX_CHUNKS][R]
-  i64 pad[10];                                                         // 22..31
+  i64 off_flist;                                                       // 22: int [R, S] first rows (fused)
+  i64 pad[9];                                                          // 23..31
   char* base[MOONEP_MAXR];                                             // 32..95   main allocation per rank
   char* gbase[MOONEP_MAXR];                                            // 96..159  gradient receive buffer
   char* pbase[MOONEP_MAXR];                                            // 160..223 replica weight pool

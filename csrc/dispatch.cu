@@ -348,21 +348,27 @@ extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
 
 // Fused dispatch: send + local expansion in one launch.
 //   Blocks [0, nnv) (NVLink): every token once per REMOTE destination rank, into its first row there (with
-//     meta/msrc/w/tag in mode 0), chunk by chunk (chunk(i) = i*nch/S); after each chunk the last of them
-//     signals the chunk to every peer.
+//     meta/w/tag in mode 0), chunk by chunk (chunk(i) = i*nch/S); in mode 0 also, for every source token
+//     i < S and every peer p, flist[me][i] on p = the token's first row on p, or -1 (so the receiver
+//     finds the tokens of a chunk without scanning rows).  After each chunk the last of them signals the
+//     chunk to every peer.
 //   Blocks [nnv, grid) (local HBM work):
 //     A. this rank's own tokens: x read once, stored into every local row of the token; in mode 0 they
 //        also write the step-local lists (row_first, rec, src, w_out) and an own-row tag; in mode 1 they
 //        zero the rows without a token (row_first < 0).
-//     B. for each chunk: wait for every peer's chunk signal, then copy each first row of that chunk into
-//        the token's other rows (and into dst itself when copying); mode 0 also exports the row lists
-//        from the symmetric meta/msrc/w/tag.  Peer-written memory is read with L2-only loads.
+//     B. for each chunk: wait for every peer's chunk signal, then one warp per (peer, source token) of the
+//        chunk: copy the token's first row into its other rows (and into dst itself when copying); mode 0
+//        exports the row lists from the symmetric flist/meta/w and keeps the first rows in the step-local
+//        tokfirst [R, S] for mode 1.  One warp per token, not per group of rows: the expert-grouped layout
+//        clusters a peer's first rows, and a warp per 32 rows serialised up to 32 tokens (~300 us).
+//        Peer-written memory is read with L2-only loads.
 //   Mode 0 rows nobody wrote (padding, unused capacity) are zeroed by moonep_dispatch_zero afterwards.
 //   mode 0: forward (main receive buffer; dst = it (zero-copy) or a fresh tensor; w: fp32 [s, K]).
-//   mode 1: backward of combine (gradient receive buffer; row_first/rec/src are the forward's lists).
+//   mode 1: backward of combine (gradient receive buffer; row_first/rec/src/tokfirst are the forward's).
 extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
     const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
-    const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src) {
+    const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src,
+    int* tokfirst) {
   __shared__ char* s_dst[MAX_WARPS_BLOCK][32];
   __shared__ int s_fat;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
@@ -400,7 +406,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
             char* b = c->base[r];
             ((float*)(b + c->off_w))[row] = wk;
             ((u64*)(b + c->off_tag))[row] = (tag_epoch << 32) | ((u64)ch << 28) | (u64)(unsigned)my_first;
-            if (is_first) ((int*)(b + c->off_msrc))[row] = (int)(me * S + i);
           }
           unsigned dmask = __ballot_sync(FULL_MASK, is_first);
           int n = __popc(dmask);
@@ -409,6 +414,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
             s_dst[wib][__popc(dmask & ((1u << lane) - 1u))] = dbase + (i64)row * row_bytes;
           }
           if (mode == 0) {  // K-aligned row lists at the first row of every remote destination rank
+            int f_lo = -1, f_hi = -1;  // the first row on rank `lane` / `lane + 32`
             unsigned firsts = dmask;
             while (firsts) {
               int fl = __ffs(firsts) - 1;
@@ -416,7 +422,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
               int dr = __shfl_sync(FULL_MASK, r, fl);
               int frow = __shfl_sync(FULL_MASK, row, fl);
               if (lane < K) ((int*)(c->base[dr] + c->off_meta))[(i64)frow * K + lane] = (r == dr) ? row : -1;
+              if (dr == lane) f_lo = frow;
+              if (dr == lane + 32) f_hi = frow;
             }
+            if (lane < R && lane != me) ((int*)(c->base[lane] + c->off_flist))[(i64)me * S + i] = f_lo;
+            if (lane + 32 < R && lane + 32 != me)
+              ((int*)(c->base[lane + 32] + c->off_flist))[(i64)me * S + i] = f_hi;
           }
           __syncwarp();
           if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
@@ -427,6 +438,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
             }
           }
           __syncwarp();
+        }
+        if (mode == 0) {  // source token slots this rank does not fill (s <= i < S): no token
+          int a, b;
+          chunk_range(S, nch, ch, (int)S, &a, &b);
+          const int from = a > s ? a : s;
+          for (i64 q = (i64)w0 * 32 + lane; q < (i64)(b - from) * R; q += (i64)nw * 32) {
+            const int p = (int)(q % R), i = from + (int)(q / R);
+            if (p != me) ((int*)(c->base[p] + c->off_flist))[(i64)me * S + i] = -1;
+          }
         }
       }
       chunk_done(c, ch, nnv, de);  // also when !ok: a fatal error makes every later wait return at once
@@ -441,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
     u64* tag = (u64*)(c->base[me] + c->off_tag);
     const float* wbuf = (const float*)(c->base[me] + c->off_w);
     const int* meta = (const int*)(c->base[me] + c->off_meta);
-    const int* msrc = (const int*)(c->base[me] + c->off_msrc);
+    const int* flist = (const int*)(c->base[me] + c->off_flist);
     if (!s_fat) {
       // A. own tokens
       for (int i = lw0; i < s; i += nlw) {
@@ -487,59 +507,49 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         }
       }
     }
-    // B. rows from peers, chunk by chunk
+    // B. tokens from peers, chunk by chunk: warp q takes (peer, source token) pairs q, q + nlw, ...
     for (int ch = 0; ch < nch; ++ch) {
       if (!wait_chunk(c, ch, de)) break;
-      for (i64 b0 = (i64)lw0 * 32; b0 < cap; b0 += (i64)nlw * 32) {
-        const i64 row = b0 + lane;
-        bool mine = false;
-        int f = -1;
-        if (row < cap) {
+      int lo, hi;
+      chunk_range(S, nch, ch, (int)S, &lo, &hi);
+      const int nt = hi - lo;
+      for (i64 q = lw0; q < (i64)(R - 1) * nt; q += nlw) {
+        int p = (int)(q / nt);
+        const int i = lo + (int)(q - (i64)p * nt);
+        p += p >= me ? 1 : 0;  // the peers, skipping this rank
+        const i64 slot = (i64)p * S + i;
+        int f;
+        if (mode == 0) {
+          f = ld_cg_i32(flist + slot);
+          if (f >= cap) f = -1;
+          if (lane == 0) tokfirst[slot] = f;
+        } else {
+          f = tokfirst[slot];
+        }
+        if (f < 0) continue;
+        int rk = -1;
+        if (lane < K) {
           if (mode == 0) {
-            u64 t = ld_cg_u64(tag + row);
-            if ((t >> 32) == tag_epoch && (int)((t >> 28) & 15ull) == ch && (i64)(t & TAG_ROW_MASK) < cap) {
-              f = (int)(t & TAG_ROW_MASK);
-              mine = true;
+            rk = ld_cg_i32(meta + (i64)f * K + lane);
+            if (rk >= cap) rk = -1;
+            rec[(i64)f * K + lane] = rk;
+            if (rk >= 0) {
+              row_first[rk] = f;
+              w_out[rk] = ld_cg_f32(wbuf + rk);
             }
-          } else if (row_first[row] == row) {
-            const int sr = src[row];
-            if (sr >= 0 && (i64)sr < (i64)R * S) {
-              const int p = (int)(sr / S);
-              if (p != me && chunk_of(sr - (i64)p * S, S, nch) == ch) {
-                f = (int)row;
-                mine = true;
-              }
-            }
+          } else {
+            rk = rec[(i64)f * K + lane];
           }
         }
-        if (mode == 0 && mine) {
-          row_first[row] = f;
-          w_out[row] = ld_cg_f32(wbuf + row);
-        }
-        unsigned fm = __ballot_sync(FULL_MASK, mine && f == row);
-        while (fm) {
-          const int l = __ffs(fm) - 1;
-          fm &= fm - 1;
-          const i64 fr = b0 + l;
-          int rk = -1;
-          if (mode == 0) {
-            if (lane < K) {
-              rk = ld_cg_i32(meta + fr * K + lane);
-              rec[fr * K + lane] = rk;
-            }
-            if (lane == 0) src[fr] = ld_cg_i32(msrc + fr);
-          } else if (lane < K) {
-            rk = rec[fr * K + lane];
-          }
-          const bool want = rk >= 0 && rk < cap && (!inplace || rk != fr);
-          const unsigned dm = __ballot_sync(FULL_MASK, want);
-          if (want) s_dst[wib][__popc(dm & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
-          __syncwarp();
-          const int n = (MOONEP_DIAG & DIAG_FUSED_NO_EXPAND) ? 0 : __popc(dm);
-          if (vec == 16) warp_fanout16_cg(s_dst[wib], n, sbuf + fr * row_bytes, row_bytes, lane);
-          else for (int t = 0; t < n; ++t) warp_copy_cg(s_dst[wib][t], sbuf + fr * row_bytes, row_bytes, vec, lane);
-          __syncwarp();
-        }
+        if (mode == 0 && lane == 0) src[f] = (int)slot;
+        const bool want = rk >= 0 && rk < cap && (!inplace || rk != f);
+        const unsigned dm = __ballot_sync(FULL_MASK, want);
+        if (want) s_dst[wib][__popc(dm & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
+        __syncwarp();
+        const int n = (MOONEP_DIAG & DIAG_FUSED_NO_EXPAND) ? 0 : __popc(dm);
+        if (vec == 16) warp_fanout16_cg(s_dst[wib], n, sbuf + (i64)f * row_bytes, row_bytes, lane);
+        else for (int t = 0; t < n; ++t) warp_copy_cg(s_dst[wib][t], sbuf + (i64)f * row_bytes, row_bytes, vec, lane);
+        __syncwarp();
       }
     }
   }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
 # (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
-#   steps: diag fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -29,6 +29,7 @@ for s in "$@"; do case $s in
   smoke) step smoke 200 bash scripts/gpu_smoke.sh $o ;;
   examples) step train_tiny_moe 150 mpirun --allow-run-as-root -n 2 python3 examples/train_tiny_moe.py --steps 30
             step hf_mixtral_ep 150 mpirun --allow-run-as-root -n 2 python3 examples/hf_mixtral_ep.py ;;
+  diag_quick) step diag_quick 400 bash benchmarks/diag_nvlink.sh $o/diagq 24,32,48 unfused fused_dispatch fused_ch2 fused_ch8 fused_nvlink_only ;;
   diag) step diag 480 bash benchmarks/diag_nvlink.sh $o/diag 24,32,64 ;;
   planner_prof) step planner_prof 150 python3 scripts/profile_planner.py --out $o/planner_prof.json ;;
   planner_clocks) step planner_clocks 120 python3 scripts/profile_planner.py --clocks --out $o/planner_clocks.json ;;

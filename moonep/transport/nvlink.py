@@ -80,7 +80,7 @@ from ..errors import MoonepError, expect, expect_tensor
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MAXR = 64
 _CTX_WORDS = 224
-_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc", "csig")
+_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc", "csig", "flist")
 _MAX_CHUNKS = 8   # common.cuh MAX_CHUNKS
 _CTR_WORDS = 16   # common.cuh CTR_WORDS
 _ES = {0: 4, 1: 2, 2: 2}
@@ -208,6 +208,7 @@ class NvStep:
     row_first: torch.Tensor | None = None  # int32 [cap]: first row of each row's token here, -1 unwritten
     rec: torch.Tensor | None = None        # int32 [cap, K]: K-aligned rows of the token at first rows
     src: torch.Tensor | None = None        # int32 [cap]: src_rank*S + src_token at first rows
+    tokfirst: torch.Tensor | None = None   # int32 [R, S]: first row here of each peer token, -1 (fused path)
     extra: dict = field(default_factory=dict)
 
 
@@ -272,7 +273,7 @@ class NVLinkEngine:
         sizes = dict(esig=R * 8, dsig=R * 8, ctr=_CTR_WORDS * 8, derr=16, gather=2 * R * self.E2 * 8,
                      recv=self.cap * self.H * self.es, w=self.cap * 4, tag=self.cap * 8,
                      meta=self.cap * K * 4, msrc=self.cap * 4, acc=2 * self.acc_half,
-                     gwacc=2 * self.gw_half, csig=_MAX_CHUNKS * R * 8)
+                     gwacc=2 * self.gw_half, csig=_MAX_CHUNKS * R * 8, flist=R * self.S * 4)
         self.off, total = {}, 0
         for name, n in sizes.items():
             self.off[name] = total
@@ -514,6 +515,7 @@ class NVLinkEngine:
         st.row_first = torch.empty(self.cap, dtype=torch.int32, device=self.device)
         st.rec = torch.empty((self.cap, self.K), dtype=torch.int32, device=self.device)
         st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
+        st.tokfirst = None  # a backward of this step takes the two-kernel path too
         self._launch("moonep_dispatch_expand", self.sm_count,
                      (np.int32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
                       np.int64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0)))
@@ -522,8 +524,9 @@ class NVLinkEngine:
     def _step_lists(self, st: NvStep) -> None:
         # row_first [cap], rec [cap, K], src [cap] in one allocation (entries of non-first rows are unused)
         cap, K = self.cap, self.K
-        lists = torch.empty(cap * (K + 2), dtype=torch.int32, device=self.device)
-        st.row_first, st.rec, st.src = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K), lists[cap * (K + 1):]
+        lists = torch.empty(cap * (K + 2) + self.R * self.S, dtype=torch.int32, device=self.device)
+        st.row_first, st.rec = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K)
+        st.src, st.tokfirst = lists[cap * (K + 1):cap * (K + 2)], lists[cap * (K + 2):]
 
     def _dispatch_fused(self, x, w32, st: NvStep, zero_copy: bool, rb: int, barrier: int):
         if zero_copy:
@@ -536,7 +539,7 @@ class NVLinkEngine:
         self._launch("moonep_dispatch_fused", self.grid_fused,
                      (np.int32(0), _p(x), np.int64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
                       _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
-                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src)))
+                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst)))
         self._launch("moonep_dispatch_zero", self.sm_count,
                      (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
         return tokens, weights
@@ -552,13 +555,13 @@ class NVLinkEngine:
             self._grow("grad", self.cap * rb)
         if gy.dtype not in self._grad_views:  # views are made once: wrapping memory is not free of syncs
             self._grad_views[gy.dtype] = self.grad.view(0, (self.cap, self.H), gy.dtype)
-        if self.fused_dispatch:
+        if self.fused_dispatch and st.tokfirst is not None:  # the forward ran fused: its tokfirst list
             out = self._grad_views[gy.dtype]
             self._launch("moonep_dispatch_fused", self.grid_fused,
                          (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
                           np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1),
                           np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), np.uint64(0), _p(st.row_first),
-                          _p(st.rec), _p(st.src)))
+                          _p(st.rec), _p(st.src), _p(st.tokfirst)))
             return out
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
