@@ -11,16 +11,15 @@
 
 #define MAX_WARPS 32
 
-// Sum, in k order, the (weighted) valid rows of one token: per step each lane loads U = 4 16-byte words of
-// up to 4 rows (16 loads in flight: a warp that waited on one word per row per step was latency-bound,
-// ~1.4 TB/s), fp32 accumulation with separately rounded multiplies and adds (no FMA), every element summed
+// Sum, in k order, the (weighted) valid rows of one token: per step each lane loads U = 2 16-byte words of
+// up to 4 rows (8 loads in flight: a warp that waited on one word per row per step was latency-bound), fp32 accumulation with separately rounded multiplies and adds (no FMA), every element summed
 // in k order.  The result (same element count, dtype DT: the wire dtype equals the row dtype) goes to `dst`
 // with 16-byte stores; dst may be a peer's memory.
 template <int DT>
 __device__ __forceinline__ void reduce_rows16(char* dst, const char* out, i64 row_bytes, const int* rows,
                                               const float* ws, int n, bool weighted, int lane) {
   constexpr int G = DT == DT_F32 ? 4 : 8;
-  constexpr int U = 4;
+  constexpr int U = 2;  // 4 spilled registers (ncu: local memory traffic)
   const i64 nw = row_bytes >> 4;
   for (i64 j0 = lane; j0 < nw; j0 += 32 * U) {
     float a[U][G];
@@ -76,7 +75,8 @@ __device__ __forceinline__ void reduce_rows16(char* dst, const char* out, i64 ro
 //   barrier: 1 when the receive-back area is not double-buffered (see nvlink.py).
 extern "C" __global__ void __launch_bounds__(512) moonep_combine_reduce(const Ctx* c, const void* out, int out_dt, const float* weights,
                                                  const float* gw_in, const int* row_first, const int* rec,
-                                                 const int* src, int vec, int barrier, i64 acc_off, i64 gw_off) {
+                                                 const int* src, int vec, int barrier, i64 acc_off, i64 gw_off,
+                                                 const int* tokfirst) {
   __shared__ int s_rows[MAX_WARPS][32];
   __shared__ float s_w[MAX_WARPS][32];
   u64 ne;
@@ -86,9 +86,21 @@ extern "C" __global__ void __launch_bounds__(512) moonep_combine_reduce(const Ct
     const i64 cap = c->cap, H = c->H, S = c->S, nsrc = c->R * c->S;
     const int esz = out_dt == DT_F32 ? 4 : 2;
     const i64 row_bytes = H * esz;
-    for (i64 f = warp_id_global(); f < cap; f += num_warps_global()) {
-      if (row_first[f] != f) continue;
-      const i64 sr = src[f];
+    // With tokfirst (the fused dispatch's [R, S] first rows) one warp takes one source token: a warp per
+    // row of the expert-grouped layout got a varying share of the clustered first rows, and the block
+    // barrier at the end waited for the busiest warp (45% of the stalls, ncu).
+    const i64 n_items = tokfirst != nullptr ? nsrc : cap;
+    for (i64 q = warp_id_global(); q < n_items; q += num_warps_global()) {
+      i64 f, sr;
+      if (tokfirst != nullptr) {
+        f = tokfirst[q];
+        if (f < 0 || f >= cap) continue;
+        sr = q;
+      } else {
+        f = q;
+        if (row_first[f] != f) continue;
+        sr = src[f];
+      }
       if (sr < 0 || sr >= nsrc) continue;
       const int p = (int)(sr / S);
       const i64 slot = (i64)me * S + (sr - (i64)p * S);

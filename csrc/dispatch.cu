@@ -361,6 +361,8 @@ extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
 //        exports the row lists from the symmetric flist/meta/w and keeps the first rows in the step-local
 //        tokfirst [R, S] for mode 1.  One warp per token, not per group of rows: the expert-grouped layout
 //        clusters a peer's first rows, and a warp per 32 rows serialised up to 32 tokens (~300 us).
+//        tokfirst [R, S] (step-local) gets every source token's first row here (own tokens from A), -1
+//        without one: combine and the backward pass walk tokens through it.
 //        Peer-written memory is read with L2-only loads.
 //   Mode 0 rows nobody wrote (padding, unused capacity) are zeroed by moonep_dispatch_zero afterwards.
 //   mode 0: forward (main receive buffer; dst = it (zero-copy) or a fresh tensor; w: fp32 [s, K]).
@@ -477,9 +479,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         }
         const bool local = r == me;
         const unsigned lm = __ballot_sync(FULL_MASK, local);
-        if (lm == 0u) continue;
+        if (lm == 0u) {
+          if (mode == 0 && lane == 0) tokfirst[(i64)me * S + i] = -1;
+          continue;
+        }
         const int f = __shfl_sync(FULL_MASK, row, __ffs(lm) - 1);
         if (mode == 0) {
+          if (lane == 0) tokfirst[(i64)me * S + i] = f;
           if (local) {
             w_out[row] = wk;
             row_first[row] = f;
@@ -495,6 +501,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         else for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
         __syncwarp();
       }
+      if (mode == 0)  // own source slots without a token
+        for (i64 q = (i64)lw0 * 32 + lane; q < S - s; q += (i64)nlw * 32) tokfirst[(i64)me * S + s + q] = -1;
       if (mode == 1) {  // rows without a token (known from the forward)
         for (i64 b0 = (i64)lw0 * 32; b0 < cap; b0 += (i64)nlw * 32) {
           const i64 row = b0 + lane;

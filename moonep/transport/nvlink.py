@@ -208,7 +208,7 @@ class NvStep:
     row_first: torch.Tensor | None = None  # int32 [cap]: first row of each row's token here, -1 unwritten
     rec: torch.Tensor | None = None        # int32 [cap, K]: K-aligned rows of the token at first rows
     src: torch.Tensor | None = None        # int32 [cap]: src_rank*S + src_token at first rows
-    tokfirst: torch.Tensor | None = None   # int32 [R, S]: first row here of each peer token, -1 (fused path)
+    tokfirst: torch.Tensor | None = None   # int32 [R, S]: first row here of each source token, -1 (fused path)
     extra: dict = field(default_factory=dict)
 
 
@@ -239,10 +239,12 @@ class NVLinkEngine:
         self.block = block
         # Fused kernels, chosen per stage (all bit-identical to the two-kernel path): "route" (validation +
         # counts gather in one launch), "dispatch" (send and local expansion on disjoint SMs, chunk-pipelined),
-        # "combine". Default "route": on 2xH200 (benchmarks/results/h200x2_round6_*) the fused route cut
-        # validate+gather from ~250 to ~50-85 us, while fused dispatch (~350 us vs ~300) and fused combine
-        # (~850-1300 us vs ~450) were slower than the two-kernel kernels. MOONEP_NVLINK_FUSED: "0", "1" or a list.
-        self.set_fused(os.environ.get("MOONEP_NVLINK_FUSED", "route"))
+        # "combine". Default "route,dispatch": the fused route cut validate+gather from ~250 to ~50-85 us
+        # (benchmarks/results/h200x2_round6_*); the fused dispatch, once its expansion took one warp per token
+        # (h200x2_round13 diagnostics: ~350 us from clustered first rows), overlaps the own tokens' local rows
+        # with the NVLink stores and leaves the combine a per-token list; the fused combine (~850-1300 us vs
+        # ~450) stays off.  MOONEP_NVLINK_FUSED: "0", "1" or a comma list.
+        self.set_fused(os.environ.get("MOONEP_NVLINK_FUSED", "route,dispatch"))
         self.nch = max(1, min(int(os.environ.get("MOONEP_NVLINK_CHUNKS", "4")), _MAX_CHUNKS))
         # Blocks that drive NVLink in the fused kernels; the rest of the grid (every SM) does local HBM
         # work.  Combine's NVLink blocks also read ~K/R rows per row they push: twice the dispatch budget.
@@ -606,7 +608,8 @@ class NVLinkEngine:
             return y, gw
         self._launch("moonep_combine_reduce", self.sm_count,
                      (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
-                      _p(st.src), np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off)))
+                      _p(st.src), np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off),
+                      _p(st.tokfirst)))
         y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
         gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
         self._launch("moonep_combine_sum", self.sm_count,

@@ -442,15 +442,18 @@ def case_fused_kernels_equal_unfused(rt):
     zero-copy and copying, for several chunk counts and NVLink block budgets, odd rows included."""
     _need_cuda(rt)
     R, d = rt.world_size, rt.device
-    for (H, K), dtype, nch, sms in [((256, 4), torch.float32, 4, 3), ((64, 3), torch.bfloat16, 8, 1),
-                                    ((6, 2), torch.float32, 3, 2), ((2048, 4), torch.bfloat16, 1, 5)]:
+    for (H, K), dtype, nch, sms, spec in [((256, 4), torch.float32, 4, 3, "1"), ((64, 3), torch.bfloat16, 8, 1, "1"),
+                                          ((6, 2), torch.float32, 3, 2, "1"), ((2048, 4), torch.bfloat16, 1, 5, "1"),
+                                          ((256, 4), torch.float32, 4, 3, "route,dispatch"),
+                                          ((2048, 4), torch.bfloat16, 2, 5, "route,dispatch"),
+                                          ((6, 2), torch.bfloat16, 3, 2, "route,dispatch")]:
         E, S = 8 * R, 300
         x, idx, w, gy, _ = _problem(rt, E, K, H, S, "zipf", seed=H + K, mask=0.1, dtype=dtype)
         kw = dict(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype, transport="nvlink", num_sms=sms)
         res = {}
         with ExpertParallel(rt, **kw) as fz, ExpertParallel(rt, **kw) as uf:
             fz._engine.nch = nch
-            fz._engine.set_fused("1")
+            fz._engine.set_fused(spec)  # "route,dispatch": the two-kernel combine walks tokfirst
             uf._engine.set_fused("0")
             for name, ep in (("fused", fz), ("unfused", uf)):
                 out = {}
@@ -473,4 +476,4 @@ def case_fused_kernels_equal_unfused(rt):
             fz.synchronize()
             uf.synchronize()
         for key in res["fused"]:
-            _eq(res["fused"][key], res["unfused"][key], f"rank {rt.rank} H={H} {dtype} nch={nch} sms={sms} {key}")
+            _eq(res["fused"][key], res["unfused"][key], f"rank {rt.rank} H={H} {dtype} nch={nch} sms={sms} {spec} {key}")
