@@ -534,7 +534,7 @@ def cu_seqlens_cuda(plan, rank, align: int):
     d = _dev(di)
     shape = (2 * g.epn + 1,) if rank is not None else (g.R, 2 * g.epn + 1)
     out = torch.empty(shape, dtype=torch.int32, device=ws.device)
-    nthreads = 1 if rank is not None else g.R
+    nthreads = 32 * (1 if rank is not None else g.R)  # a warp per rank
     d.launch("moonep_cu", -(-nthreads // 128), 128,
              (d.arg(ws.data_ptr()), d.arg(out.data_ptr()), d.c(g.R), d.c(g.E), d.c(align),
               d.c(-1 if rank is None else rank)))
