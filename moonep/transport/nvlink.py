@@ -16,7 +16,8 @@ GPUs reach each other) routes the data path through :class:`NVLinkEngine`:
                 ``moonep_combine_sum``: each source sums its rows from every destination rank, in rank
                 order, from local memory
 
-Fused kernels (the default; ``MOONEP_NVLINK_FUSED=0`` selects the two-kernel path above, bit-identical):
+Fused kernels (``MOONEP_NVLINK_FUSED``, default ``route,dispatch``; ``0`` selects the two-kernel path above,
+bit-identical):
 
     plan_step   ``moonep_route_gather``: one launch validates the routing (range, duplicates, finite
                 weights), writes the masked int64 ids and fp32 weights, builds this rank's histogram and
@@ -25,8 +26,10 @@ Fused kernels (the default; ``MOONEP_NVLINK_FUSED=0`` selects the two-kernel pat
     dispatch    ``moonep_dispatch_fused``: blocks [0, num_sms) push each token once per remote rank, in
                 ``nch`` chunks of source tokens with a signal per chunk; the other blocks (every other SM)
                 write this rank's own tokens into their local rows and, chunk by chunk as the peers'
-                signals arrive, expand the peers' first rows locally; ``moonep_dispatch_zero`` then zeroes
-                the rows nobody wrote
+                signals arrive, expand the peers' first rows locally, one warp per (peer, token) found
+                through the first-row list ``flist`` the senders write; it leaves ``tokfirst [R, S]``, the
+                step's first row of every source token, through which ``moonep_combine_reduce`` walks
+                tokens; ``moonep_dispatch_zero`` then zeroes the rows nobody wrote
     combine     ``moonep_combine_fused``: blocks [0, 2*num_sms) reduce the tokens received from peers and
                 push one partial per (token, rank), chunk by chunk; the other blocks compute, per chunk as
                 it arrives, y for this rank's tokens in rank order, this rank's own partial computed on the
