@@ -19,7 +19,10 @@ an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
   ``combine`` (reduce + push overlapped with the local rank-order sums), ``gaps`` (GPU idle between
   kernels: launch/Python overhead, small ops).  With ``MOONEP_NVLINK_FUSED=0``: ``validate``, ``gather``,
   ``send``, ``expand``, ``reduce_push``, ``sum`` as before;
-* ``copy_*``: the same dispatch/combine in copy mode (fresh output tensors) against zero-copy.
+* ``copy_*``: the same dispatch/combine in copy mode (fresh output tensors) against zero-copy;
+* ``*_graph_us``: full dispatch (plan included), combine and the step replayed from CUDA graphs of 10
+  calls: device time without the host's launch time (what back-to-back eager calls show when the host is
+  the slower side).
 
 ``--maxvio 0 1 4`` sweeps routing imbalance with the generator of ``python -m moonep.bench``
 (``moonep.bench.routing``: Zipf popularity, exponent bisected to the target) and reports the achieved
@@ -59,6 +62,28 @@ def _time(fn, iters):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters  # microseconds
+
+
+def _graph_time(fn, reps=10, iters=5):
+    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``reps`` calls: device time without
+    the host (DeepEP reports kernel times the same way); every rank captures and replays the same calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
 _PHASES = {"validate": "validate", "moonep_gather": "gather", "planner": "planner", "layout": "layout",
@@ -154,6 +179,12 @@ def main() -> int:
             phases = _phases(eng, full_step, args.iters)
             step_us = _time(full_step, args.iters)
             ep.synchronize()
+            # the same calls replayed from CUDA graphs: device time, host launch time excluded
+            full_graph_us = _graph_time(lambda: ep.dispatch(x, idx, w))
+            hg = ep.dispatch(x, idx, w)
+            comb_graph_us = _graph_time(lambda: ep.combine(hg.tokens, hg))
+            step_graph_us = _graph_time(full_step)
+            ep.synchronize()
             logical = s * K * H * 2
             wire = remote * H * 2  # bf16 rows each way (combine partials travel in the token dtype)
             ceil_us = wire / (args.ceiling * 1e3)
@@ -161,7 +192,8 @@ def main() -> int:
                              fused=[n for n in ("route", "dispatch", "combine") if getattr(eng, "fused_" + n)], nnv_dispatch=eng.nnv_dispatch, nnv_combine=eng.nnv_combine,
                              chunks=eng.nch, plan_us=round(plan_us, 1), dispatch_us=round(disp_us, 1),
                              dispatch_full_us=round(full_us, 1), combine_us=round(comb_us, 1),
-                             step_us=round(step_us, 1),
+                             step_us=round(step_us, 1), dispatch_full_graph_us=round(full_graph_us, 1),
+                             combine_graph_us=round(comb_graph_us, 1), step_graph_us=round(step_graph_us, 1),
                              copy_dispatch_us=round(copy_disp_us, 1), copy_combine_us=round(copy_comb_us, 1),
                              dispatch_logical_GBps=round(logical / disp_us / 1e3, 1),
                              combine_logical_GBps=round(logical / comb_us / 1e3, 1),
