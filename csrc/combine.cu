@@ -12,14 +12,14 @@
 #define MAX_WARPS 32
 
 // Sum, in k order, the (weighted) valid rows of one token: per step each lane loads U = 2 16-byte words of
-// up to 4 rows (8 loads in flight: a warp that waited on one word per row per step was latency-bound), fp32 accumulation with separately rounded multiplies and adds (no FMA), every element summed
-// in k order.  The result (same element count, dtype DT: the wire dtype equals the row dtype) goes to `dst`
+// up to 4 rows (8 loads in flight: a warp that waited on one word per row per step was latency-bound),
+// fp32 accumulation with separately rounded multiplies and adds (no FMA), every element summed in k order.  The result (same element count, dtype DT: the wire dtype equals the row dtype) goes to `dst`
 // with 16-byte stores; dst may be a peer's memory.
 template <int DT>
 __device__ __forceinline__ void reduce_rows16(char* dst, const char* out, i64 row_bytes, const int* rows,
                                               const float* ws, int n, bool weighted, int lane) {
   constexpr int G = DT == DT_F32 ? 4 : 8;
-  constexpr int U = 2;  // 4 spilled registers (ncu: local memory traffic)
+  constexpr int U = 2;  // U = 4 spilled registers under __launch_bounds__(512) (ncu: local memory traffic)
   const i64 nw = row_bytes >> 4;
   for (i64 j0 = lane; j0 < nw; j0 += 32 * U) {
     float a[U][G];

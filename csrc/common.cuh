@@ -62,10 +62,7 @@ typedef long long i64;
 // Fused dispatch/combine: the NVLink blocks publish their work in MAX_CHUNKS chunks of source tokens,
 // chunk(i) = i * nch / S, each with its own signal array csig[chunk][R] (values: the kernel's data epoch).
 #define MAX_CHUNKS 8
-// Dispatch tags: epoch (bits 63..32) | chunk (bits 31..28, TAG_OWN for rows of this rank's own tokens)
-// | first row (bits 27..0).
-#define TAG_OWN 15u
-#define TAG_ROW_MASK 0x0fffffffull
+// Dispatch tags: epoch (bits 63..32) | first row (bits 31..0).
 
 // Field order must match nvlink.py (_CTX_FIELDS); every field is 8 bytes.
 struct Ctx {

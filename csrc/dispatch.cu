@@ -407,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
           if (mode == 0 && remote) {
             char* b = c->base[r];
             ((float*)(b + c->off_w))[row] = wk;
-            ((u64*)(b + c->off_tag))[row] = (tag_epoch << 32) | ((u64)ch << 28) | (u64)(unsigned)my_first;
+            ((u64*)(b + c->off_tag))[row] = (tag_epoch << 32) | (u64)(unsigned)my_first;
           }
           unsigned dmask = __ballot_sync(FULL_MASK, is_first);
           int n = __popc(dmask);
@@ -489,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
           if (local) {
             w_out[row] = wk;
             row_first[row] = f;
-            tag[row] = (tag_epoch << 32) | ((u64)TAG_OWN << 28) | (u64)(unsigned)f;
+            tag[row] = (tag_epoch << 32) | (u64)(unsigned)f;
           }
           if (lane == 0) src[f] = (int)(me * S + i);
           if (lane < K) rec[(i64)f * K + lane] = local ? row : -1;
@@ -578,7 +578,7 @@ extern "C" __global__ void moonep_dispatch_zero(const Ctx* c, char* dst, float* 
     bool stale = false;
     if (row < cap) {
       const u64 t = tag[row];
-      stale = !((t >> 32) == epoch && (i64)(t & TAG_ROW_MASK) < cap);
+      stale = !((t >> 32) == epoch && (i64)(t & 0xffffffffull) < cap);
       if (stale) {
         w_out[row] = 0.f;
         row_first[row] = -1;
