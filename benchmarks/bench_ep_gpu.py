@@ -21,8 +21,8 @@ an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
   ``send``, ``expand``, ``reduce_push``, ``sum`` as before;
 * ``copy_*``: the same dispatch/combine in copy mode (fresh output tensors) against zero-copy;
 * ``*_graph_us``: full dispatch (plan included), combine and the step replayed from CUDA graphs of 10
-  calls: device time without the host's launch time (what back-to-back eager calls show when the host is
-  the slower side).
+  calls (``bench_planner.graph_time``, median of 5 replays): device time without the host's launch time
+  (what back-to-back eager calls show when the host is the slower side).
 
 ``--maxvio 0 1 4`` sweeps routing imbalance with the generator of ``python -m moonep.bench``
 (``moonep.bench.routing``: Zipf popularity, exponent bisected to the target) and reports the achieved
@@ -45,6 +45,8 @@ import moonep
 from moonep.bench.provenance import git_commit
 from moonep.ep import ExpertParallel
 
+from bench_planner import graph_time  # noqa: E402  (benchmarks/, this script's directory, is on sys.path)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,28 +64,6 @@ def _time(fn, iters):
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / iters  # microseconds
-
-
-def _graph_time(fn, reps=10, iters=5):
-    """Microseconds per call of ``fn`` replayed from a CUDA graph of ``reps`` calls: device time without
-    the host (DeepEP reports kernel times the same way); every rank captures and replays the same calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (iters * reps)
 
 
 _PHASES = {"validate": "validate", "moonep_gather": "gather", "planner": "planner", "layout": "layout",
@@ -180,10 +160,10 @@ def main() -> int:
             step_us = _time(full_step, args.iters)
             ep.synchronize()
             # the same calls replayed from CUDA graphs: device time, host launch time excluded
-            full_graph_us = _graph_time(lambda: ep.dispatch(x, idx, w))
+            full_graph_us = graph_time(lambda: ep.dispatch(x, idx, w), n=10, reps=5)
             hg = ep.dispatch(x, idx, w)
-            comb_graph_us = _graph_time(lambda: ep.combine(hg.tokens, hg))
-            step_graph_us = _graph_time(full_step)
+            comb_graph_us = graph_time(lambda: ep.combine(hg.tokens, hg), n=10, reps=5)
+            step_graph_us = graph_time(full_step, n=10, reps=5)
             ep.synchronize()
             logical = s * K * H * 2
             wire = remote * H * 2  # bf16 rows each way (combine partials travel in the token dtype)
