@@ -241,7 +241,7 @@ extern "C" __global__ void moonep_prefetch_finish(const Ctx* c, char* out, const
 // every rank through peer stores into one half of the gather area (halves alternate between calls, so
 // no entry barrier is needed: a peer writes half h again only after it saw this rank's signal of the
 // gather in between, which this rank sent after reading h), signals, waits for every rank's data and
-// copies the [R, E+2] table to `out`.  The data wait also stands for the entry barrier of the dispatch
+// copies its counts, int64 [R, E], to `out` (the planner's input as is).  The data wait also stands for the entry barrier of the dispatch
 // that follows: every peer has finished its earlier kernels (which read the receive buffers).
 extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
     const Ctx* c, const void* idx, int idx64, const void* w, int w_dt, int s, i64* idx_out, float* w_out,
@@ -260,20 +260,35 @@ extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
   int* hist = use_smem ? s_hist : g_hist;
   int flag = 0;
   const i64 n = (i64)s * K;
-  for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += (i64)gridDim.x * blockDim.x) {
-    i64 v = idx64 ? ((const i64*)idx)[j] : (i64)((const int*)idx)[j];
+  // Whole warps step together (j0 = the warp's first choice), so when K divides 32 a token's K choices sit
+  // in K adjacent lanes and its duplicate check is one __match_any_sync instead of up to K-1 reloads.
+  const int lane = threadIdx.x & 31;
+  const bool kwarp = (32 % K) == 0;
+  const unsigned tok = K == 32 ? FULL_MASK : ((1u << K) - 1u) << (lane - lane % K);
+  const i64 stride = (i64)gridDim.x * blockDim.x;
+  for (i64 j0 = (i64)blockIdx.x * blockDim.x + (threadIdx.x & ~31); j0 < n; j0 += stride) {
+    const i64 j = j0 + lane;
+    const bool live = j < n;
+    i64 v = !live ? -1 : idx64 ? ((const i64*)idx)[j] : (i64)((const int*)idx)[j];
     if (v < -1 || v >= E) {
       flag |= ERR_BAD_IDX;
       v = -1;
     }
+    if (kwarp) {
+      const unsigned same = __match_any_sync(FULL_MASK, v) & tok;
+      if (v >= 0 && __popc(same) > 1) flag |= ERR_DUP_IDX;
+    }
+    if (!live) continue;
     idx_out[j] = v;
     if (v >= 0) {
       atomicAdd(&hist[v], 1);
-      const int k = (int)(j % K);
-      const i64 b = j - k;
-      for (int q = 0; q < k; ++q) {
-        i64 u = idx64 ? ((const i64*)idx)[b + q] : (i64)((const int*)idx)[b + q];
-        if (u == v) flag |= ERR_DUP_IDX;
+      if (!kwarp) {
+        const int k = (int)(j % K);
+        const i64 b = j - k;
+        for (int q = 0; q < k; ++q) {
+          i64 u = idx64 ? ((const i64*)idx)[b + q] : (i64)((const int*)idx)[b + q];
+          if (u == v) flag |= ERR_DUP_IDX;
+        }
       }
     }
     float wf;
@@ -326,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
   signal_all(c, c->off_dsig, nd);  // begins with a system fence + __syncthreads: the stores above first
   bool ok = wait_all(c, c->off_dsig, nd);
   const volatile i64* g = (const volatile i64*)(c->base[me] + c->off_gather) + half;
-  for (int j = threadIdx.x; j < R * E2; j += blockDim.x) out[j] = ok ? g[j] : 0;
+  for (int j = threadIdx.x; j < R * E; j += blockDim.x) out[j] = ok ? g[(j / E) * E2 + j % E] : 0;  // counts only
   __syncthreads();
   if (threadIdx.x == 0) {
     c->ctr[CTR_DATA] = nd;

@@ -282,7 +282,13 @@ __device__ __forceinline__ int kneed(const i64* ps, int epn, V d) {
   return lo + 1;
 }
 
-// warp, any epn: move `need` copies from donor o's largest remaining experts to receiver u (cpu.py _fill)
+// warp, any epn: move `need` copies from donor o's largest remaining experts to receiver u (cpu.py _fill).
+// The fill touches a prefix [0, t) of the donor's order and empties all of it but position t-1 (it is
+// largest-first), so the new (rem desc, id asc) order merges the untouched suffix, still sorted, with the
+// t touched experts: an untouched one moves up by the touched ones now before it (O(1) when its rem > 0),
+// a touched one finds its place in the suffix by binary search. A full re-rank of the donor (every expert
+// against every other, O(epn^2 / 32) per lane) was 19.5k of the 21.8k cycles of the fill loop at (256, 2, 8)
+// (h200x1_round37_planner_stamps.json).
 __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal) {
   const int epn = s.epn, base = o * epn;
   int ntouch = 0;
@@ -309,21 +315,45 @@ __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane, boo
     s.rsrc[u] = o;
   }
   __syncwarp();
-  for (int a = lane; a < ntouch; a += 32) {  // replica slots of u, ascending expert id
+  const int t = ntouch;
+  for (int a = lane; a < t; a += 32) {  // replica slots of u, ascending expert id
     int j = s.tj[a], pos = 0;
-    for (int q = 0; q < ntouch; ++q) pos += s.tj[q] < j;
+    for (int q = 0; q < t; ++q) pos += s.tj[q] < j;
     s.rx[(i64)u * epn + pos] = base + j;
   }
-  for (int j0 = 0; j0 < epn; j0 += 32) {     // re-sort the donor's experts
-    int j = j0 + lane;
-    if (j < epn) {
-      i64 v = s.rem[base + j];
-      int pos = 0;
-      for (int q = 0; q < epn; ++q) { i64 x = s.rem[base + q]; pos += (x > v) || (x == v && q < j); }
-      s.order[base + pos] = j;
+  if (t > 0) {
+    const int jl = s.tj[t - 1];
+    const i64 rl = s.rem[base + jl];         // the partly taken one (0 if the fill emptied it too)
+    const int nz = rl > 0 ? t - 1 : t;       // touched experts now at 0: tj[0, nz)
+    // zeros among the touched ones with a smaller id than j (zeros sort by id)
+    auto zeros_below = [&](int j) { int c = 0; for (int q = 0; q < nz; ++q) c += s.tj[q] < j; return c; };
+    i64* np = s.psum + base;                  // scratch: psum is rebuilt below
+    for (int a = lane; a < epn; a += 32) {
+      int j, pos;
+      if (a >= t) {                           // untouched: a - t of them sort before it, plus touched ones
+        j = s.order[base + a];
+        const i64 v = s.rem[base + j];
+        pos = a - t + (v > 0 ? ((rl > v || (rl == v && jl < j)) ? 1 : 0) : (rl > 0 ? 1 : 0) + zeros_below(j));
+      } else {                                // touched: its place among the untouched, then the touched
+        j = s.tj[a];
+        const i64 v = (a == t - 1) ? rl : 0;
+        int lo = t, hi = epn;                 // first untouched position that sorts after (v, j)
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1, jm = s.order[base + mid];
+          const i64 vm = s.rem[base + jm];
+          if (vm > v || (vm == v && jm < j)) lo = mid + 1; else hi = mid;
+        }
+        pos = lo - t + (v > 0 ? 0 : (rl > 0 ? 1 : 0) + zeros_below(j));
+      }
+      np[a] = ((i64)pos << 32) | (unsigned)j;
     }
+    __syncwarp();
+    for (int a = lane; a < epn; a += 32) {
+      const i64 q = np[a];
+      s.order[base + (int)(q >> 32)] = (int)(unsigned)q;
+    }
+    __syncwarp();
   }
-  __syncwarp();
   rank_psum(s, base, lane);
   __syncwarp();
 }
@@ -958,7 +988,8 @@ __device__ __forceinline__ T ld_plan(const T* p) {
 
 // Token layout of source rank `rank`: out[0:n] = dst rank, out[n:2n] = dst row (int64, -1 masked).
 // cfg: bits 0-7 P (prefix blocks), 8-15 B (tile blocks), 16-31 SUB (copies per warp), bit 32: int32 topk,
-// bit 33: int32 counts, bit 34: chunk tables staged in shared memory, bits 40-47: warps that own copies
+// bit 33: int32 counts, bit 34: chunk tables staged in shared memory, bit 35 (fused only): also write this
+// rank's slot experts (int64 [2*epn]) and cu_seqlens (int32 [2*epn + 1]) at out + 2n, bits 40-47: warps that own copies
 // (0: all of the block's). Blocks [0, P): copies of each expert on source ranks < rank. Blocks [P, P+B):
 // tiles of nw*SUB copies. Dynamic shared memory (bytes): max((16 + 2*nw) * E, 256 * warps of the block),
 // (44 + 2*nw) * E + 16 with bit 34.
@@ -1074,10 +1105,6 @@ __device__ __noinline__ void layout_body(
       __syncthreads();
     }
     TS_MARK(3);
-    // first value of this warp's first row-offset scan, loaded now so that its latency overlaps the staging
-    i64 x0 = 0;
-    if (warp < R && lane < 2 * epn)
-      x0 = lane < epn ? ld_plan<FUSED>(w.rem + warp * epn + lane) : ld_plan<FUSED>(w.amt + warp * epn + lane - epn);
     if (stage) {  // two rounds per thread unrolled: every load issued before the first store waits
       for (int q0 = tid; q0 < 2 * E; q0 += 2 * nt) {
         const int q1 = q0 + nt;
@@ -1091,20 +1118,43 @@ __device__ __noinline__ void layout_body(
         if (q1 <= E) cseg_s[q1] = c1;
       }
     }
-    for (int r = warp; r < R; r += ntw) {  // row offsets of every (rank, slot) for this align
+    // Row offsets of every (rank, slot) for this align: the aligned slot sizes first, by the whole block
+    // (independent loads), then a warp per rank scans them in shared memory. A warp per rank loading as it
+    // scanned waited one L2 latency per 32 slots: ~4 us at epn 128, ~7 at epn 256 (round 37 stamps).
+    for (int q = tid; q < 2 * E; q += nt) {
+      const int r = q / (2 * epn), k = q - r * 2 * epn;
+      const i64 x = k < epn ? ld_plan<FUSED>(w.rem + r * epn + k) : ld_plan<FUSED>(w.amt + r * epn + k - epn);
+      Tt[q] = (int)((x + align - 1) / align * align);
+    }
+    __syncthreads();
+    // cfg bit 35 (PRE): tile block 0's warp of rank `rank` also writes that rank's slot experts and
+    // cu_seqlens after dst row (moonep_cu's output, without its launch and two torch ops per step)
+    const bool pre = FUSED && ((cfg >> 35) & 1) && blk == P;
+    for (int r = warp; r < R; r += ntw) {
       const int base = r * epn;
+      const bool mine = pre && r == (int)rank;
+      int* cuo = (int*)(out + 2 * n + 2 * epn);
       i64 carry = 0;
+      int packed = 0;
       for (int k0 = 0; k0 < 2 * epn; k0 += 32) {
-        int k = k0 + lane;
-        i64 v = 0;
-        if (k < 2 * epn) {
-          i64 x = (r == warp && k0 == 0) ? x0
-                  : k < epn ? ld_plan<FUSED>(w.rem + base + k) : ld_plan<FUSED>(w.amt + base + k - epn);
-          v = (x + align - 1) / align * align;
-        }
-        i64 inc = warp_incl_scan(v, lane);
+        const int k = k0 + lane;
+        const int v = k < 2 * epn ? Tt[2 * base + k] : 0;
+        const i64 inc = warp_incl_scan((i64)v, lane);
         if (k < 2 * epn) Tt[2 * base + k] = (int)(carry + inc - v);
+        if (mine) {  // cu_seqlens: home slots, then the non-empty replica slots packed (as moonep_cu)
+          const bool rep = k >= epn && k < 2 * epn && v > 0;
+          const unsigned m = __ballot_sync(FULL, rep);
+          if (k < epn) cuo[1 + k] = (int)(carry + inc);
+          if (rep) cuo[1 + epn + packed + __popc(m & ((1u << lane) - 1u))] = (int)(carry + inc);
+          packed += __popc(m);
+        }
         carry += __shfl_sync(FULL, inc, 31);
+      }
+      if (mine) {
+        if (lane == 0) cuo[0] = 0;
+        for (int q = packed + lane; q < epn; q += 32) cuo[1 + epn + q] = (int)carry;
+        for (int k = lane; k < 2 * epn; k += 32)  // slot experts: home ids, then the replicas (-1 empty)
+          out[2 * n + k] = k < epn ? (i64)(base + k) : ld_plan<FUSED>(w.rx + base + k - epn);
       }
     }
     __syncthreads();

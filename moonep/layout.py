@@ -10,8 +10,9 @@ Destination rank ``r`` groups its rows by slot: slot ``j < epn`` is home expert 
 With ``align > 1`` every slot's row count is rounded up to a multiple of ``align`` (padding rows are
 zero). On CPU everything here is torch ops; plans made on CUDA use one fused kernel each for
 ``token_destinations`` and ``cu_seqlens`` (``csrc/planner.cu``, bit-identical to the torch ops, which
-remain the reference and the fallback). Neither path synchronises with the host, and both can be
-captured in a CUDA graph.
+remain the reference and the fallback). ``plan_and_destinations`` on CUDA is one launch that also writes
+the rank's ``slot_experts`` and ``cu_seqlens``; for that plan and rank those two return views of it.
+Neither path synchronises with the host, and both can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -61,6 +62,11 @@ def slot_experts(plan: Plan, rank: int) -> torch.Tensor:
     """int64 [2*epn]: global expert id in each slot of ``rank`` (home experts, then replicas; -1 empty)."""
     _check_plan(plan)
     rank = _check_rank(rank, plan.num_ranks)
+    if plan._pre is not None:  # written by plan_and_destinations' launch (no torch ops)
+        from .planner.cuda import pre_slot_experts
+        pre = pre_slot_experts(plan, rank)
+        if pre is not None:
+            return pre
     epn = plan.experts_per_rank
     home = torch.arange(rank * epn, (rank + 1) * epn, device=plan.assignment.device)
     return torch.cat([home, plan.replica_experts[rank]])
@@ -97,9 +103,10 @@ def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Ten
     _check_align(align)
     if rank is not None:
         rank = _check_rank(rank, plan.num_ranks)
-    if plan._ws is not None:  # CUDA plan: one small kernel (csrc/planner.cu moonep_cu)
-        from .planner.cuda import cu_seqlens_cuda
-        return cu_seqlens_cuda(plan, rank, align)
+    if plan._ws is not None:  # CUDA plan: written by plan_and_destinations' launch, else one small kernel
+        from .planner.cuda import cu_seqlens_cuda, pre_cu_seqlens
+        pre = pre_cu_seqlens(plan, rank, align) if plan._pre is not None else None
+        return pre if pre is not None else cu_seqlens_cuda(plan, rank, align)
     sz = slot_sizes(plan, align)
     cu = torch.nn.functional.pad(sz.cumsum(1), (1, 0)).to(torch.int32)
     return cu if rank is None else cu[rank]

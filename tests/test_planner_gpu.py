@@ -24,7 +24,9 @@ def same(pc, pg):
 def cases():
     rng = np.random.default_rng(0)
     out = []
-    for R, epn in [(1, 4), (2, 1), (3, 5), (8, 32), (16, 24), (64, 14), (64, 16), (1024, 8), (7, 16)]:
+    # epn > 32: the general fill (wfill_gen) and its merge re-sort of the donor
+    for R, epn in [(1, 4), (2, 1), (3, 5), (8, 32), (16, 24), (64, 14), (64, 16), (1024, 8), (7, 16),
+                   (2, 128), (2, 33), (3, 50), (4, 64), (5, 160), (1, 256)]:
         for fam in ["uniform", "zipf1.0", "zipf1.5", "zipf2.0", "hot", "theorem2", "dirichlet"]:
             out.append(random_counts(fam, R, epn, 8, 64, int(rng.integers(1 << 30))))
         c = np.zeros((R, R * epn), np.int64)
@@ -35,6 +37,11 @@ def cases():
     for _ in range(200):
         R = int(rng.integers(1, 65))
         out.append(rng.integers(0, 30, size=(R, R * int(rng.integers(1, 17)))) ** int(rng.integers(1, 4)))
+    for _ in range(40):  # few ranks, many experts each: fills that touch many experts (wfill_gen)
+        R, epn = int(rng.integers(2, 7)), int(rng.integers(33, 200))
+        c = rng.integers(0, 30, size=(R, R * epn)) ** int(rng.integers(1, 4))
+        c[:, :epn] *= int(rng.integers(1, 20))  # rank 0's experts hot: donors give many experts
+        out.append(c)
     return out
 
 
@@ -148,12 +155,14 @@ def test_cuda_graph_replay(R, epn):
     _replay_against_cpu(step, R, epn, 8, 128, 0, ["uniform", "zipf2.0", "theorem2", "hot", "dirichlet"])
 
 
-@pytest.mark.parametrize("R,epn,K,s", [(8, 32, 8, 700), (64, 14, 16, 512), (16, 24, 8, 3000), (3, 5, 2, 40)])
+@pytest.mark.parametrize("R,epn,K,s", [(8, 32, 8, 700), (64, 14, 16, 512), (16, 24, 8, 3000), (3, 5, 2, 40),
+                                       (2, 128, 8, 2048), (1, 64, 4, 300), (4, 100, 6, 900)])
 def test_plan_and_destinations_one_launch(R, epn, K, s):
     """moonep_plan_layout (plan and layout in one launch) gives the CPU plan and layout bit for bit, for
     int32/int64 counts and topk, exact and slack plans, every kind of source rank, called back to back
-    (its flags must re-arm) and on stale workspace memory."""
-    from moonep.layout import plan_and_destinations
+    (its flags must re-arm) and on stale workspace memory; so do the source rank's slot experts and
+    cu_seqlens, which the launch writes too (views of its buffer), and those of other ranks (a kernel)."""
+    from moonep.layout import plan_and_destinations, slot_experts
     from moonep.planner.cuda import plan_layout_cuda
 
     E = R * epn
@@ -166,7 +175,7 @@ def test_plan_and_destinations_one_launch(R, epn, K, s):
     del junk
     for slack in (0.0, 0.1):
         pc = plan_balanced(c, slack=slack)
-        for r in sorted({0, 1, R // 2, R - 1}):
+        for r in sorted({0, 1, R // 2, R - 1} & set(range(R))):
             for al, cdt, tdt in ((1, torch.int64, torch.int64), (8, torch.int32, torch.int32)):
                 tkr = torch.from_numpy(tk[r]).to(tdt).cuda()
                 assert plan_layout_cuda(c.to(cdt).cuda(), slack, r, tkr, al) is not None  # the fused kernel ran
@@ -175,7 +184,11 @@ def test_plan_and_destinations_one_launch(R, epn, K, s):
                     same(pc, pg)
                     a = token_destinations(pc, r, torch.from_numpy(tk[r]), al)
                     assert torch.equal(a[0], dr.cpu()) and torch.equal(a[1], dw.cpu()), (r, al, slack)
-                    assert torch.equal(cu_seqlens(pc, r, al), cu_seqlens(pg, r, al).cpu())
+                    assert pg._pre is not None and pg._pre[:2] == (r, al)
+                    for q in sorted({r, (r + 1) % R}):  # q == r: the launch's own output
+                        assert torch.equal(cu_seqlens(pc, q, al), cu_seqlens(pg, q, al).cpu()), (q, r, al)
+                        assert torch.equal(slot_experts(pc, q), slot_experts(pg, q).cpu()), (q, r)
+                    assert torch.equal(cu_seqlens(pc, None, al), cu_seqlens(pg, None, al).cpu())
 
 
 def test_plan_and_destinations_graph_replay():

@@ -54,6 +54,8 @@ class Plan:
     error = _Field()
     _ws = None    # CUDA: int64 workspace holding every tensor above and the layout's tables
     _geo = None   # CUDA: its layout (moonep.planner.cuda._Geo)
+    _pre = None   # CUDA, from plan_and_destinations' one launch: (rank, align, word offset of that rank's
+    #               slot experts and cu_seqlens in _ws)
 
     def __init__(self, assignment: torch.Tensor, replica_experts: torch.Tensor, replica_source: torch.Tensor,
                  recv_counts: torch.Tensor, expert_counts: torch.Tensor, counts: torch.Tensor,

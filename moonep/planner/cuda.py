@@ -31,6 +31,7 @@ FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
 F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR, F_FUSED, F_AMT_SMEM = 1, 2, 4, 8, 16, 32, 64, 128
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
+LAY_PRE = 1 << 35     # moonep_plan_layout cfg: also the rank's slot experts and cu_seqlens after dst row
 LAY_TILES = max(1, int(os.environ.get("MOONEP_LAY_TILES", "48")))  # tile blocks aimed at (48 beat 16: round 21)
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 # The kernels' static shared memory (272 B in moonep_plan / moonep_plan_layout, more in profiling builds) counts
@@ -465,10 +466,10 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
         return None
     grid, c, threads, smem = cfg
     d.need_smem("moonep_plan_layout", smem)
-    buf, dst_rank, dst_row = _ws_and_out(g.words, s, K, counts.device)
+    buf, dst_rank, dst_row = _ws_and_out(g.words, s, K, counts.device, g.epn)
     flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
     sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
-    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0)
+    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | LAY_PRE
     nonce = _next_nonce()
     a = d.arg
     mid = (d.c(R), d.c(E), d.c(flags), a(sb))
@@ -484,16 +485,42 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
             g, mid, tail, d.arg, not c32, d)
     from . import Plan
     plan = Plan._cuda(buf, g, None if c32 else counts, float(slack))
+    plan.__dict__["_pre"] = (rank, align, g.words + 2 * n)
     return plan, dst_rank, dst_row
 
 
-def _ws_and_out(words: int, s: int, K: int, device):
-    """One allocation for a fused launch: int64 [words + 2*s*K], the plan's workspace (the plan keeps the
-    whole buffer; its views are offsets from 0) then dst rank and dst row, returned as [s, K] views. One
-    ``torch.empty`` instead of two: each costs ~3.5 us of host time on the H200 machine, and at (256, 8, 8)
-    the host time of a call is larger than its device time (h200x1_round29_host_breakdown.json)."""
-    buf = _empty(words + 2 * s * K, dtype=_i64, device=device)
+def _pre_words(epn: int) -> int:
+    """int64 words after dst row in a fused launch's buffer (LAY_PRE): the rank's slot experts (int64
+    [2*epn]), then its cu_seqlens (int32 [2*epn + 1], padded to a word)."""
+    return 2 * epn + epn + 1
+
+
+def _ws_and_out(words: int, s: int, K: int, device, epn: int):
+    """One allocation for a fused launch: int64 [words + 2*s*K + _pre_words(epn)], the plan's workspace (the
+    plan keeps the whole buffer; its views are offsets from 0), dst rank and dst row (returned as [s, K]
+    views), then slot experts and cu_seqlens. One ``torch.empty`` instead of two: each costs ~3.5 us of host
+    time on the H200 machine, and at (256, 8, 8) the host time of a call is larger than its device time
+    (h200x1_round29_host_breakdown.json)."""
+    buf = _empty(words + 2 * s * K + _pre_words(epn), dtype=_i64, device=device)
     return buf, buf.as_strided((s, K), (K, 1), words), buf.as_strided((s, K), (K, 1), words + s * K)
+
+
+def pre_slot_experts(plan, rank):
+    """int64 [2*epn] slot experts of ``rank`` written by the plan's fused launch, or None (other rank, or a
+    plan made without it)."""
+    pre = plan._pre
+    if pre is None or rank != pre[0]:
+        return None
+    return plan._ws.as_strided((2 * plan._geo.epn,), (1,), pre[2])
+
+
+def pre_cu_seqlens(plan, rank, align):
+    """int32 [2*epn + 1] cu_seqlens of ``rank`` for ``align`` written by the plan's fused launch, or None."""
+    pre = plan._pre
+    if pre is None or rank != pre[0] or align != pre[1]:
+        return None
+    epn = plan._geo.epn
+    return plan._ws.view(torch.int32).as_strided((2 * epn + 1,), (1,), 2 * (pre[2] + 2 * epn))
 
 
 def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: torch.Tensor, align: int):
@@ -507,7 +534,7 @@ def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     fn, grid, block, smem, streams, words, device, sk, geo, mid, tail, arg, keep, dev = f
     s, K = sk
     n = s * K
-    buf = _empty(words + 2 * n, dtype=_i64, device=device)
+    buf = _empty(words + 2 * n + _pre_words(geo.epn), dtype=_i64, device=device)
     p = buf.data_ptr()
     ptr = _cur_stream(di)
     st = streams.get(ptr)
@@ -517,7 +544,7 @@ def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
        + (arg(_next_nonce()),), smem, st)
     pl = _NEW(_Plan)
     d = pl.__dict__
-    d["_ws"], d["_geo"], d["slack"] = buf, geo, slack
+    d["_ws"], d["_geo"], d["slack"], d["_pre"] = buf, geo, slack, (rank, align, words + 2 * n)
     if keep:
         d["counts"] = counts
     return pl, buf.as_strided(sk, (K, 1), words), buf.as_strided(sk, (K, 1), words + n)
@@ -541,4 +568,5 @@ def cu_seqlens_cuda(plan, rank, align: int):
     return out
 
 
-__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "plan_layout_fast", "cu_seqlens_cuda"]
+__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "plan_layout_fast", "cu_seqlens_cuda",
+           "pre_slot_experts", "pre_cu_seqlens"]

@@ -454,17 +454,21 @@ class NVLinkEngine:
             # One kernel: range/duplicate/finite checks, masked int64 ids, fp32 weights, this rank's
             # histogram and the all-gather of [counts, s, flags] (no torch ops, no entry barrier).
             ti, tw = topk_idx.contiguous(), topk_weights.contiguous()
-            idx = torch.empty((s, K), dtype=torch.int64, device=dev)
-            w32 = torch.empty((s, K), dtype=torch.float32, device=dev)
-            gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
-            grid = max(1, min(self.sm_count, -(-s * K // 2048)))
+            # idx int64 [s, K], w32 fp32 [s, K] and counts int64 [R, E] in one allocation (host time)
+            n = s * K
+            buf = torch.empty(n + (n + 1) // 2 + self.R * E, dtype=torch.int64, device=dev)
+            idx = buf.as_strided((s, K), (K, 1), 0)
+            w32 = buf.view(torch.float32).as_strided((s, K), (K, 1), 2 * n)
+            counts = buf.as_strided((self.R, E), (E, 1), n + (n + 1) // 2)
+            grid = max(1, min(self.sm_count, -(-s * K // 512)))  # a choice per thread: loads in flight at once
             self._launch("moonep_route_gather", grid,
                          (_p(ti), np.int32(ti.dtype == torch.int64), _p(tw), np.int32(_DT[tw.dtype]), np.int32(s),
-                          _p(idx), _p(w32), _p(self._scratch), _p(gathered), np.int64(total)))
+                          _p(idx), _p(w32), _p(self._scratch), _p(counts), np.int64(total)))
         else:
             idx, w32, gathered = self._validate_gather(s, topk_idx, topk_weights, total)
+            counts = gathered[:, :E].contiguous()
         # plan + this rank's layout: one launch (the layout's counting overlaps the plan's loop)
-        plan, dst_rank, dst_row = layout.plan_and_destinations(gathered[:, :E].contiguous(), self.rank, idx,
+        plan, dst_rank, dst_row = layout.plan_and_destinations(counts, self.rank, idx,
                                                                slack=ep.slack, align=ep.align)
         self.mark("planner")
         st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())

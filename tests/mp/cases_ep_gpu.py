@@ -436,6 +436,40 @@ def case_bad_values_reported_later_on_every_rank(rt):
                 repr(exc)
 
 
+def case_repeated_expert_in_a_token_caught_for_any_topk(rt):
+    """A token naming one expert twice is caught on device on every rank, whatever K: K dividing 32 takes
+    the warp-match check (a token's choices in adjacent lanes), other K reload the token's earlier choices.
+    The same routing without the repeat passes."""
+    _need_cuda(rt)
+    R, d = rt.world_size, rt.device
+    H, S = 8, 40
+    for K in (3, 6, 8):
+        E = 2 * K * R
+        g = torch.Generator().manual_seed(K)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S)])
+        bad = idx.clone()
+        if rt.rank == R - 1:
+            bad[11, K - 1] = bad[11, 0]  # token 11: choices 33..35 at K=3 (across a warp), 88..95 at K=8
+        x, w = torch.randn(S, H, device=d), torch.rand(S, K, device=d)
+        with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
+                            transport="nvlink", timeout=5) as ep, torch.no_grad():
+            h = ep.dispatch(x, idx.to(d), w)
+            ep.combine(h.tokens, h)
+            ep.synchronize()  # the clean routing: no error
+            errors = []
+            try:
+                ep.dispatch(x, bad.to(d), w)
+            except ValueError as exc:
+                errors.append(exc)
+            try:
+                ep.synchronize()  # local: every rank's dispatch kernels ran, the flag is visible
+            except ValueError as exc:
+                errors.append(exc)
+            assert len(errors) == 1, f"rank {rt.rank} K={K}: {errors!r}"
+            msg = str(errors[0])
+            assert "distinct experts per token" in msg and f"on rank {R - 1}" in msg, msg
+
+
 def case_fused_kernels_equal_unfused(rt):
     """The fused kernels (validation+gather, chunk-pipelined dispatch, fused combine) against the earlier
     two-kernel path (MOONEP_NVLINK_FUSED=0): every output and gradient bitwise equal, in fp32 and bf16,
