@@ -17,20 +17,26 @@ def expect(cond: bool, name: str, expected: str, actual) -> None:
 def expect_tensor(t, name: str, *, dim: int | None = None, dtypes=None, device=None, shape=None) -> None:
     """Check a tensor argument's type, rank, dtype, device and (partial) shape.
 
-    ``shape`` entries that are ``None`` are not checked.
+    ``shape`` entries that are ``None`` are not checked. Messages are built only on failure: this runs on
+    every dispatch and combine, where eager f-strings cost more host time than the checks.
     """
-    expect(isinstance(t, torch.Tensor), name, "a torch.Tensor", type(t).__name__)
-    if dim is not None:
-        expect(t.dim() == dim, name, f"{dim} dimensions", f"shape {tuple(t.shape)}")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None:
         dtypes = tuple(dtypes) if isinstance(dtypes, (tuple, list, set)) else (dtypes,)
-        expect(t.dtype in dtypes, name, f"dtype in {[str(d) for d in dtypes]}", t.dtype)
+        if t.dtype not in dtypes:
+            raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
     if device is not None:
-        expect(t.device.type == torch.device(device).type, name, f"device {device}", t.device)
+        want = device.type if isinstance(device, torch.device) else torch.device(device).type
+        if t.device.type != want:
+            raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if shape is not None:
-        ok = len(shape) == t.dim() and all(a is None or a == b for a, b in zip(shape, t.shape))
-        want = "[" + ", ".join("*" if a is None else str(a) for a in shape) + "]"
-        expect(ok, name, f"shape {want}", f"{list(t.shape)}")
+        got = t.shape
+        if len(shape) != len(got) or any(a is not None and a != b for a, b in zip(shape, got)):
+            want = "[" + ", ".join("*" if a is None else str(a) for a in shape) + "]"
+            raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
 
 
 def expect_int(v, name: str, lo: int | None = None) -> None:

@@ -40,9 +40,11 @@ def plan_clocks(counts):
     return {name: int(v) for name, v in zip(CLOCK_NAMES, clk) if name}
 
 
-def fused_timeline(c, rank, tk, reps=20, clocks=True):
+def fused_timeline(c, rank, tk, reps=20, clocks=True, cold=False):
     """The fused launch's phases (planner.cu TS_MARK, clocks build): µs after the plan block's start, medians
-    over reps; per layout phase the latest tile block. Plus the plan block's cycle counters in that launch."""
+    over reps; per layout phase the latest tile block. Plus the plan block's cycle counters in that launch.
+    ``cold``: 512 MiB written before each launch, so L2 holds none of its inputs (as in an EP step, where the
+    dispatch and combine before it moved hundreds of MB)."""
     from moonep.planner.cuda import _dev, _geo
 
     R, E = c.shape
@@ -50,7 +52,10 @@ def fused_timeline(c, rank, tk, reps=20, clocks=True):
     grid, cfg, _, _ = g.fused_cfg(tk.numel(), rank == 0, _dev(c.get_device()).smem_max)
     P = cfg & 0xFF
     runs = []
+    flush = torch.empty(1 << 29, dtype=torch.uint8, device=c.device) if cold else None
     for _ in range(reps):
+        if cold:
+            flush.fill_(1)
         plan, _, _ = plan_and_destinations(c, rank, tk)
         torch.cuda.synchronize()
         runs.append(plan._ws[g.stamps:g.stamps + 32 * grid].view(grid, 32).cpu().numpy())
@@ -81,6 +86,7 @@ def main():
                          "part of a fill step, from clock64() on warp 0; timings of this build are not reported")
     ap.add_argument("--stamps", action="store_true",
                     help="a profiling build with only the fused launch's %%globaltimer phase stamps: its timeline")
+    ap.add_argument("--cold", action="store_true", help="with --stamps/--clocks: L2 flushed before each launch")
     a = ap.parse_args()
     if a.clocks:
         os.environ["MOONEP_PLAN_CLOCKS"] = "1"  # read when the kernels are first compiled (below)
@@ -103,7 +109,7 @@ def main():
                 f(); f()  # noqa: E702
             if a.clocks or a.stamps:
                 row = {"E": E, "R": R, "K": K, "family": fam, **(plan_clocks(c) if a.clocks else {}),
-                       **fused_timeline(c, rank, tk, clocks=a.clocks)}
+                       **fused_timeline(c, rank, tk, clocks=a.clocks, cold=a.cold), "cold": a.cold}
                 res["rows"].append(row)
                 print(json.dumps(row), flush=True)
                 continue
