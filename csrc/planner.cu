@@ -246,60 +246,6 @@ __device__ __forceinline__ i64 rank_psum(const PlanSm& s, int base, int lane) {
   return carry;
 }
 
-// warp: rank base's experts sorted by (rem desc, id asc), epn <= 32*KL and rem < 2^32: key = rem << 32 |
-// (~id), bitonic sort (descending) of 32*KL keys, lane l holding positions [l*KL, l*KL + KL) (padding keys
-// are 0, below every real one); writes order and psum of the rank, returns its total. The compare-exchange
-// network is fixed by KL, so it unrolls into registers: ~28 shuffle steps at KL = 4.
-template <int KL>
-__device__ __forceinline__ i64 warp_sort_rank(const PlanSm& s, int base, int lane) {
-  constexpr int N = 32 * KL;
-  const int epn = s.epn;
-  unsigned long long key[KL];
-#pragma unroll
-  for (int i = 0; i < KL; ++i) {
-    const int p = lane * KL + i;
-    key[i] = p < epn ? ((unsigned long long)s.rem[base + p] << 32) | (0xffffffffu - (unsigned)p) : 0ull;
-  }
-#pragma unroll
-  for (int k = 2; k <= N; k <<= 1) {
-#pragma unroll
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      if (j >= KL) {  // partner in lane ^ (j / KL), same slot
-#pragma unroll
-        for (int i = 0; i < KL; ++i) {
-          const unsigned long long o = __shfl_xor_sync(FULL, key[i], j / KL);
-          const bool keep_max = ((lane & (j / KL)) == 0) == (((lane * KL + i) & k) == 0);
-          key[i] = keep_max ? (key[i] > o ? key[i] : o) : (key[i] < o ? key[i] : o);
-        }
-      } else {        // partner in this lane: slot i | j
-#pragma unroll
-        for (int i = 0; i < KL; ++i) {
-          if (i & j) continue;
-          const unsigned long long a = key[i], b = key[i | j], hi = a > b ? a : b, lo = a > b ? b : a;
-          const bool desc = ((lane * KL + i) & k) == 0;
-          key[i] = desc ? hi : lo;
-          key[i | j] = desc ? lo : hi;
-        }
-      }
-    }
-  }
-  i64 run = 0;
-#pragma unroll
-  for (int i = 0; i < KL; ++i) run += (i64)(key[i] >> 32);
-  const i64 incl = warp_incl_scan(run, lane);
-  i64 acc = incl - run;
-#pragma unroll
-  for (int i = 0; i < KL; ++i) {
-    const int p = lane * KL + i;
-    acc += (i64)(key[i] >> 32);
-    if (p < epn) {
-      s.order[base + p] = (int)(0xffffffffu - (unsigned)key[i]);
-      s.psum[base + p] = acc;
-    }
-  }
-  return __shfl_sync(FULL, incl, 31);
-}
-
 // a shared-memory int64 value as V (int: its low word, for values below 2^31)
 template <typename V>
 __device__ __forceinline__ V ldv(const i64* p) {
@@ -758,11 +704,6 @@ __device__ __noinline__ void plan_body(
 #endif
   }
   bool exact = true;
-  // 33 <= epn <= 128 and loads below 2^32: a rank's (rem, id) keys fit 64 bits and a warp's registers; the
-  // block-wide rank count (every expert against its rank's others, one thread each) took ~3.3 us at
-  // (256, 2, 8) (h200x1_round38_planner_stamps_R2_R1.json). Not above 128: 8 keys per lane inlined made
-  // plan_body spill (64 registers at 1024 threads), and out of line the call did.
-  const bool wsort = epn > 32 && epn <= 128 && T < (1LL << 32);
   CLK_BLK(1);
   TS_MARK(1);
   for (int attempt = 0; attempt < 2; ++attempt) {
@@ -774,26 +715,18 @@ __device__ __noinline__ void plan_body(
     }
     for (int r = tid; r < R; r += nt) { s.rsrc[r] = -1; s.used[r] = 0; }
     __syncthreads();
-    if (wsort) {  // a warp per rank sorts in registers (bitonic) and writes order and psum
-      for (int r = warp; r < R; r += nw) {
-        const int base = r * epn;
-        const i64 tot = epn <= 64 ? warp_sort_rank<2>(s, base, lane) : warp_sort_rank<4>(s, base, lane);
-        if (lane == 0) s.bal[r] = tot - tgt_of(r, exact, Tq, Tr, cap);
-      }
-    } else {
-      for (int idx = tid; idx < E; idx += nt) {  // per rank: local experts by (rem desc, id asc)
-        int r = idx / epn, base = r * epn, j = idx - base;
-        i64 v = s.rem[idx];
-        int pos = 0;
+    for (int idx = tid; idx < E; idx += nt) {  // per rank: local experts by (rem desc, id asc)
+      int r = idx / epn, base = r * epn, j = idx - base;
+      i64 v = s.rem[idx];
+      int pos = 0;
 #pragma unroll 8
-        for (int q = 0; q < epn; ++q) { i64 x = s.rem[base + q]; pos += (x > v) || (x == v && q < j); }
-        s.order[base + pos] = j;
-      }
-      __syncthreads();
-      for (int r = warp; r < R; r += nw) {
-        i64 tot = rank_psum(s, r * epn, lane);
-        if (lane == 0) s.bal[r] = tot - tgt_of(r, exact, Tq, Tr, cap);
-      }
+      for (int q = 0; q < epn; ++q) { i64 x = s.rem[base + q]; pos += (x > v) || (x == v && q < j); }
+      s.order[base + pos] = j;
+    }
+    __syncthreads();
+    for (int r = warp; r < R; r += nw) {
+      i64 tot = rank_psum(s, r * epn, lane);
+      if (lane == 0) s.bal[r] = tot - tgt_of(r, exact, Tq, Tr, cap);
     }
     __syncthreads();
     CLK_BLK(2);
