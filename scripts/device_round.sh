@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/round.tgz
 # (the device tool returns at most 8 files). Usage: bash scripts/device_round.sh STEP...
-#   steps: ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -40,6 +40,7 @@ for s in "$@"; do case $s in
                  --families uniform,zipf1.5 --out $o/planner_stamps_R2_R1.json ;;
   stamps_cold) step stamps_cold 120 python3 scripts/profile_planner.py --stamps --clocks --cold --configs "256,2,8;256,1,8" \
                  --families uniform --out $o/planner_stamps_cold.json ;;
+  ncu_plan_ep) step ncu_plan_ep 500 bash scripts/ncu_plan_in_ep.sh $o ;;
   api_fuzz) step api_fuzz 200 python3 -m pytest -q -rA tests/test_fuzz_api.py ;;
   planner_stamps) step planner_stamps 120 python3 scripts/profile_planner.py --stamps --out $o/planner_stamps.json ;;
   ncu_planner) step ncu_planner 200 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:moonep --csv \
