@@ -41,6 +41,7 @@ for s in "$@"; do case $s in
   stamps_cold) step stamps_cold 120 python3 scripts/profile_planner.py --stamps --clocks --cold --configs "256,2,8;256,1,8" \
                  --families uniform --out $o/planner_stamps_cold.json ;;
   ncu_plan_ep) step ncu_plan_ep 500 bash scripts/ncu_plan_in_ep.sh $o ;;
+  ncu_plan_stalls) NCU_STALLS=1 step ncu_plan_stalls 500 bash scripts/ncu_plan_in_ep.sh $o ;;
   api_fuzz) step api_fuzz 200 python3 -m pytest -q -rA tests/test_fuzz_api.py ;;
   planner_stamps) step planner_stamps 120 python3 scripts/profile_planner.py --stamps --out $o/planner_stamps.json ;;
   ncu_planner) step ncu_planner 200 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:moonep --csv \
