@@ -379,13 +379,15 @@ extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
 //        tokfirst [R, S] (step-local) gets every source token's first row here (own tokens from A), -1
 //        without one: combine and the backward pass walk tokens through it.
 //        Peer-written memory is read with L2-only loads.
-//   Mode 0 rows nobody wrote (padding, unused capacity) are zeroed by moonep_dispatch_zero afterwards.
+//   Mode 0 rows nobody wrote (padding, unused capacity) are zeroed by moonep_dispatch_zero afterwards, or,
+//   with zero_from (align 1: this rank's rows are dense, [0, *zero_from) all written), rows [*zero_from, cap)
+//   are zeroed here by the local blocks after A (no other kernel, no tag pass over every row).
 //   mode 0: forward (main receive buffer; dst = it (zero-copy) or a fresh tensor; w: fp32 [s, K]).
 //   mode 1: backward of combine (gradient receive buffer; row_first/rec/src/tokfirst are the forward's).
 extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
     const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
     const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src,
-    int* tokfirst) {
+    int* tokfirst, const int* zero_from) {
   __shared__ char* s_dst[MAX_WARPS_BLOCK][32];
   __shared__ int s_fat;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
@@ -518,6 +520,17 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
       }
       if (mode == 0)  // own source slots without a token
         for (i64 q = (i64)lw0 * 32 + lane; q < S - s; q += (i64)nlw * 32) tokfirst[(i64)me * S + s + q] = -1;
+      if (mode == 0 && zero_from != nullptr) {  // unused capacity: nobody writes these rows this step
+        i64 z = *zero_from;
+        z = z < 0 ? 0 : (z > cap ? cap : z);
+        for (i64 row = z + lw0; row < cap; row += nlw) {
+          if (lane == 0) {
+            w_out[row] = 0.f;
+            row_first[row] = -1;
+          }
+          warp_zero(dst + row * row_bytes, row_bytes, vec, lane);
+        }
+      }
       if (mode == 1) {  // rows without a token (known from the forward)
         for (i64 b0 = (i64)lw0 * 32; b0 < cap; b0 += (i64)nlw * 32) {
           const i64 row = b0 + lane;

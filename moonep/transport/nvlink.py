@@ -29,7 +29,8 @@ bit-identical):
                 signals arrive, expand the peers' first rows locally, one warp per (peer, token) found
                 through the first-row list ``flist`` the senders write; it leaves ``tokfirst [R, S]``, the
                 step's first row of every source token, through which ``moonep_combine_reduce`` walks
-                tokens; ``moonep_dispatch_zero`` then zeroes the rows nobody wrote
+                tokens; rows nobody writes are zeroed in the same launch when ``align == 1`` (they are
+                the rows past this rank's count), else by ``moonep_dispatch_zero`` after it (tags)
     combine     ``moonep_combine_fused``: blocks [0, 2*num_sms) reduce the tokens received from peers and
                 push one partial per (token, rank), chunk by chunk; the other blocks compute, per chunk as
                 it arrives, y for this rank's tokens in rank order, this rank's own partial computed on the
@@ -473,6 +474,9 @@ class NVLinkEngine:
         self.mark("planner")
         st = NvStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
         st.extra["w32"] = w32
+        # int32 [2*epn + 1]: a view of the planner launch's output on its one-launch path; with align 1 its
+        # last entry (this rank's rows) tells the fused dispatch which rows nobody writes
+        st.extra["cu"] = layout.cu_seqlens(plan, self.rank, align=ep.align)
         self.mark("layout")
         # the planner's kernels are local: the gather's barrier (its data wait) still holds for dispatch
         self._last_op = "moonep_route_gather" if self.fused_route else "moonep_gather"
@@ -545,12 +549,18 @@ class NVLinkEngine:
             weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
         self._step_lists(st)
         vec = np.int32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
+        cu = st.extra.get("cu")
+        # align 1: rows [0, cu[-1]) are exactly this step's copies, so the fused kernel zeroes the rest itself
+        # and the tag pass over every row (moonep_dispatch_zero, one more launch) is not needed
+        zero_from = np.uint64(cu.data_ptr() + 4 * (cu.numel() - 1)) if cu is not None and self.ep.align == 1 \
+            else np.uint64(0)
         self._launch("moonep_dispatch_fused", self.grid_fused,
                      (np.int32(0), _p(x), np.int64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
                       _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
-                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst)))
-        self._launch("moonep_dispatch_zero", self.sm_count,
-                     (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
+                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst), zero_from))
+        if not zero_from:
+            self._launch("moonep_dispatch_zero", self.sm_count,
+                         (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
         return tokens, weights
 
     def dispatch_grad(self, gy, st: NvStep):
@@ -570,7 +580,7 @@ class NVLinkEngine:
                          (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
                           np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1),
                           np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), np.uint64(0), _p(st.row_first),
-                          _p(st.rec), _p(st.src), _p(st.tokfirst)))
+                          _p(st.rec), _p(st.src), _p(st.tokfirst), np.uint64(0)))
             return out
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
@@ -819,8 +829,8 @@ def dispatch(ep, x, topk_idx, topk_weights, num_global_tokens=None):
 
         adt = acc_dtype(tokens.dtype)
         tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
-    out = Dispatched(tokens, weights, layout.cu_seqlens(plan, ep.rank, align=ep.align),
-                     layout.slot_experts(plan, ep.rank), plan.recv_counts[ep.rank], plan, st)
+    out = Dispatched(tokens, weights, st.extra["cu"], layout.slot_experts(plan, ep.rank), plan.recv_counts[ep.rank],
+                     plan, st)
     eng.check()
     return out
 
