@@ -65,3 +65,21 @@ def test_check_word_changes_with_any_word():
             w = list(base)
             w[i] += d
             assert _check(w) != c
+
+
+def test_board_never_closed_is_unlinked_at_exit_without_a_leak_warning():
+    """A process that exits without closing its board (a script that never closes its ExpertParallel)
+    unlinks the segment itself: no "leaked shared_memory" warning from the resource tracker, no segment
+    left behind."""
+    import subprocess
+    import sys
+    from multiprocessing import shared_memory
+
+    code = ("from moonep.transport.order_board import OrderBoard\n"
+            "b = OrderBoard(0, 1, lambda o: [o], 5.0)\n"
+            "print(b._shm.name, flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "leaked" not in r.stderr, r.stderr
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=r.stdout.strip())

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+import weakref
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
@@ -37,6 +38,13 @@ _MUL = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB866
 # (TSO), so there the generation written last is enough and the check is skipped (~1 µs per peer).
 VERIFY = os.environ.get("MOONEP_BOARD_CHECK", "") == "1" or platform.machine().lower() not in (
     "x86_64", "amd64", "i386", "i686")
+
+
+def _unlink(shm) -> None:
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _check(w) -> int:
@@ -61,6 +69,10 @@ class OrderBoard:
         self.rank, self.R, self.timeout = rank, world_size, float(timeout)
         nbytes = 2 * world_size * WORDS * 8
         self._shm = shared_memory.SharedMemory(create=True, size=nbytes) if rank == 0 else None
+        # The creator unlinks the segment when the board is closed, collected, or the process exits
+        # without closing it (a script that drops its ExpertParallel): not left to the resource tracker,
+        # which would warn of "leaked shared_memory objects" at exit.
+        self._fin = weakref.finalize(self, _unlink, self._shm) if rank == 0 else None
         names = gather_obj(self._shm.name if rank == 0 else None)
         if rank != 0:
             self._shm = shared_memory.SharedMemory(name=names[0])
@@ -116,9 +128,6 @@ class OrderBoard:
             return
         self.table = None
         self._shm.close()
-        if self.rank == 0:
-            try:
-                self._shm.unlink()  # peers keep their mapping until they close it
-            except FileNotFoundError:
-                pass
+        if self._fin is not None:
+            self._fin()  # unlink: peers keep their mapping until they close it
         self._shm = None
