@@ -1,6 +1,8 @@
 """Argument checks that fail loudly: every message names the argument, what was expected and what came."""
 from __future__ import annotations
 
+from typing import NoReturn
+
 import torch
 
 
@@ -8,10 +10,15 @@ class MoonepError(RuntimeError):
     """A distributed failure: a peer died, stalled or disagreed. Raised on every surviving rank."""
 
 
+def fail(name: str, expected: str, actual) -> NoReturn:
+    """Raise the ``ValueError`` every check raises: ``"{name}: expected {expected}, got {actual}"``."""
+    raise ValueError(f"{name}: expected {expected}, got {actual}")
+
+
 def expect(cond: bool, name: str, expected: str, actual) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``cond`` holds."""
     if not cond:
-        raise ValueError(f"{name}: expected {expected}, got {actual}")
+        fail(name, expected, actual)
 
 
 def expect_tensor(t, name: str, *, dim: int | None = None, dtypes=None, device=None, shape=None) -> None:
@@ -21,22 +28,21 @@ def expect_tensor(t, name: str, *, dim: int | None = None, dtypes=None, device=N
     every dispatch and combine, where eager f-strings cost more host time than the checks.
     """
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        fail(name, "a torch.Tensor", type(t).__name__)
     if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimensions, got shape {tuple(t.shape)}")
+        fail(name, f"{dim} dimensions", f"shape {tuple(t.shape)}")
     if dtypes is not None:
         dtypes = tuple(dtypes) if isinstance(dtypes, (tuple, list, set)) else (dtypes,)
         if t.dtype not in dtypes:
-            raise ValueError(f"{name}: expected dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+            fail(name, f"dtype in {[str(d) for d in dtypes]}", t.dtype)
     if device is not None:
         want = device.type if isinstance(device, torch.device) else torch.device(device).type
         if t.device.type != want:
-            raise ValueError(f"{name}: expected device {device}, got {t.device}")
+            fail(name, f"device {device}", t.device)
     if shape is not None:
         got = t.shape
         if len(shape) != len(got) or any(a is not None and a != b for a, b in zip(shape, got)):
-            want = "[" + ", ".join("*" if a is None else str(a) for a in shape) + "]"
-            raise ValueError(f"{name}: expected shape {want}, got {list(got)}")
+            fail(name, "shape [" + ", ".join("*" if a is None else str(a) for a in shape) + "]", list(got))
 
 
 def expect_int(v, name: str, lo: int | None = None) -> None:
