@@ -43,7 +43,7 @@ import torch
 
 import moonep
 from moonep.bench.provenance import git_commit
-from moonep.ep import ExpertParallel
+from moonep import ExpertParallel, Tuning
 
 from bench_planner import graph_time  # noqa: E402  (benchmarks/, this script's directory, is on sys.path)
 
@@ -125,8 +125,8 @@ def main() -> int:
     sms_list = [int(v) for v in args.sms.split(",")]
     for (mv_target, idx, w), sms in [(r, m) for r in routings for m in sms_list]:
         with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
-                                   transport="nvlink", zero_copy=True, num_sms=sms) as ep, torch.no_grad():
-            eng = ep._engine
+                                   transport="nvlink", zero_copy=True, tuning=Tuning(num_sms=sms)) as ep, torch.no_grad():
+            eng = ep._backend
             counts = torch.bincount(idx.reshape(-1).cpu(), minlength=E)
             load = sum(ep.transport.all_gather_object(counts)).double()
             mv_achieved = float(load.max() / load.mean() - 1)
@@ -137,24 +137,24 @@ def main() -> int:
             local = int(((st.dst_rank == rank).any(dim=1)).sum())
             for _ in range(args.warmup):
                 ep.dispatch(x, idx, w)
-                eng.combine(h.tokens, h.weights, None, st, torch.bfloat16)
+                eng._combine_rows(h.tokens, h.weights, None, st, torch.bfloat16)
             torch.cuda.synchronize()
             plan_us = _time(lambda: eng.plan_step(x, idx, w), args.iters)
             full_us = _time(lambda: ep.dispatch(x, idx, w), args.iters)
             h = ep.dispatch(x, idx, w)
             st = h.routing
-            disp_us = _time(lambda: eng.dispatch(x, w32, st, True), args.iters)
+            disp_us = _time(lambda: eng._dispatch_rows(x, w32, st, True), args.iters)
             h_tokens, h_w = eng.recv, eng.wbuf
-            comb_us = _time(lambda: eng.combine(h_tokens, h_w, None, st, torch.bfloat16), args.iters)
+            comb_us = _time(lambda: eng._combine_rows(h_tokens, h_w, None, st, torch.bfloat16), args.iters)
             # copy mode: fresh output tensors, the same kernels with the local expansion on the receiver
-            ct, cw = eng.dispatch(x, w32, st, False)
-            copy_disp_us = _time(lambda: eng.dispatch(x, w32, st, False), args.iters)
-            ct, cw = eng.dispatch(x, w32, st, False)
-            copy_comb_us = _time(lambda: eng.combine(ct, cw, None, st, torch.bfloat16), args.iters)
+            ct, cw = eng._dispatch_rows(x, w32, st, False)
+            copy_disp_us = _time(lambda: eng._dispatch_rows(x, w32, st, False), args.iters)
+            ct, cw = eng._dispatch_rows(x, w32, st, False)
+            copy_comb_us = _time(lambda: eng._combine_rows(ct, cw, None, st, torch.bfloat16), args.iters)
 
             def full_step():
                 hh = ep.dispatch(x, idx, w)
-                eng.combine(hh.tokens, hh.weights, None, hh.routing, torch.bfloat16)
+                eng._combine_rows(hh.tokens, hh.weights, None, hh.routing, torch.bfloat16)
 
             phases = _phases(eng, full_step, args.iters)
             step_us = _time(full_step, args.iters)

@@ -1,8 +1,8 @@
 """CPU soak and determinism: many LatentMoE training steps on CPU ranks with routing skew that moves.
 
-    mpiexec -n 4 python benchmarks/soak_cpu.py --steps 2000 --seed 0 --out benchmarks/results/soak_cpu_run1.json
-    mpiexec -n 4 python benchmarks/soak_cpu.py --steps 2000 --seed 0 --compare benchmarks/results/soak_cpu_run1.json \
-        --out benchmarks/results/soak_cpu.json
+    mpiexec -n 4 python benchmarks/soak_cpu.py --steps 2000 --seed 0 --out benchmarks/results/cpu_soak_np4_run1.json
+    mpiexec -n 4 python benchmarks/soak_cpu.py --steps 2000 --seed 0 --compare benchmarks/results/cpu_soak_np4_run1.json \
+        --out benchmarks/results/cpu_soak_np4_run2.json
 
 Every step runs forward and backward of a small LatentMoE (dispatch, prefetch, combine, their backward passes,
 gradient sync, QB step) on inputs whose skew changes over time: the tokens lean towards a direction that

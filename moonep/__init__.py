@@ -1,15 +1,19 @@
 """moonep: balanced expert-parallel dispatch/combine for Mixture-of-Experts models.
 
 The data path, one module per stage:
-    routing -> plan (planner/) -> layout (layout.py) -> transport (transport/) -> experts -> combine (ep.py)
+    routing (ep.py checks) -> plan (planner/) -> layout (layout.py) -> transport (backends/, transport/)
+    -> experts (layers/grouped.py: slot_matmul) -> combine (combine.py, backends/)
 """
 from .balance import QuantileBalancer
-from .ep import Dispatched, ExpertParallel
+from .config import Tuning
+from .ep import ExpertParallel
 from .errors import MoonepError
+from .handles import Dispatched
 from .layers import LatentMoE
+from .layers.grouped import slot_apply, slot_matmul
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
 
-__all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched",
-           "QuantileBalancer", "LatentMoE"]
+__all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched", "Tuning",
+           "slot_matmul", "slot_apply", "QuantileBalancer", "LatentMoE"]
 __version__ = "0.1.0"

@@ -340,7 +340,7 @@ class QuantileBalancer(torch.nn.Module):
         try:
             dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:
-            from .transport.guard import mark_failed
+            from .guard import mark_failed
 
             rank = dist.get_rank(self.group) if dist.is_initialized() else 0
             timeout = os.environ.get("MOONEP_TIMEOUT", "60")

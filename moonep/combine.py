@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from . import cpu_kernels as ck
-from .dispatch import Routing
+from .handles import HostStep
 from .transport import Transport
 
 
@@ -80,7 +80,7 @@ def _reduce_local_ordered(out, weights, rows, adt):
     return acc
 
 
-def sum_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
+def sum_by_rank(back: torch.Tensor, routing: HostStep) -> torch.Tensor:
     """Sum the rows that came back from each destination rank, in rank order: ``[s, *D]``."""
     y = back.new_zeros((routing.num_tokens, *back.shape[1:]))
     start = 0
@@ -130,7 +130,7 @@ def reduce_to_wire(out: torch.Tensor, weights, rows: torch.Tensor) -> torch.Tens
     return part.to(wdt)
 
 
-def sum_by_rank_to(back: torch.Tensor, routing: Routing, out_dtype: torch.dtype) -> torch.Tensor:
+def sum_by_rank_to(back: torch.Tensor, routing: HostStep, out_dtype: torch.dtype) -> torch.Tensor:
     """``sum_by_rank(back.to(acc_dtype)).to(out_dtype)`` (the source side of combine)."""
     adt = acc_dtype(back.dtype)
     if back.device.type != "cpu" or not _cpu_fast(back.dtype) or not _cpu_fast(out_dtype):
@@ -152,7 +152,7 @@ def sum_by_rank_to(back: torch.Tensor, routing: Routing, out_dtype: torch.dtype)
     return y.to(out_dtype)
 
 
-def sum_choices_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
+def sum_choices_by_rank(back: torch.Tensor, routing: HostStep) -> torch.Tensor:
     """:func:`sum_by_rank` in ``back``'s own dtype (the per-choice weight gradients, ``[n_send, K]``)."""
     if back.device.type == "cpu" and back.dtype in (torch.float32, torch.float64):
         start, pairs = token_order(routing)
@@ -163,7 +163,7 @@ def sum_choices_by_rank(back: torch.Tensor, routing: Routing) -> torch.Tensor:
     return sum_by_rank(back, routing)
 
 
-def token_order(routing: Routing):
+def token_order(routing: HostStep):
     """The pairs of each local token in rank order, as a CSR ``(start [s+1], pairs [n_send])`` (cached)."""
     got = routing.cache.get("token_order")
     if got is None:
@@ -172,7 +172,7 @@ def token_order(routing: Routing):
     return got
 
 
-def combine_rows(out: torch.Tensor, weights, routing: Routing, transport: Transport,
+def combine_rows(out: torch.Tensor, weights, routing: HostStep, transport: Transport,
                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Full combine: ``[cap, H]`` expert outputs -> ``[s, H]`` in ``out_dtype`` (default: the acc dtype).
 

@@ -5,49 +5,22 @@ the K-aligned list of its rows on that rank (``-1`` for choices that go elsewher
 it into all of those rows: that local expansion is the dispatch epilogue, and local copies are far
 cheaper than wire bytes.
 
-All functions take and return plain tensors; the autograd wiring lives in ``moonep.ep``. CPU tensors go
+All functions take and return plain tensors; :mod:`moonep.backends.host` composes them and the autograd
+wiring lives in ``moonep.ep``. CPU tensors go
 through the numba kernels of :mod:`moonep.cpu_kernels` (byte copies, same results), others through torch.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from . import cpu_kernels as ck
 from . import layout
+from .handles import HostStep
 from .transport import Transport
 
 
-@dataclass
-class Routing:
-    """Who sends what to whom in one dispatch; reused by combine and by both backward passes.
-
-    Attributes:
-        num_tokens: ``s``, tokens on this rank.
-        pair_token: int64 ``[n_send]``: the token of each sent pair, grouped by destination rank in
-            rank order, ascending token inside a group.
-        send_rows: int64 ``[n_send, K]``: for each pair, the rows on the destination of choices
-            ``k = 0..K-1`` (``-1`` where choice ``k`` goes to another rank or is masked).
-        send_splits: ``R`` ints, pairs sent to each rank.
-        recv_rows: int64 ``[n_recv, K]``: the same lists as received, rows of this rank's buffer (``None``
-            until the dispatch exchange when :func:`dispatch_packed` carries them).
-        recv_splits: ``R`` ints, pairs received from each rank.
-        capacity: rows of the receive buffer.
-    """
-
-    num_tokens: int
-    pair_token: torch.Tensor
-    send_rows: torch.Tensor
-    send_splits: list
-    recv_rows: torch.Tensor
-    recv_splits: list
-    capacity: int
-    cache: dict = field(default_factory=dict, repr=False)  # derived index arrays (e.g. the token order)
-
-
 def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport, capacity: int,
-                  align: int = 1, exchange_rows: bool = True) -> Routing:
+                  align: int = 1, exchange_rows: bool = True) -> HostStep:
     """Compute this rank's destinations from the plan, then swap row lists with the peers.
 
     Args:
@@ -66,7 +39,7 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
         send_splits = splits.tolist()
         recv_splits = transport.all_to_all(torch.from_numpy(splits)[:, None], [1] * R, [1] * R)[:, 0].tolist()
         recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits) if exchange_rows else None
-        return Routing(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
+        return HostStep(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
     hits = torch.zeros(s, R + 1, dtype=torch.bool, device=topk_idx.device)
     col = torch.where(dst_rank >= 0, dst_rank, torch.full_like(dst_rank, R))  # column R: masked choices
     hits[torch.arange(s, device=topk_idx.device).repeat_interleave(K), col.reshape(-1)] = True
@@ -78,10 +51,10 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
     splits = torch.tensor(send_splits, dtype=torch.int64, device=topk_idx.device)[:, None]
     recv_splits = transport.all_to_all(splits, [1] * R, [1] * R)[:, 0].tolist()
     recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits)
-    return Routing(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
+    return HostStep(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
 
 
-def dispatch_packed(x: torch.Tensor, topk_weights: torch.Tensor, routing: Routing, transport: Transport):
+def dispatch_packed(x: torch.Tensor, topk_weights: torch.Tensor, routing: HostStep, transport: Transport):
     """CPU dispatch in one exchange: each wire row is the token's bytes, its K int32 destination rows and
     its K routing weights (zero for choices that go elsewhere). Fills ``routing.recv_rows``.
 
@@ -104,7 +77,7 @@ def dispatch_packed(x: torch.Tensor, topk_weights: torch.Tensor, routing: Routin
     return tokens, weights
 
 
-def send_tokens(x: torch.Tensor, routing: Routing, transport: Transport) -> torch.Tensor:
+def send_tokens(x: torch.Tensor, routing: HostStep, transport: Transport) -> torch.Tensor:
     """Send row ``x[i]`` once to each destination rank of token ``i``.
 
     Args:
@@ -141,7 +114,7 @@ def expand(recv: torch.Tensor, rows: torch.Tensor, capacity: int) -> torch.Tenso
     return out
 
 
-def pick_weights(topk_weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+def pick_weights(topk_weights: torch.Tensor, routing: HostStep) -> torch.Tensor:
     """``[n_send, K]``: the routing weights of each sent pair, zero for choices that go elsewhere."""
     if topk_weights.device.type == "cpu":
         out = topk_weights.new_empty(routing.send_rows.shape)

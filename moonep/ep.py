@@ -4,154 +4,119 @@
     h = ep.dispatch(x, topk_idx, topk_weights)      # collective
     w = ep.prefetch(h, local_weight)                 # [epn, ...] -> [2*epn, ...]
                                                      # (or ep.prefetch(h, pool[:epn], out=pool): no copies)
-    out = my_experts(h.tokens, h.cu_seqlens, w)      # grouped over the 2*epn slots
+    out = moonep.slot_matmul(h.tokens, h.cu_seqlens, w)   # grouped over the 2*epn slots
     y = ep.combine(out, h)                           # [s, H]
 
 Everything is differentiable: the backward of dispatch is a combine, the backward of combine is a
 dispatch over the same plan, and the backward of prefetch is ``reduce_grad``.
+
+This module holds what every backend shares: argument checks, the cross-rank configuration check, the
+call-order guard and the one set of autograd Functions.  Rows move in a backend
+(:mod:`moonep.backends`), chosen once at construction; nothing here depends on which one runs.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from . import cpu_kernels, layout
-from .combine import acc_dtype, combine_rows, gather_choices, sum_choices_by_rank
-from .dispatch import Routing, build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
-from .errors import MoonepError, expect, expect_device, expect_int, expect_slack, expect_tensor
-from .planner import plan_balanced
-from .replicas import prefetch_weights, prefetch_weights_into, reduce_replica_grads
+from . import layout
+from .backends import choose_backend, make_backend
+from .combine import acc_dtype
+from .config import Tuning
+from .errors import MoonepError, expect, expect_device, expect_slack, expect_tensor
+from .guard import CollectiveGuard, mark_failed
+from .handles import Dispatched
+from .replicas import home_is_view
+from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
-from .transport.guard import CollectiveGuard, mark_failed
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-@dataclass
-class Dispatched:
-    """What ``dispatch`` returns; pass it to ``combine``, ``prefetch`` and ``reduce_grad``.
-
-    Attributes:
-        tokens: ``[cap, H]`` received rows in slot order (``cap`` depends only on S, K, R, align, slack).
-            With ``apply_weights="dispatch"`` the rows are already multiplied by their routing weight.
-        weights: ``[cap]`` routing weight of each row (dtype of ``topk_weights``; zero in unused rows).
-        cu_seqlens: int32 ``[2*epn + 1]``: slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
-        slot_experts: int64 ``[2*epn]``: global expert of each slot, home experts first, ``-1`` if empty.
-        num_rows: rows used, ``int(cu_seqlens[-1])`` (equal on every rank with exact balance).  On the
-            NVLink transport a 0-d device tensor (reading it as an int is a host sync the path avoids).
-        plan: the :class:`moonep.planner.Plan` of this step.
-    """
-
-    tokens: torch.Tensor
-    weights: torch.Tensor
-    cu_seqlens: torch.Tensor
-    slot_experts: torch.Tensor
-    num_rows: object  # int, or a 0-d device tensor on the NVLink transport
-    plan: object
-    routing: object  # Routing (host path) or moonep.transport.nvlink.NvStep
+TRANSPORTS = ("auto", "mpi", "torch", "nvlink", "local")
 
 
 class _DispatchFn(torch.autograd.Function):
+    """dispatch under autograd; the backward is a combine of the rows' gradients (plus the weights')."""
+
     @staticmethod
-    def forward(ctx, x, topk_weights, ep, routing):
-        ctx.ep, ctx.routing = ep, routing
-        if routing.recv_rows is None:  # CPU: tokens, row lists and weights travel in one message
-            tokens, weights = dispatch_packed(x, topk_weights, routing, ep.transport)
-        else:
-            recv = send_tokens(x, routing, ep.transport)
-            tokens = expand(recv, routing.recv_rows, routing.capacity)
-            w_pairs = pick_weights(topk_weights, routing)
-            recv_w = ep.transport.all_to_all(w_pairs, routing.send_splits, routing.recv_splits)
-            weights = expand_weights(recv_w, routing.recv_rows, routing.capacity)
+    def forward(ctx, x, topk_weights, ep, st):
+        ctx.ep, ctx.st = ep, st
         ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
-        return tokens, weights
+        return ep._backend.dispatch(x, topk_weights, st, True)
 
     @staticmethod
     def backward(ctx, g_tokens, g_weights):
-        ep, routing = ctx.ep, ctx.routing
-        with ep._collective("dispatch.backward"):
-            return _DispatchFn._backward(ctx, ep, routing, g_tokens, g_weights)
-
-    @staticmethod
-    def _backward(ctx, ep, routing, g_tokens, g_weights):
-        # Gradient of x: a combine of the rows' gradients without weights (sum of the token's copies).
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = combine_rows(g_tokens, None, routing, ep.transport, ctx.x_dtype)
-        gw = None
-        if ctx.needs_input_grad[1]:
-            # Per-choice weight gradients travel back K-aligned; each (token, k) is non-zero on one rank.
-            back = gather_choices(g_weights, routing.recv_rows)
-            back = ep.transport.all_to_all(back.contiguous(), routing.recv_splits, routing.send_splits)
-            gw = sum_choices_by_rank(back, routing).to(ctx.w_dtype)
+        ep = ctx.ep
+        with ep._collective("dispatch.backward", backward=True):
+            gx, gw = ep._backend.dispatch_backward(g_tokens, g_weights, ctx.st, ctx.needs_input_grad[0],
+                                                   ctx.needs_input_grad[1], ctx.x_dtype, ctx.w_dtype)
         return gx, gw, None, None
 
 
 class _CombineFn(torch.autograd.Function):
+    """combine under autograd; the backward is a dispatch of dy over the same step, then the product rule
+    in the accumulation dtype (``weights`` is ``None`` for an unweighted sum)."""
+
     @staticmethod
-    def forward(ctx, expert_out, weights, ep, routing, out_dtype):
-        ctx.ep, ctx.routing = ep, routing
+    def forward(ctx, expert_out, weights, ep, st, out_dtype):
+        ctx.ep, ctx.st = ep, st
         ctx.save_for_backward(expert_out, weights)
-        return combine_rows(expert_out, weights, routing, ep.transport, out_dtype)
+        return ep._backend.combine(expert_out, weights, st, out_dtype)
 
     @staticmethod
     def backward(ctx, gy):
-        with ctx.ep._collective("combine.backward"):
-            return _CombineFn._backward(ctx, gy)
-
-    @staticmethod
-    def _backward(ctx, gy):
-        ep, routing = ctx.ep, ctx.routing
+        ep = ctx.ep
         expert_out, weights = ctx.saved_tensors
-        # The backward of combine is a dispatch of dy over the same plan.
-        g_rows = expand(send_tokens(gy.contiguous(), routing, ep.transport), routing.recv_rows, routing.capacity)
+        with ep._collective("combine.backward", backward=True):
+            g_rows = ep._backend.combine_backward(gy, ctx.st)
         adt = acc_dtype(expert_out.dtype)
         g_rows = g_rows.to(adt)
         g_out = g_w = None
         if ctx.needs_input_grad[0]:
-            g_out = (g_rows * weights.to(adt).unsqueeze(-1)).to(expert_out.dtype)
-        if ctx.needs_input_grad[1]:
+            g_out = ((g_rows * weights.to(adt).unsqueeze(-1)).to(expert_out.dtype) if weights is not None
+                     else g_rows.to(expert_out.dtype, copy=True))
+        if ctx.needs_input_grad[1] and weights is not None:
             g_w = (g_rows * expert_out.to(adt)).sum(-1).to(weights.dtype)
         return g_out, g_w, None, None, None
 
 
 class _PrefetchFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local_weight, ep, plan):
-        ctx.ep, ctx.plan = ep, plan
-        return prefetch_weights(plan, ep.rank, local_weight, ep.transport)
-
-    @staticmethod
-    def backward(ctx, g):
-        with ctx.ep._collective("prefetch.backward"):
-            return reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport), None, None
-
-
-class _PrefetchIntoFn(torch.autograd.Function):
-    """``prefetch(..., out=pool)`` under autograd: writes the pool in place and returns an alias of it
-    carrying the graph; the backward is the same ``reduce_grad`` as :class:`_PrefetchFn`'s."""
+    """prefetch under autograd.  With a pool (``holder = (out,)``) the pool is written in place and an alias
+    of it carrying the graph is returned (in a tuple, so autograd does not take the pool for an input);
+    the backward sends the replica slots' gradient home (``reduce_grad``)."""
 
     @staticmethod
     def forward(ctx, local_weight, ep, plan, holder):
         ctx.ep, ctx.plan = ep, plan
-        out = holder[0]  # in a tuple, so autograd does not take the pool for an input
-        prefetch_weights_into(plan, ep.rank, local_weight, ep.transport, out)
-        return out.detach()
+        out = ep._backend.prefetch(plan, local_weight, out=holder[0])
+        return out if holder[0] is None else out.detach()
 
     @staticmethod
     def backward(ctx, g):
-        with ctx.ep._collective("prefetch.backward"):
-            return (reduce_replica_grads(ctx.plan, ctx.ep.rank, g.contiguous(), ctx.ep.transport),
-                    None, None, None)
+        ep = ctx.ep
+        with ep._collective("prefetch.backward", backward=True):
+            return ep._backend.reduce_grad(ctx.plan, g.contiguous()), None, None, None
+
+
+def _runtime(group, transport, device):
+    """The runtime of ``group``; a plain process that nobody launched and that has no process group gets
+    one without a group (the local backend), unless a transport that needs a group was asked for."""
+    if isinstance(group, Runtime):
+        return group
+    if (group is None and transport in ("auto", "local") and detect_launcher() == "single"
+            and not (dist.is_available() and dist.is_initialized())):
+        return local_runtime(device)
+    return init(group)
 
 
 class ExpertParallel:
     """Balanced expert-parallel dispatch/combine over one process group.
 
     Args:
-        group: a :class:`moonep.Runtime`, a ``torch.distributed`` ProcessGroup, or ``None`` (``moonep.init()``).
+        group: a :class:`moonep.Runtime`, a ``torch.distributed`` ProcessGroup, or ``None``: the launcher's
+            job (``moonep.init()``), or, in a plain process with no process group, one rank without any
+            (the local backend).
         num_experts: ``E``, divisible by the group size ``R``; rank ``r`` owns experts ``r*epn .. r*epn+epn-1``.
         topk: ``K`` choices per token.
         hidden: ``H``, row width of dispatched tokens.
@@ -162,9 +127,10 @@ class ExpertParallel:
         slack: 0 for exact balance; ``> 0`` lets ranks receive up to ``(1+slack)*T/R`` for fewer replicas.
         apply_weights: ``"combine"`` (default: ``y = sum_k w_k f(x)``) or ``"dispatch"`` (rows arrive scaled
             by their weight, ``y = sum_k f(w_k x)``, and combine sums without weights).
-        transport: ``"auto"``, ``"mpi"``, ``"torch"`` or ``"nvlink"`` (device-initiated GPU kernels over CUDA
-            IPC, no host sync, CUDA-graph capturable; see :mod:`moonep.transport.nvlink`).  ``"auto"`` picks
-            NVLink on CUDA when every rank is on one node and the GPUs reach each other.
+        transport: ``"auto"``, ``"mpi"``, ``"torch"``, ``"nvlink"`` (device-initiated GPU kernels over CUDA
+            IPC, no host sync, CUDA-graph capturable; see :mod:`moonep.backends.nvlink`) or ``"local"`` (one
+            process, no group).  ``"auto"`` picks NVLink on CUDA when every rank is on one node and the GPUs
+            reach each other, else MPI for CPU tensors under mpirun, else torch.distributed.
         zero_copy: NVLink only: ``True`` returns ``h.tokens``/``h.weights`` as views of the receive buffer
             (valid until the next dispatch), ``False`` copies; ``"auto"`` copies only when autograd records
             the dispatch.  Results are bitwise identical.
@@ -172,7 +138,8 @@ class ExpertParallel:
             MPI transport and in the NVLink kernels (default: the runtime's timeout, ``MOONEP_TIMEOUT`` or
             60; ``MOONEP_NVLINK_TIMEOUT`` for NVLink).  The ``"torch"`` transport uses its process group's
             timeout (``moonep.init(timeout=...)``).
-        num_sms: NVLink only: blocks used by the kernels that drive NVLink.
+        tuning: a :class:`moonep.Tuning` for the NVLink kernels (SMs, chunks, fused stages); ``None`` is the
+            default tuning.  Results are bitwise the same for every tuning.
 
     Every rank must construct it with the same arguments; a mismatch raises ``ValueError`` on every rank.
     Call :meth:`close` (or use ``with``) to unmap the peers' buffers (NVLink) and end the instance.
@@ -186,39 +153,26 @@ class ExpertParallel:
     def __init__(self, group=None, *, num_experts: int, topk: int, hidden: int, max_tokens: int,
                  dtype: torch.dtype = torch.float32, device=None, align: int = 1, slack: float = 0.0,
                  apply_weights: str = "combine", transport: str = "auto", zero_copy="auto",
-                 timeout: float | None = None, num_sms: int = 24):
-        from .runtime import Runtime, init
-
-        self.rt = group if isinstance(group, Runtime) else init(group)
+                 timeout: float | None = None, tuning: Tuning | None = None):
+        expect(transport in TRANSPORTS, "transport", '"auto", "mpi", "torch", "nvlink" or "local"', repr(transport))
+        self.rt = _runtime(group, transport, device)
         R = self.rt.world_size
         self.rank, self.world_size = self.rt.rank, R
         try:  # a bad device fails on every rank, in the collective check below, not as a hang
             self.device, dev_err = (expect_device(device) if device is not None else self.rt.device), None
         except ValueError as exc:
             self.device, dev_err = self.rt.device, str(exc)
-        self._engine = None
+        self._backend = None
         self._closed = False
         self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
-        expect(transport in ("auto", "mpi", "torch", "nvlink"), "transport", '"auto", "mpi", "torch" or "nvlink"',
-               repr(transport))
-        self.transport = make_transport("auto" if transport == "nvlink" else transport, self.rt)
-        use_nvlink = False
-        # "auto" keeps float64 on the host-driven path: the NVLink kernels move 16/32-bit rows only.
-        if transport == "nvlink" or (transport == "auto" and self.device.type == "cuda"
-                                     and dtype in (torch.float32, torch.bfloat16, torch.float16)):
-            from .transport.nvlink import nvlink_available
-
-            ok, why = nvlink_available(self.rt) if self.device.type == "cuda" else (False, "not a CUDA device")
-            verdicts = self.transport.all_gather_object((ok, why))
-            bad = [(r, w) for r, (o, w) in enumerate(verdicts) if not o]
-            if transport == "nvlink" and bad:
-                raise ValueError(f"transport: expected every rank to reach its peers over NVLink/P2P, got "
-                                 f"rank {bad[0][0]}: {bad[0][1]}")
-            use_nvlink = not bad
+        expect(transport != "local" or self.rt.group is None, "transport",
+               '"local" only in a process without a process group', f"a group of {R} rank(s)")
+        self.transport = make_transport("auto" if transport in ("nvlink", "local") else transport, self.rt)
+        kind = choose_backend(transport, self.rt, self.transport, self.device, dtype)
         config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
                       dtype=str(dtype), align=align, apply_weights=apply_weights,
                       slack=float(slack) if isinstance(slack, (int, float)) else repr(slack),
-                      transport="nvlink" if use_nvlink else self.transport.name)
+                      transport=kind, tuning=repr(tuning))
         errors = [dev_err] if dev_err else []
         try:
             for name in ("num_experts", "topk", "hidden", "max_tokens", "align"):
@@ -231,7 +185,8 @@ class ExpertParallel:
             expect(zero_copy in (True, False, "auto"), "zero_copy", 'True, False or "auto"', repr(zero_copy))
             expect(timeout is None or (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")),
                    "timeout", "None or a finite number of seconds > 0", repr(timeout))
-            expect_int(num_sms, "num_sms", 1)
+            expect(tuning is None or isinstance(tuning, Tuning), "tuning", "None or a moonep.Tuning",
+                   type(tuning).__name__)
             expect(apply_weights in ("combine", "dispatch"), "apply_weights", '"combine" or "dispatch"',
                    repr(apply_weights))
         except ValueError as exc:
@@ -249,25 +204,20 @@ class ExpertParallel:
         self.epn = num_experts // R
         self.dtype, self.align, self.slack, self.apply_weights = dtype, align, float(slack), apply_weights
         self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
-        if use_nvlink:
-            from .transport.nvlink import NVLinkEngine, default_timeout
-
-            self._engine = NVLinkEngine(self, timeout=default_timeout(self.rt) if timeout is None else timeout,
-                                        zero_copy=zero_copy, num_sms=num_sms)
+        self._backend = make_backend(self, kind, timeout=timeout, zero_copy=zero_copy, tuning=tuning or Tuning())
         if timeout is not None and hasattr(self.transport, "timeout"):
             self.transport.timeout = float(timeout)  # the gloo/NCCL group keeps its own (see docstring)
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
 
     @contextmanager
-    def _collective(self, op: str):
-        """Run one collective call: refuse a closed instance, check the call order with the peers (for
-        NVLink through host shared memory), and remember a failure so shutdown does not wait for a dead peer."""
+    def _collective(self, op: str, backward: bool = False):
+        """Run one collective call: refuse a closed instance, check the call order with the peers (backward
+        passes only where the backend checks them), and remember a failure so shutdown does not wait for a
+        dead peer."""
         expect(not self._closed, "ExpertParallel", "an open instance", f"{op} called after close()")
-        if self._engine is not None:
-            self._guard.enter(op, exchange=self._engine.exchange_header)
-            self._engine.op_label = f"{op} #{self._guard.seq}"
-        else:
-            self._guard.enter(op)
+        if not backward or self._backend.checks_backward_order:
+            self._guard.enter(op, exchange=self._backend.order_exchange)
+            self._backend.label(f"{op} #{self._guard.seq}")
         try:
             yield
         except MoonepError:
@@ -282,28 +232,25 @@ class ExpertParallel:
 
     @property
     def transport_name(self) -> str:
-        return "nvlink" if self._engine is not None else self.transport.name
+        """The backend that moves the rows: ``"nvlink"``, ``"mpi"``, ``"torch"`` or ``"local"``."""
+        return self._backend.name
 
     def synchronize(self) -> None:
         """Wait for this rank's queued work and raise any error the NVLink kernels recorded."""
-        if self._engine is not None:
-            try:
-                self._engine.synchronize()
-            except MoonepError:
-                self._record_failure()
-                raise
+        try:
+            self._backend.synchronize()
+        except MoonepError:
+            self._record_failure()
+            raise
 
     def close(self, check: bool = True) -> None:
         """Release the NVLink buffers (collective unless a peer died) and, with ``check``, raise any error
         the kernels recorded.  Idempotent.  Later collective calls raise ``ValueError``."""
+        if self._closed:
+            return
         self._closed = True
-        if self._engine is not None:
-            eng, self._engine = self._engine, None
-            try:
-                if check:
-                    eng.check()
-            finally:
-                eng.close(peers_ok=not self._failed)
+        if self._backend is not None:
+            self._backend.close(peers_ok=not self._failed, check=check)
 
     def __enter__(self):
         return self
@@ -312,66 +259,23 @@ class ExpertParallel:
         self.close(check=exc_type is None)  # don't mask the exception that is already propagating
         return False
 
-    # -- validation ---------------------------------------------------------------------------------
-    def _check_inputs(self, x, topk_idx, topk_weights):
-        S, K, H, E = self.max_tokens, self.topk, self.hidden, self.num_experts
-        expect_tensor(x, "x", dim=2, dtypes=self.dtype, device=self.device)
-        s = x.shape[0]
-        expect(x.shape[1] == H, "x", f"shape [s, {H}]", list(x.shape))
-        expect(s <= S, "x", f"at most max_tokens={S} rows", s)
-        expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=self.device,
-                      shape=(s, K))
-        expect_tensor(topk_weights, "topk_weights", dtypes=_FLOAT, device=self.device, shape=(s, K))
-        if s and topk_idx.device.type == "cpu":
-            lo, hi, i = cpu_kernels.check_topk(topk_idx.to(torch.int64).contiguous().numpy())
-            expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
-            if i >= 0:
-                raise ValueError(f"topk_idx: expected distinct experts per token, got {topk_idx[i].tolist()} "
-                                 f"for token {i}")
-        elif s:
-            lo, hi = int(topk_idx.min()), int(topk_idx.max())
-            expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
-            srt = topk_idx.sort(dim=1).values
-            dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(dim=1)
-            if bool(dup.any()):
-                i = int(dup.nonzero()[0, 0])
-                raise ValueError(f"topk_idx: expected distinct experts per token, got {topk_idx[i].tolist()} "
-                                 f"for token {i}")
-        if s:
-            bad = ~torch.isfinite(topk_weights)
-            if bool(bad.any()):
-                i = int(bad.any(dim=1).nonzero()[0, 0])
-                raise ValueError(f"topk_weights: expected finite values, got {topk_weights[i].tolist()} "
-                                 f"for token {i}")
-
     # -- the data path ------------------------------------------------------------------------------
-    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
-        """Validate, all-gather the routing counts and plan. Collective. Returns ``(plan, routing)``."""
-        E, R = self.num_experts, self.world_size
-        err = None
+    def _routing_error(self, x, topk_idx, topk_weights):
+        """The first failed shape/dtype/device check of dispatch's arguments, or ``None``.  (The backend
+        checks the values and decides how a failure surfaces: see ``Backend.plan_step``.)"""
+        S, K, H = self.max_tokens, self.topk, self.hidden
         try:
-            self._check_inputs(x, topk_idx, topk_weights)
-            idx = topk_idx.to(torch.int64)
-            counts = torch.bincount(idx[idx >= 0], minlength=E).to(torch.int64)
+            expect_tensor(x, "x", dim=2, dtypes=self.dtype, device=self.device)
             s = x.shape[0]
+            expect(x.shape[1] == H, "x", f"shape [s, {H}]", list(x.shape))
+            expect(s <= S, "x", f"at most max_tokens={S} rows", s)
+            expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=self.device,
+                          shape=(s, K))
+            expect_tensor(topk_weights, "topk_weights", dtypes=self._backend.weight_dtypes, device=self.device,
+                          shape=(s, K))
         except ValueError as exc:
-            err, counts, s = str(exc), torch.zeros(E, dtype=torch.int64, device=self.device), 0
-        # One gather carries the counts, s and an error flag, so bad input on one rank fails every rank.
-        flag = torch.tensor([s, err is not None], dtype=torch.int64, device=counts.device)
-        meta = self.transport.all_gather(torch.cat([counts, flag]))
-        if bool(meta[:, -1].any()):
-            msgs = self.transport.all_gather_object(err)
-            r = next(i for i, m in enumerate(msgs) if m)
-            raise ValueError(err if err else f"{msgs[r]} (on rank {r})")
-        if num_global_tokens is not None:
-            expect_int(num_global_tokens, "num_global_tokens", 0)
-            total = int(meta[:, E].sum())
-            expect(total == num_global_tokens, "num_global_tokens",
-                   f"the sum of tokens over ranks ({total})", num_global_tokens)
-        plan = plan_balanced(meta[:, :E].contiguous(), slack=self.slack)
-        routing = build_routing(plan, self.rank, topk_idx.to(torch.int64), self.transport, self.capacity,
-                                align=self.align, exchange_rows=x.device.type != "cpu")
-        return plan, routing
+            return str(exc)
+        return None
 
     def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None) -> Dispatched:
         """Send every token to the ranks of its experts, into its final slot rows there. Collective.
@@ -386,19 +290,20 @@ class ExpertParallel:
             :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.
         """
         with self._collective("dispatch"):
-            return self._dispatch(x, topk_idx, topk_weights, num_global_tokens)
-
-    def _dispatch(self, x, topk_idx, topk_weights, num_global_tokens):
-        if self._engine is not None:
-            from .transport import nvlink
-
-            return nvlink.dispatch(self, x, topk_idx, topk_weights, num_global_tokens)
-        plan, routing = self.plan_step(x, topk_idx, topk_weights, num_global_tokens)
-        tokens, weights = _DispatchFn.apply(x, topk_weights, self, routing)
-        if self.apply_weights == "dispatch":
-            tokens = (tokens.to(acc_dtype(tokens.dtype)) * weights.to(acc_dtype(tokens.dtype))[:, None]).to(tokens.dtype)
-        return Dispatched(tokens, weights, layout.cu_seqlens(plan, self.rank, align=self.align),
-                          layout.slot_experts(plan, self.rank), int(plan.recv_counts[self.rank]), plan, routing)
+            backend = self._backend
+            err = self._routing_error(x, topk_idx, topk_weights)
+            plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens, err)
+            if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+                tokens, weights = _DispatchFn.apply(x, topk_weights, self, st)
+            else:
+                tokens, weights = backend.dispatch(x, topk_weights, st, False)
+            if self.apply_weights == "dispatch":
+                adt = acc_dtype(tokens.dtype)
+                tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
+            cu, slot_experts, num_rows = backend.slots(plan, st)
+            out = Dispatched(tokens, weights, cu, slot_experts, num_rows, plan, st)
+            backend.after_call()
+            return out
 
     def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
         """Return each token's weighted sum of its experts' outputs. Collective.
@@ -414,12 +319,16 @@ class ExpertParallel:
                       shape=(self.capacity, None))
         expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
         with self._collective("combine"):
-            if self._engine is not None:
-                from .transport import nvlink
-
-                return nvlink.combine(self, expert_out, h)
-            weights = h.weights if self.apply_weights == "combine" else torch.ones_like(h.weights)
-            return _CombineFn.apply(expert_out, weights, self, h.routing, expert_out.dtype)
+            backend, st = self._backend, h.routing
+            expect(isinstance(st, backend.step_type), "h",
+                   f"a Dispatched of this ExpertParallel ({backend.name} backend)", type(st).__name__)
+            weights = h.weights if self.apply_weights == "combine" else None
+            if torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad)):
+                y = _CombineFn.apply(expert_out, weights, self, st, expert_out.dtype)
+            else:
+                y = backend.combine(expert_out, weights, st, expert_out.dtype)
+            backend.after_call()
+            return y
 
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
@@ -464,27 +373,12 @@ class ExpertParallel:
         if out is not None:
             self._check_pool(local_weight, out)
         with self._collective("prefetch"):
-            return self._prefetch(h, local_weight, out)
-
-    def _prefetch(self, h, local_weight, out):
-        if out is not None:
-            if self._engine is not None:
-                from .transport import nvlink
-
-                return nvlink.prefetch(self, h, local_weight, out=out)
             if torch.is_grad_enabled() and local_weight.requires_grad:
-                return _PrefetchIntoFn.apply(local_weight, self, h.plan, (out,))
-            return prefetch_weights_into(h.plan, self.rank, local_weight, self.transport, out)
-        if self._engine is not None:
-            from .transport import nvlink
-
-            return nvlink.prefetch(self, h, local_weight)
-        return _PrefetchFn.apply(local_weight.contiguous(), self, h.plan)
+                return _PrefetchFn.apply(local_weight, self, h.plan, (out,))
+            return self._backend.prefetch(h.plan, local_weight, out=out)
 
     def _check_pool(self, local_weight: torch.Tensor, out) -> None:
         """Validate ``prefetch``'s ``out`` pool against ``local_weight`` (raises ``ValueError``)."""
-        from .replicas import home_is_view
-
         shape = (2 * self.epn, *local_weight.shape[1:])
         expect(isinstance(out, torch.Tensor), "out", "a torch.Tensor", type(out).__name__)
         expect(out.dtype == local_weight.dtype, "out", f"dtype {local_weight.dtype} (that of local_weight)",
@@ -508,8 +402,4 @@ class ExpertParallel:
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
         with self._collective("reduce_grad"):
-            if self._engine is not None:
-                from .transport import nvlink
-
-                return nvlink.reduce_grad(self, h, grad_view)
-            return reduce_replica_grads(h.plan, self.rank, grad_view.contiguous(), self.transport)
+            return self._backend.reduce_grad(h.plan, grad_view)

@@ -21,7 +21,8 @@ import operator
 import torch
 
 from .errors import expect, expect_int, expect_slack, expect_tensor
-from .planner import Plan, cap_for
+from .planner import Plan, _validate, cap_for, plan_balanced
+from .planner.cuda import cu_seqlens_cuda, layout_cuda, layout_fast, plan_layout_cuda, plan_layout_fast
 
 __all__ = ["slot_experts", "slot_sizes", "cu_seqlens", "capacity", "token_destinations", "plan_and_destinations"]
 
@@ -62,11 +63,9 @@ def slot_experts(plan: Plan, rank: int) -> torch.Tensor:
     """int64 [2*epn]: global expert id in each slot of ``rank`` (home experts, then replicas; -1 empty)."""
     _check_plan(plan)
     rank = _check_rank(rank, plan.num_ranks)
-    if plan._pre is not None:  # written by plan_and_destinations' launch (no torch ops)
-        from .planner.cuda import pre_slot_experts
-        pre = pre_slot_experts(plan, rank)
-        if pre is not None:
-            return pre
+    pre = plan.launch_slots(rank, 1) if plan.on_device else None
+    if pre is not None:  # written by plan_and_destinations' launch (no torch ops)
+        return pre[0]
     epn = plan.experts_per_rank
     home = torch.arange(rank * epn, (rank + 1) * epn, device=plan.assignment.device)
     return torch.cat([home, plan.replica_experts[rank]])
@@ -103,10 +102,9 @@ def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Ten
     _check_align(align)
     if rank is not None:
         rank = _check_rank(rank, plan.num_ranks)
-    if plan._ws is not None:  # CUDA plan: written by plan_and_destinations' launch, else one small kernel
-        from .planner.cuda import cu_seqlens_cuda, pre_cu_seqlens
-        pre = pre_cu_seqlens(plan, rank, align) if plan._pre is not None else None
-        return pre if pre is not None else cu_seqlens_cuda(plan, rank, align)
+    if plan.on_device:  # CUDA plan: written by plan_and_destinations' launch, else one small kernel
+        pre = plan.launch_slots(rank, align) if rank is not None else None
+        return pre[1] if pre is not None and pre[1] is not None else cu_seqlens_cuda(plan, rank, align)
     sz = slot_sizes(plan, align)
     cu = torch.nn.functional.pad(sz.cumsum(1), (1, 0)).to(torch.int32)
     return cu if rank is None else cu[rank]
@@ -130,28 +128,6 @@ def capacity(max_tokens: int, topk: int, num_ranks: int, num_experts: int, align
     return cap_for(num_ranks * max_tokens * topk, num_ranks, slack) + 2 * epn * (align - 1)
 
 
-_LAYOUT_FAST = None
-
-
-def _layout_fast():
-    global _LAYOUT_FAST
-    if _LAYOUT_FAST is None:
-        from .planner.cuda import layout_fast
-        _LAYOUT_FAST = layout_fast
-    return _LAYOUT_FAST
-
-
-_FUSED_FAST = None
-
-
-def _fused_fast():
-    global _FUSED_FAST
-    if _FUSED_FAST is None:
-        from .planner.cuda import plan_layout_fast
-        _FUSED_FAST = plan_layout_fast
-    return _FUSED_FAST
-
-
 def plan_and_destinations(counts: torch.Tensor, rank: int, topk_idx: torch.Tensor, *, slack: float = 0.0,
                           align: int = 1):
     """``plan_balanced(counts, slack=slack)`` and ``token_destinations(plan, rank, topk_idx, align)`` in one
@@ -168,17 +144,14 @@ def plan_and_destinations(counts: torch.Tensor, rank: int, topk_idx: torch.Tenso
     # Python checks: the host time of the launch is what bounds small plans.
     if (type(counts) is torch.Tensor and type(topk_idx) is torch.Tensor and type(rank) is int
             and type(align) is int and type(slack) is float and counts.is_cuda):
-        res = _fused_fast()(counts, slack, rank, topk_idx, align)
+        res = plan_layout_fast(counts, slack, rank, topk_idx, align)
         if res is not None:
             return res
-    from .planner import _validate, plan_balanced
-
     _validate(counts, slack, None, None)
     _check_align(align)
     rank = _check_rank(rank, counts.shape[0])
     if (counts.is_cuda and type(topk_idx) is torch.Tensor and topk_idx.is_cuda and topk_idx.dim() == 2
             and topk_idx.dtype in (torch.int32, torch.int64)):
-        from .planner.cuda import plan_layout_cuda
         res = plan_layout_cuda(counts, float(slack), rank, topk_idx, align)
         if res is not None:
             return res
@@ -195,9 +168,9 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
     """
     # CUDA plans: a call identical in kind (shape, dtype, rank, align) to an earlier validated one skips
     # the Python checks (host time bounds small layouts; values are checked on the device).
-    if (getattr(plan, "_ws", None) is not None and type(rank) is int and type(align) is int
+    if (type(plan) is Plan and plan.on_device and type(rank) is int and type(align) is int
             and type(topk_idx) is torch.Tensor and topk_idx.is_cuda):
-        res = _layout_fast()(plan, rank, topk_idx, align)
+        res = layout_fast(plan, rank, topk_idx, align)
         if res is not None:
             return res
     _check_plan(plan)
@@ -207,8 +180,7 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
         raise ValueError(f"topk_idx: expected shape [s, K], got {tuple(topk_idx.shape)}")
     rank = _check_rank(rank, plan.num_ranks)
     _check_routing(plan, rank, topk_idx)
-    if plan._ws is not None and topk_idx.is_cuda:  # CUDA plan: one fused kernel (csrc/planner.cu)
-        from .planner.cuda import layout_cuda
+    if plan.on_device and topk_idx.is_cuda:  # CUDA plan: one fused kernel (csrc/layout.cu)
         res = layout_cuda(plan, rank, topk_idx, align)
         if res is not None:
             return res

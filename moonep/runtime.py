@@ -33,7 +33,7 @@ class Runtime:
     group: object
     cpu_group: object
     backend: str
-    launcher: str  # "mpi", "torchrun", "single" or "external"
+    launcher: str  # "mpi", "torchrun", "single", "external" or "local" (no process group)
     timeout: datetime.timedelta
     comm: object = None  # the mpi4py communicator when launched by mpirun, else None
     _owns_pg: bool = field(default=False, repr=False)
@@ -89,6 +89,18 @@ class Runtime:
                     while store.add(key, 0) < self.world_size - 1 and time.monotonic() < deadline:
                         time.sleep(0.005)
             del store
+
+
+def local_runtime(device=None, timeout: float | None = None) -> Runtime:
+    """A runtime for one process without a process group (``launcher="local"``, ``group=None``): what
+    ``ExpertParallel(group=None)`` uses in a plain process.  No ``torch.distributed`` state is created."""
+    from .errors import expect_device
+
+    dev = expect_device(device) if device is not None else _pick_device(0, None)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    td = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else float(timeout))
+    return Runtime(0, 1, 0, 1, dev, None, None, "none", "local", td)
 
 
 def detect_launcher(env=os.environ) -> str:

@@ -22,14 +22,14 @@ import sys
 from pathlib import Path
 
 PRESETS = {
-    # The issue's headline: 2xH200, 4096 tokens/rank, hidden 7168, bf16, top-8 of 256, maxvio sweep.
+    # The headline: 2xH200, 4096 tokens/rank, hidden 7168, bf16, top-8 of 256, maxvio sweep.
     "h200": dict(device="cuda", tokens=[4096], hidden=[7168], ek=[(256, 8)], maxvio=[0, 0.25, 0.5, 1, 2, 4],
                  slack=[0.0, 0.02, 0.05], placement=["random", "clustered"], ffn=2048, iters=20, warmup=5),
-    # Every workload of the issue (long: hours on CPU; minutes on GPU).
+    # Every shape, imbalance, slack and placement together (long: hours on CPU; minutes on GPU).
     "full": dict(tokens=[128, 512, 1024, 4096, 8192], hidden=[2048, 4096, 7168],
                  ek=[(256, 8), (384, 8), (896, 16)], maxvio=[0, 0.25, 0.5, 1, 2, 4], slack=[0.0, 0.02, 0.05],
                  placement=["random", "clustered"]),
-    # What tests/test_bench.py runs.
+    # What tests/mp/test_bench.py runs.
     "tiny": dict(tokens=[32], hidden=[64], ek=[(16, 4)], maxvio=[0, 2], slack=[0.0, 0.05], ffn=32, iters=2,
                  warmup=1),
 }
@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--placement", nargs="+", choices=["random", "clustered"], default=["random"],
                     help="where the popular experts live: random ranks, or all on rank 0")
     ap.add_argument("--ffn", type=int, default=128, help="expert FFN width of the three projections used "
-                    "for prefetch and the layer step (the issue: 2048); 0 skips both")
+                    "for prefetch and the layer step (DeepSeek-V3: 2048); 0 skips both")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)

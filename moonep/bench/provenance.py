@@ -1,7 +1,7 @@
 """Where a benchmark figure came from: the exact command, the git commit and the machine.
 
 The GPU machines receive a copy of the working tree without ``.git``, so the commit can be handed in
-through ``MOONEP_GIT_COMMIT`` (``scripts/device_round.sh`` does this from ``.git_commit``).
+through ``MOONEP_GIT_COMMIT`` (``tools/device_run.sh`` does this from ``.git_commit``).
 """
 from __future__ import annotations
 

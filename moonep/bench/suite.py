@@ -232,7 +232,8 @@ class Suite:
         eps = {}
         for slack in a.slack:
             eps[slack] = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=self.dtype,
-                                               slack=slack, transport=a.transport, num_sms=a.num_sms)
+                                               slack=slack, transport=a.transport,
+                                               tuning=moonep.Tuning(num_sms=a.num_sms))
         ep0 = eps[a.slack[0]]
         self.doc["transport"] = ep0.transport_name
         weights, why = None, ""

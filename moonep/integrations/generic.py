@@ -41,7 +41,7 @@ def _ep_forward(self, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     idx, w = self.moonep_route(getattr(self, self.moonep_router)(x2))
-    ep = self.moonep_ep.get(x2.shape[0], idx.shape[1], x2.shape[1], x2.dtype)
+    ep = self.moonep_ep.get(x2.shape[0], idx.shape[1], x2.shape[1], x2.dtype, x2.device)
     experts = getattr(self, self.moonep_experts)
     home = [experts[str(e)] for e in experts.home]
     names = [n for n, _ in home[0].named_parameters()]

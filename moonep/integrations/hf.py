@@ -45,7 +45,7 @@ class EPExperts(ShardedExperts, nn.Module):
         """``hidden_states [T, H]``, ``top_k_index`` int64 ``[T, K]``, ``top_k_weights [T, K]`` (any float)
         -> ``[T, H]`` in ``hidden_states.dtype``. Collective."""
         T, H = hidden_states.shape
-        ep = self.moonep_ep.get(T, top_k_index.shape[1], H, hidden_states.dtype)
+        ep = self.moonep_ep.get(T, top_k_index.shape[1], H, hidden_states.dtype, hidden_states.device)
         h = ep.dispatch(hidden_states, top_k_index, top_k_weights)
         gu = ep.prefetch(h, self.gate_up_proj)          # [2*epn, 2I, H]
         down = ep.prefetch(h, self.down_proj)           # [2*epn, H, I]

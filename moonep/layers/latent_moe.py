@@ -153,7 +153,7 @@ class LatentMoE(ShardedExperts, nn.Module):
         x = x.reshape(-1, self.d_model)
         idx, w = self.route(x)
         z = self.down(x)                                                   # [s, l]
-        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt)
+        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, x.device)
         h = ep.dispatch(z, idx, w)
         w_in, w_out = ep.prefetch(h, self.expert_w_in), ep.prefetch(h, self.expert_w_out)  # [2*epn, ...]
         a = situ_glu_fused(slot_matmul(h.tokens, h.cu_seqlens, w_in, self.matmul))      # [cap, F]

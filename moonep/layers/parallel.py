@@ -7,13 +7,13 @@ parameters and clobber the expert shards, so it must not wrap these models as is
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 import torch.distributed as dist
 
-from ..combine import reduce_local
+from ..balance import QuantileBalancer
+from ..ep import ExpertParallel
 from ..errors import expect
+from ..runtime import Runtime, detect_launcher, init
 
 
 # --------------------------------------------------------------------------------------------- group
@@ -22,8 +22,6 @@ def resolve_group(group):
 
     Returns a :class:`moonep.Runtime` or ``None`` (one process, no ``torch.distributed`` needed).
     """
-    from ..runtime import Runtime, detect_launcher, init
-
     if isinstance(group, Runtime):
         return group
     if group is not None:
@@ -31,45 +29,6 @@ def resolve_group(group):
     if dist.is_available() and dist.is_initialized() or detect_launcher() != "single":
         return init()
     return None
-
-
-class LocalExpertParallel:
-    """The ``ExpertParallel`` interface for one process without a process group (``R = 1``).
-
-    Same slot layout (``E`` home slots, then ``E`` empty replica slots; rows ordered by ``(token, k)``
-    inside a slot) built from plain differentiable torch ops.
-    """
-
-    def __init__(self, num_experts: int, topk: int):
-        self.num_experts, self.topk, self.epn, self.world_size, self.rank = num_experts, topk, num_experts, 1, 0
-
-    def dispatch(self, x, topk_idx, topk_weights, **_):
-        E, K = self.num_experts, topk_idx.shape[1]
-        flat = topk_idx.reshape(-1)
-        valid = (flat >= 0).nonzero().squeeze(1)
-        order = valid[torch.sort(flat[valid], stable=True).indices]  # rows by (expert, token, k)
-        counts = torch.bincount(flat[order], minlength=E)
-        cu = torch.zeros(2 * E + 1, dtype=torch.int32, device=x.device)
-        cu[1:E + 1] = counts.cumsum(0)
-        cu[E + 1:] = cu[E]
-        slot_experts = torch.cat([torch.arange(E, device=x.device), torch.full((E,), -1, device=x.device)])
-        token = torch.div(order, K, rounding_mode="floor")
-        plan = SimpleNamespace(assignment=counts[:, None], recv_counts=counts.sum().reshape(1),
-                               replica_experts=torch.full((1, E), -1, device=x.device))
-        return SimpleNamespace(tokens=x[token], weights=topk_weights.reshape(-1)[order], cu_seqlens=cu,
-                               slot_experts=slot_experts, num_rows=int(order.numel()), plan=plan,
-                               token=token, order=order, topk=K, num_tokens=x.shape[0])
-
-    def prefetch(self, h, local_weight):
-        return torch.cat([local_weight, torch.zeros_like(local_weight)])
-
-    def combine(self, expert_out, h):
-        # reduce_local is the k-order weighted sum of the EP path (same acc dtype, same addition order and
-        # no CUDA atomics), so R = 1 adds up bitwise like R > 1. rows[token, k] = the expert-grouped row
-        # of that copy (the inverse of h.order), -1 for a masked choice.
-        rows = torch.full((h.num_tokens * h.topk,), -1, dtype=torch.int64, device=h.order.device)
-        rows[h.order] = torch.arange(h.order.numel(), device=h.order.device)
-        return reduce_local(expert_out, h.weights, rows.view(h.num_tokens, h.topk)).to(expert_out.dtype)
 
 
 class EPProvider:
@@ -85,22 +44,21 @@ class EPProvider:
         self.rank = 0 if rt is None else rt.rank
         self._cache: dict = {}
 
-    def get(self, s: int, topk: int, width: int, dtype: torch.dtype):
-        if self.rt is None:
-            return LocalExpertParallel(self.num_experts, topk)
-        from ..ep import ExpertParallel
-
+    def get(self, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
+        """The ExpertParallel for ``s`` tokens of ``width`` in ``dtype`` on ``device`` (collective when it
+        must be built or grown).  Without a runtime (a plain process) it is the local backend's."""
         need = self.max_tokens
         if need is None:
             t = torch.tensor([s], dtype=torch.int64)
             if self.world_size > 1:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rt.cpu_group)
             need = max(16, 1 << max(int(t) - 1, 0).bit_length())
-        key = (topk, width, dtype)
+        key = (topk, width, dtype, device if self.rt is None else None)
         ep = self._cache.get(key)
         if ep is None or ep.max_tokens < need:
+            where = dict(device=device) if self.rt is None else {}
             ep = ExpertParallel(self.rt, num_experts=self.num_experts, topk=topk, hidden=width,
-                                max_tokens=need, dtype=dtype, **self.ep_kwargs)
+                                max_tokens=need, dtype=dtype, **where, **self.ep_kwargs)
             self._cache[key] = ep
         return ep
 
@@ -214,8 +172,6 @@ def sync_grads(model: torch.nn.Module, average: bool = True) -> None:
 
 def balancer_step(model: torch.nn.Module) -> None:
     """``step()`` every QuantileBalancer in ``model`` (collective); call once per optimizer step."""
-    from ..balance import QuantileBalancer
-
     for m in model.modules():
         if isinstance(m, QuantileBalancer):
             m.step()

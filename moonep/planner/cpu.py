@@ -80,6 +80,18 @@ def _fill(rem, order, amt, rep_exp, rep_src, load, u, o, epn, need):
 
 
 @njit(cache=True)
+def _largest_gap(a, b, R):
+    """``(r, a[r] - b[r])`` for the first rank with the largest positive gap, or ``(-1, 0)``: the most
+    under-loaded rank (``a`` = target, ``b`` = load) or the most over-loaded one (swapped)."""
+    r_best, gap = -1, 0
+    for r in range(R):
+        if a[r] - b[r] > gap:
+            gap = a[r] - b[r]
+            r_best = r
+    return r_best, gap
+
+
+@njit(cache=True)
 def _plan_core(L, R, epn, cap):
     """L int64 [E] expert loads; cap int64 (-1: exact mode). Returns
     (rem int64 [E] copies kept home, amt int64 [R*epn] copies of donor-local expert j on receiver r,
@@ -106,12 +118,7 @@ def _plan_core(L, R, epn, cap):
             tgt[r] = T // R + (1 if r < T % R else 0) if exact else cap
         if exact:
             while True:
-                u = -1
-                d = 0
-                for r in range(R):
-                    if tgt[r] - load[r] > d:
-                        d = tgt[r] - load[r]
-                        u = r
+                u, d = _largest_gap(tgt, load, R)
                 if u < 0:
                     break
                 o = -1
@@ -131,12 +138,7 @@ def _plan_core(L, R, epn, cap):
         used = np.zeros(R, np.bool_)
         stuck = False
         while not stuck:
-            o = -1
-            x = 0
-            for r in range(R):
-                if load[r] - tgt[r] > x:
-                    x = load[r] - tgt[r]
-                    o = r
+            o, x = _largest_gap(load, tgt, R)
             if o < 0:
                 return rem, amt, rep_exp, rep_src, load, attempt
             used[o] = True

@@ -269,7 +269,7 @@ def _guard(di: int):
 
 def _plan_cls():
     global _Plan
-    from . import Plan
+    from .plan import Plan
     _Plan = Plan
     return Plan
 
@@ -297,7 +297,7 @@ def plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=Non
 
 
 def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=None):
-    from . import ERR_ROWSUM, Plan, _declared
+    from .plan import ERR_ROWSUM, Plan, _declared
 
     di = counts.get_device()
     if _guard(di):
@@ -483,7 +483,7 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
         _FUSED_FAST[(di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align)] = (
             d.fn["moonep_plan_layout"], (grid,), (threads,), smem, d.streams, g.words, d.device, (s, K),
             g, mid, tail, d.arg, not c32, d)
-    from . import Plan
+    from .plan import Plan
     plan = Plan._cuda(buf, g, None if c32 else counts, float(slack))
     plan.__dict__["_pre"] = (rank, align, g.words + 2 * n)
     return plan, dst_rank, dst_row

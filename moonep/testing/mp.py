@@ -3,7 +3,7 @@
 A cases file holds ``case_<name>(rt)`` functions. One ``mpiexec -n N`` launch runs all of them (paying
 ``import torch`` once per rank, not once per test); each case still shows up as its own pytest item:
 
-    # tests/test_mp_bootstrap.py
+    # tests/mp/test_mp_bootstrap.py
     from moonep.testing.mp import mp_cases
     test_bootstrap = mp_cases("tests/mp/cases_bootstrap.py", nranks=[1, 2, 4])
 

@@ -1,8 +1,8 @@
 """The transport interface: the two collectives the host-driven data path needs.
 
 Every implementation moves the same bytes and returns the same result, so outputs are bitwise equal
-whichever transport is used. Splits are host-known lists here (the CPU path); the GPU transports in this
-package write into peer memory instead and need no host splits.
+whichever transport is used. Splits are host-known lists here (the host backend); the nvlink backend
+writes into peer memory instead (through :mod:`moonep.transport.ipc`) and needs no host splits.
 """
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import torch
 class Transport:
     """Moves rows between the ranks of one group.
 
-    Implementations: :class:`moonep.transport.mpi.MPITransport` (mpi4py, CPU tensors, zero-copy numpy views)
-    and :class:`moonep.transport.torchdist.TorchDistTransport` (``all_to_all_single`` on gloo or NCCL).
+    Implementations: :class:`moonep.transport.mpi.MPITransport` (mpi4py, CPU tensors, zero-copy numpy views),
+    :class:`moonep.transport.torchdist.TorchDistTransport` (``all_to_all_single`` on gloo or NCCL) and
+    :class:`moonep.transport.local.SelfTransport` (one process, no group).
     """
 
     name = "base"
     rank: int
     world_size: int
-    current_op = "a collective"  # set by moonep.transport.guard: named in timeout and peer-failure errors
+    current_op = "a collective"  # set by moonep.guard: named in timeout and peer-failure errors
 
     def timeout_s(self) -> float:
         """Seconds a collective waits for its peers before raising :class:`moonep.MoonepError`."""
@@ -52,24 +53,3 @@ class Transport:
     def all_gather_object(self, obj) -> list:
         """Gather a small picklable object from every rank (configuration checks, error messages)."""
         raise NotImplementedError
-
-
-def make_transport(kind: str, rt, timeout: float | None = None) -> Transport:
-    """``kind``: "mpi", "torch" or "auto" (MPI for CPU tensors under mpirun, else torch.distributed).
-
-    ``timeout``: seconds the MPI transport waits for peers (default: the runtime's); the torch transport
-    uses its process group's timeout (``moonep.init(timeout=...)``)."""
-    from ..errors import expect
-
-    expect(kind in ("auto", "mpi", "torch"), "transport", '"auto", "mpi" or "torch"', repr(kind))
-    if kind == "auto":
-        kind = "mpi" if rt.comm is not None and rt.device.type == "cpu" else "torch"
-    if kind == "mpi":
-        expect(rt.comm is not None, "transport", "a job launched by mpirun/mpiexec for the MPI transport",
-               f"launcher {rt.launcher!r}")
-        from .mpi import MPITransport
-
-        return MPITransport(rt.comm, timeout=rt.timeout.total_seconds() if timeout is None else timeout)
-    from .torchdist import TorchDistTransport
-
-    return TorchDistTransport(rt.group, rt.cpu_group, timeout=rt.timeout.total_seconds())

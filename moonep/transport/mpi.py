@@ -2,7 +2,7 @@
 
 Non-blocking calls polled against a deadline mean a stalled peer raises :class:`moonep.MoonepError`
 instead of blocking forever (blocking MPI collectives have no timeout).  The collective-order header
-(:mod:`moonep.transport.guard`) travels point to point, so a timeout there names the peers that never sent.
+(:mod:`moonep.guard`) travels point to point, so a timeout there names the peers that never sent.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 The NVLink path moves data with kernels that only count signals: if one rank calls ``combine`` while its
 peers call ``dispatch``, the kernels can satisfy each other's waits and return wrong data without any
 error.  :class:`OrderBoard` is the NVLink transport's ``exchange_header`` for
-:class:`moonep.transport.guard.CollectiveGuard`: every rank writes its ``[magic, instance, op, seq]``
+:class:`moonep.guard.CollectiveGuard`: every rank writes its ``[magic, instance, op, seq]``
 header into its own slot of a small POSIX shared-memory table and waits (on the host, a few µs when the
 ranks are in step) until every peer wrote the header of the same generation.  No device work and no host
 sync with the GPU: only the hosts go in step, as the kernels would anyway.

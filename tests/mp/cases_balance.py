@@ -1,4 +1,4 @@
-"""QuantileBalancer across ranks (run on every rank by moonep.testing.mprun; see tests/test_mp_balance.py).
+"""QuantileBalancer across ranks (run on every rank by moonep.testing.mprun; see tests/mp/test_mp_balance.py).
 
 Balancers live on ``rt.collective_device`` (the GPU under NCCL, else the host), where the group's
 all-reduce wants them.
@@ -103,7 +103,7 @@ def case_empty_everywhere(rt):
 def case_bad_scores_on_one_rank(rt):
     """Deferred validation: bad scores on rank 0 alone stop the update on every rank, and all raise."""
     if rt.collective_device.type == "cuda":
-        return  # the CUDA path reports a step late; covered by tests/test_balance_gpu.py
+        return  # the CUDA path reports a step late; covered by tests/gpu/test_balance_gpu.py
     E = 16
     qb = QuantileBalancer(E, 2, group=rt.group, validate="deferred", device=rt.collective_device)
     scores = global_scores(rt.rank, 50, E, 8)

@@ -1,6 +1,6 @@
 """Fault injection without killing a process: mismatched collective order and stalled ranks.
 
-Run by tests/test_mp_faults.py (3 ranks, so "rank 2 called combine while rank 0 called dispatch" is
+Run by tests/mp/test_mp_faults.py (3 ranks, so "rank 2 called combine while rank 0 called dispatch" is
 exercised).  Every rank must raise MoonepError naming what happened; stalls must be reported within the
 timeout (3 s here).  Killed ranks are in tests/mp/fault_kill.py (a rank's death ends an mpiexec job).
 """

@@ -1,5 +1,5 @@
 """Resource hygiene: ExpertParallel has close() and is a context manager; building and closing one 100
-times (with a step every 10th) leaks no file descriptors and no memory (RSS).  Run by tests/test_mp_faults.py."""
+times (with a step every 10th) leaks no file descriptors and no memory (RSS).  Run by tests/mp/test_mp_faults.py."""
 import gc
 import os
 

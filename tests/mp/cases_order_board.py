@@ -5,7 +5,7 @@ import os
 import time
 
 from moonep.errors import MoonepError
-from moonep.transport.guard import CollectiveGuard
+from moonep.guard import CollectiveGuard
 from moonep.transport.order_board import OrderBoard
 
 

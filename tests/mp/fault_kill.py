@@ -1,6 +1,6 @@
 """Killed ranks on CPU: one process exits in the middle of a dispatch, combine, prefetch or QB step.
 
-A rank's death ends an ordinary mpiexec job at once, so tests/test_mp_faults.py launches this script with
+A rank's death ends an ordinary mpiexec job at once, so tests/mp/test_mp_faults.py launches this script with
 MPICH's ``-disable-auto-cleanup`` and checks what every process reports.  The job is split into pairs
 (own MPI communicator and gloo group each); pair ``i`` runs ``SCENARIOS[i]``: after one good step the
 victim exits (``os._exit``) inside the named op and the survivor must raise MoonepError within the

@@ -1,4 +1,4 @@
-"""Deliberately broken cases, launched by tests/test_harness.py to prove the harness never hangs."""
+"""Deliberately broken cases, launched by tests/mp/test_harness.py to prove the harness never hangs."""
 import os
 import time
 

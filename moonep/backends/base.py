@@ -1,0 +1,82 @@
+"""What a backend provides to :class:`moonep.ExpertParallel`: one screen, every stage of the data path.
+
+``ExpertParallel`` checks arguments, checks the call order across ranks, owns the autograd Functions and
+calls these methods; a backend moves the rows.  The backward passes reuse the forward ones: the backward of
+dispatch is a combine of the rows' gradients (:meth:`dispatch_backward`), the backward of combine is a
+dispatch of ``dy`` over the same step (:meth:`combine_backward`), the backward of prefetch is
+:meth:`reduce_grad`.  Every method that moves data is collective: all ranks call it in the same order.
+
+Shapes: ``s`` tokens here, ``K`` top-k, ``H`` hidden, ``cap`` receive rows, ``epn`` experts per rank,
+``D`` any trailing weight shape.  The step state (``st``) is the backend's :class:`moonep.handles.StepState`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..handles import StepState
+
+
+class Backend:
+    """The interface; see :mod:`moonep.backends.host`, :mod:`.nvlink` and :mod:`.local`."""
+
+    name = "base"
+    step_type = StepState
+    # topk_weights dtypes the backend moves
+    weight_dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    # whether the backward passes also check the call order with the peers (the nvlink backend's kernels
+    # cannot tell ops apart, and its backward passes run inside CUDA graphs: they check nothing on the host)
+    checks_backward_order = True
+    # header all-gather for the call-order check, or None for the transport's own
+    order_exchange = None
+
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None, error=None):
+        """Validate values, all-gather the routing counts, plan and lay out. Collective.
+
+        ``error``: the message of a shape/dtype check that failed on this rank (``ExpertParallel`` checks
+        those), or ``None``.  Returns ``(plan, st)``.
+        """
+        raise NotImplementedError
+
+    def slots(self, plan, st):
+        """``(cu_seqlens int32 [2*epn+1], slot_experts int64 [2*epn], num_rows)`` of this rank."""
+        raise NotImplementedError
+
+    def dispatch(self, x, topk_weights, st, tracked: bool):
+        """``x [s, H]``, ``topk_weights [s, K]`` -> ``(tokens [cap, H], weights [cap])`` in the step's rows.
+
+        ``tracked``: autograd records this dispatch (the nvlink backend then returns copies, not views)."""
+        raise NotImplementedError
+
+    def combine(self, rows, weights, st, out_dtype):
+        """``rows [cap, H]``, ``weights [cap]`` or ``None`` (plain sum) -> ``y [s, H]`` in ``out_dtype``."""
+        raise NotImplementedError
+
+    def dispatch_backward(self, g_tokens, g_weights, st, want_x: bool, want_w: bool, x_dtype, w_dtype):
+        """Backward of dispatch: ``(gx [s, H] or None, gw [s, K] or None)`` from the rows' gradients."""
+        raise NotImplementedError
+
+    def combine_backward(self, gy, st):
+        """Backward of combine: ``gy [s, H]`` sent over the step's routing -> ``[cap, H]`` (dy of each row)."""
+        raise NotImplementedError
+
+    def prefetch(self, plan, local_weight, out=None):
+        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).
+
+        ``out``: a checked persistent ``[2*epn, *D]`` pool, written in place and returned."""
+        raise NotImplementedError
+
+    def reduce_grad(self, plan, grad):
+        """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``: replica parts added at home, in rank order."""
+        raise NotImplementedError
+
+    def label(self, op: str) -> None:
+        """The collective call now running (named in errors the backend raises later)."""
+
+    def after_call(self) -> None:
+        """Raise errors recorded during the call (the nvlink kernels record them on device)."""
+
+    def synchronize(self) -> None:
+        """Wait for this rank's queued work and raise any recorded error."""
+
+    def close(self, peers_ok: bool = True, check: bool = True) -> None:
+        """Release buffers (collective unless a peer failed: ``peers_ok=False``)."""

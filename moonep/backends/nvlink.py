@@ -1,0 +1,758 @@
+"""The nvlink backend: device-initiated, zero-copy dispatch and combine between GPUs of one node.
+
+``ExpertParallel(..., transport="nvlink")`` (or ``"auto"`` on CUDA when every rank is on one node and the
+GPUs reach each other) runs the data path through :class:`NVLinkBackend`, whose kernels (``csrc/route.cu``,
+``dispatch.cu``, ``combine.cu``, ``replicas.cu``) write straight into the peers' memory (CUDA IPC):
+
+    plan_step   validation, counts and routing flags on device -> ``moonep_gather`` (peer stores)
+                -> ``layout.plan_and_destinations`` (plan + layout, one GPU kernel)
+    dispatch    ``moonep_dispatch_send``: each token once per destination rank, into its first row there,
+                with its row list, weights and epoch tags (in zero-copy mode the token's rows on the own
+                rank are all written here, x read once); ``moonep_dispatch_expand``: after the data
+                signal, copy first rows of tokens from peers into their other rows locally (each first
+                row read once), zero unwritten rows
+    combine     ``moonep_combine_reduce``: per received token, k-ordered fp32 sum of w*out, rounded to
+                the wire dtype (the token dtype for bf16/fp16, fp32 for fp32: see moonep/combine.py) and
+                pushed with 16-byte stores into ``back[me][src_token]`` on the source rank;
+                ``moonep_combine_sum``: each source sums its rows from every destination rank, in rank
+                order, from local memory
+
+Fused kernels (``Tuning.fused``, default ``("route", "dispatch")``; ``()`` selects the two-kernel path above,
+bit-identical):
+
+    plan_step   ``moonep_route_gather``: one launch validates the routing (range, duplicates, finite
+                weights), writes the masked int64 ids and fp32 weights, builds this rank's histogram and
+                all-gathers [counts, s, flags] through peer stores into one half of a double-buffered area
+                (no entry barrier: its data wait is the barrier)
+    dispatch    ``moonep_dispatch_fused``: blocks [0, num_sms) push each token once per remote rank, in
+                ``nch`` chunks of source tokens with a signal per chunk; the other blocks (every other SM)
+                write this rank's own tokens into their local rows and, chunk by chunk as the peers'
+                signals arrive, expand the peers' first rows locally, one warp per (peer, token) found
+                through the first-row list ``flist`` the senders write; it leaves ``tokfirst [R, S]``, the
+                step's first row of every source token, through which ``moonep_combine_reduce`` walks
+                tokens; rows nobody writes are zeroed in the same launch when ``align == 1`` (they are
+                the rows past this rank's count), else by ``moonep_dispatch_zero`` after it (tags)
+    combine     ``moonep_combine_fused``: blocks [0, 2*num_sms) reduce the tokens received from peers and
+                push one partial per (token, rank), chunk by chunk; the other blocks compute, per chunk as
+                it arrives, y for this rank's tokens in rank order, this rank's own partial computed on the
+                spot (it never goes through memory)
+
+Barriers: the counts gather of ``plan_step`` starts with an entry barrier (fused: ends with a data wait); the dispatch send that follows
+it in the same step skips its own (every peer already finished reading the areas it writes).  Combine's
+receive-back area is double-buffered by call parity, so combine needs no entry barrier: a peer can only
+reach combine n+2 after my combine n+1 pushed, which follows my combine n's reads in stream order.
+    prefetch    ``moonep_prefetch_push`` / ``_finish``: the home rank writes replica weights into the
+                pools of the ranks it serves.  With ``out=`` (a persistent pool of the caller) ``_finish``
+                copies only the filled replica slots, zeroes only the slots that became empty since the
+                last call into the same ``out``, and copies the home half only when the home weights are
+                not already ``out[:epn]``
+    reduce_grad ``moonep_reduce_stage`` / ``_finish``: replica gradients staged in the own pool, the home
+                rank reads and adds them in rank order
+
+No step copies anything from the device to the host: kernels run on torch's current stream (so CUDA graph
+capture records them), all sizes are static (``capacity`` rows), and waits on peers have a timeout.
+
+Errors are reported *lazily*, without a host sync:
+
+* a peer that does not signal within ``timeout`` seconds (dead, stalled, out of step) makes the waiting
+  kernel record a fatal error in pinned host memory and every later kernel skip its work; the next call
+  into this ``ExpertParallel`` (or :meth:`ExpertParallel.synchronize`, or ``close()``) raises
+  :class:`moonep.MoonepError`.  After that the object is unusable.
+* bad routing values (expert ids out of range, repeated experts, non-finite weights, a wrong
+  ``num_global_tokens``) are detected on device: the step proceeds with such choices masked, and the next
+  call (or ``synchronize()``) raises ``ValueError`` naming the rank, on every rank.  Shape, dtype and
+  device errors are still raised immediately.
+
+Zero-copy: with ``zero_copy=True`` ``h.tokens``/``h.weights`` are views of this rank's receive buffers.
+The expert may write its output into ``h.tokens`` in place, and combine reads it there.  The views are
+valid until the next ``dispatch`` of the same ``ExpertParallel``.  With ``zero_copy="auto"`` (default)
+views are returned unless autograd records the dispatch (training keeps its own copies, so that several
+layers may share one ``ExpertParallel``).  Both modes give bitwise identical results.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import layout
+from ..config import Tuning, parse_fused
+from ..errors import MoonepError, expect
+from ..guard import check_order_enabled
+from ..handles import NVLinkStep
+from ..replicas import home_is_view
+from ..transport.ipc import HostWords, SymmetricBuffer
+from ..transport.order_board import OrderBoard
+from .base import Backend
+
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_MAXR = 64
+_CTX_WORDS = 224
+_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc", "csig", "flist")
+_MAX_CHUNKS = 8   # common.cuh MAX_CHUNKS
+_CTR_WORDS = 16   # common.cuh CTR_WORDS
+_ES = {0: 4, 1: 2, 2: 2}
+_ERR_INPUT = {1: "topk_idx: expected expert ids in [-1, {E})", 2: "topk_idx: expected distinct experts per token",
+              4: "topk_weights: expected finite values",
+              8: "num_global_tokens: expected the sum of tokens over ranks"}
+
+
+def _csrc_dir() -> Path:
+    here = Path(__file__).resolve()
+    for cand in (here.parents[2] / "csrc", here.parents[1] / "csrc"):
+        if (cand / "common.cuh").exists():
+            return cand
+    raise FileNotFoundError("moonep: csrc/common.cuh not found next to the package")
+
+
+def kernel_source() -> str:
+    """common.cuh + dispatch.cu + combine.cu as one translation unit (NVRTC needs no include path, and
+    CuPy's compile cache keys on the full text, so editing the header recompiles)."""
+    d = _csrc_dir()
+    parts = []
+    for name in ("common.cuh", "dispatch.cu", "combine.cu"):
+        text = (d / name).read_text()
+        text = "\n".join(line for line in text.splitlines()
+                         if line.strip() not in ('#include "common.cuh"', "#pragma once"))
+        parts.append(f"// ---- {name} ----\n{text}")
+    return "\n".join(parts)
+
+
+_MODULES: dict = {}
+_KERNELS = ("moonep_gather", "moonep_dispatch_send", "moonep_dispatch_expand", "moonep_prefetch_push",
+            "moonep_prefetch_finish", "moonep_combine_reduce", "moonep_combine_sum", "moonep_reduce_stage",
+            "moonep_reduce_finish", "moonep_route_gather", "moonep_dispatch_fused", "moonep_dispatch_zero",
+            "moonep_combine_fused")
+_GATHERS = ("moonep_gather", "moonep_route_gather")
+
+
+def _module(device_index: int):
+    if device_index not in _MODULES:
+        import cupy
+
+        with cupy.cuda.Device(device_index):
+            # MOONEP_NVLINK_DIAG: timing variants for benchmarks/diag_nvlink.sh only (see common.cuh)
+            diag = int(os.environ.get("MOONEP_NVLINK_DIAG", "0") or 0)
+            opts = ("-std=c++17",) + ((f"-DMOONEP_DIAG={diag}",) if diag else ())
+            mod = cupy.RawModule(code=kernel_source(), options=opts, backend="nvrtc")
+            _MODULES[device_index] = {name: mod.get_function(name) for name in _KERNELS}
+    return _MODULES[device_index]
+
+
+class _TorchStream:
+    """Exposes a raw stream pointer through the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+_STREAMS: dict = {}
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU-only torch builds
+_cur_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def _cupy_stream(ptr: int, device_index: int):
+    key = (ptr, device_index)
+    if key not in _STREAMS:
+        import cupy
+
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            _STREAMS[key] = cupy.cuda.Stream.from_external(_TorchStream(ptr))
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _STREAMS[key] = cupy.cuda.ExternalStream(ptr, device_index)
+    return _STREAMS[key]
+
+
+def nvlink_available(rt) -> tuple[bool, str]:
+    """Whether this rank can use the NVLink transport (CUDA device, one node, CuPy, peer access)."""
+    if rt.device.type != "cuda":
+        return False, "not a CUDA device"
+    if rt.local_world_size != rt.world_size:
+        return False, "ranks span several nodes"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the machine
+        return False, f"cupy not importable ({exc!r})"
+    n = torch.cuda.device_count()
+    used = sorted({r % n for r in range(rt.world_size)})
+    me = rt.device.index
+    for d in used:
+        if d != me and not torch.cuda.can_device_access_peer(me, d):
+            return False, f"no peer access from cuda:{me} to cuda:{d}"
+    return True, ""
+
+
+def _align(n: int, a: int = 256) -> int:
+    return (n + a - 1) // a * a
+
+
+def _vec(nbytes: int, *ptrs: int) -> int:
+    for v in (16, 4):
+        if nbytes % v == 0 and all(p % v == 0 for p in ptrs):
+            return v
+    return 2
+
+
+def _p(t) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+class NVLinkBackend(Backend):
+    """Symmetric buffers, kernels and the per-step operations of the nvlink backend for one
+    :class:`moonep.ExpertParallel`.  Construction is collective."""
+
+    name = "nvlink"
+    step_type = NVLinkStep
+    weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    checks_backward_order = False
+
+    def __init__(self, ep, *, timeout: float, zero_copy="auto", tuning: Tuning = Tuning(), block: int = 512):
+        R, K = ep.world_size, ep.topk
+        expect(R <= _MAXR, "world_size", f"at most {_MAXR} ranks for the NVLink transport", R)
+        expect(K <= 32, "topk", "at most 32 for the NVLink transport", K)
+        expect(ep.dtype in _DT, "dtype", "float32, bfloat16 or float16 for the NVLink transport", ep.dtype)
+        expect(zero_copy in ("auto", True, False), "zero_copy", '"auto", True or False', repr(zero_copy))
+        self.ep, self.rank, self.R, self.K = ep, ep.rank, R, K
+        self.S, self.H, self.E, self.epn, self.cap = ep.max_tokens, ep.hidden, ep.num_experts, ep.epn, ep.capacity
+        expect(R * self.S < 2 ** 31 and self.cap < 2 ** 28, "max_tokens", "R*S below 2**31 and capacity below 2**28",
+               (R * self.S, self.cap))
+        self.device = ep.device
+        self.dev_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", self.dev_index)
+        self.timeout = float(timeout)
+        self.zero_copy = zero_copy
+        props = torch.cuda.get_device_properties(self.device)
+        self.sm_count = props.multi_processor_count
+        tuning = tuning.with_env()
+        self.num_sms = max(1, min(int(tuning.num_sms), self.sm_count))
+        self.block = block
+        # Fused kernels, chosen per stage (all bit-identical to the two-kernel path; Tuning.fused).  The fused
+        # route and dispatch are the default; the fused combine measured slower (docs/performance.md).
+        self.set_fused(tuning.fused)
+        self.nch = max(1, min(int(tuning.chunks), _MAX_CHUNKS))
+        # Blocks that drive NVLink in the fused kernels; the rest of the grid (every SM) does local HBM
+        # work.  Combine's NVLink blocks also read ~K/R rows per row they push: twice the dispatch budget.
+        self.grid_fused = max(self.sm_count, self.num_sms + 1)
+        self.nnv_dispatch = self.num_sms
+        comb = tuning.combine_sms or 2 * self.num_sms
+        self.nnv_combine = max(1, min(comb, self.grid_fused - 1))
+        self.generation = 0
+        self._closed = False
+        self._gather_obj = ep.transport.all_gather_object
+        self._barrier = lambda: self._gather_obj(None)
+        # Collective-order headers through host shared memory (the kernels cannot tell ops apart).
+        self.board = OrderBoard(self.rank, R, self._gather_obj, timeout) if check_order_enabled() and R > 1 else None
+        self.order_exchange = self.exchange_header
+        self.es = torch.empty((), dtype=ep.dtype).element_size()
+        self.E2 = self.E + 2
+        # Combine's receive-back area: two halves of [R*S, H] rows in the token dtype (double-buffered by
+        # call parity, no entry barrier).  fp32 expert outputs with 16-bit tokens need 4-byte rows: they use
+        # the whole area with an entry barrier.  gwacc: per-choice weight gradients, two halves.
+        self.acc_half = _align(R * self.S * self.H * self.es)
+        self.gw_half = _align(R * self.S * K * 4)
+        self._comb_parity = 0
+        self._comb_barrier_next = False
+        self._last_op = None
+        self.profile = None  # a list to record (label, CUDA event) marks around every kernel (benchmarks)
+        # -- main symmetric allocation ---------------------------------------------------------------
+        sizes = dict(esig=R * 8, dsig=R * 8, ctr=_CTR_WORDS * 8, derr=16, gather=2 * R * self.E2 * 8,
+                     recv=self.cap * self.H * self.es, w=self.cap * 4, tag=self.cap * 8,
+                     meta=self.cap * K * 4, msrc=self.cap * 4, acc=2 * self.acc_half,
+                     gwacc=2 * self.gw_half, csig=_MAX_CHUNKS * R * 8, flist=R * self.S * 4)
+        self.off, total = {}, 0
+        for name, n in sizes.items():
+            self.off[name] = total
+            total += _align(max(n, 1))
+        torch.cuda.set_device(self.device)
+        self._mods = _module(self.dev_index)
+        self._fns = {name: k.kernel for name, k in self._mods.items()}  # cupy Functions (loaded once)
+        self._lean = True
+        self.main = SymmetricBuffer(total, self.device, self.rank, R, self._gather_obj)
+        self.herr = HostWords(4, self.device)
+        self.recv = self.main.view(self.off["recv"], (self.cap, self.H), ep.dtype)
+        self.wbuf = self.main.view(self.off["w"], (self.cap,), torch.float32)
+        self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
+        self._grad_views = {}
+        self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
+        self._pool_prev = {}   # out.data_ptr() -> (weakref(out), int64 [epn] replica table last written)
+        # route_gather's histogram/flag/block-counter scratch (zero between calls)
+        self._scratch = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
+        self._ctx = torch.zeros(_CTX_WORDS, dtype=torch.int64, device=self.device)
+        self._write_ctx()
+        self._barrier()
+
+    # -- context ---------------------------------------------------------------------------------------
+    def _write_ctx(self) -> None:
+        words = [0] * _CTX_WORDS
+        words[0:8] = [self.rank, self.R, self.S, self.K, self.H, self.cap, self.E2, int(self.timeout * 1e9)]
+        words[8] = self.main.ptr + self.off["ctr"]
+        words[9] = self.main.ptr + self.off["derr"]
+        words[10] = self.herr.device_ptr
+        for i, name in enumerate(_OFF_NAMES):
+            words[11 + i] = self.off[name]
+        for p in range(self.R):
+            words[32 + p] = self.main.peer_ptrs[p]
+            words[96 + p] = self.grad.peer_ptrs[p] if self.grad is not None else 0
+            words[160 + p] = self.pool.peer_ptrs[p] if self.pool is not None else 0
+        self._ctx.copy_(torch.tensor(words, dtype=torch.int64))
+        self._ctx_arg = _p(self._ctx)
+        torch.cuda.synchronize(self.device)
+
+    def mark(self, label: str) -> None:
+        """With ``self.profile`` a list: record a CUDA event on the current stream, labelled (benchmarks)."""
+        if self.profile is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.profile.append((label, ev))
+
+    def _launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
+        if self.profile is not None:
+            self.mark("gap")
+        ptr = _raw_stream(self.dev_index)
+        launched = False
+        if self._lean and _cur_device() == self.dev_index:
+            # Lean path (the common case: torch's current device is this engine's): the compiled Function
+            # with an explicit stream, without entering CuPy's device and stream context managers on every
+            # launch (host time between the step's kernels: the "launch gaps" of bench_ep_gpu.py).
+            try:
+                self._fns[name]((max(1, grid),), (block or self.block,), (self._ctx_arg,) + tuple(args), 0,
+                                _cupy_stream(ptr, self.dev_index))
+                launched = True
+            except TypeError:  # a CuPy whose Function call takes no positional stream: the context form
+                self._lean = False
+        if not launched:
+            import cupy
+
+            with cupy.cuda.Device(self.dev_index), _cupy_stream(ptr, self.dev_index):
+                self._mods[name]((max(1, grid),), (block or self.block,), (self._ctx_arg,) + tuple(args))
+        self._last_op = name
+        if self.profile is not None:
+            self.mark(name)
+
+    def _grow(self, which: str, nbytes: int) -> None:
+        """(Re)allocate a lazy symmetric buffer: collective, synchronising, outside graph capture."""
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"moonep: the NVLink {which} buffer is allocated on first use; run one step "
+                               "(forward and backward) before capturing a CUDA graph")
+        prev = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode(0)  # one-time setup, not part of the steady-state step
+        try:
+            torch.cuda.synchronize(self.device)
+            old = getattr(self, which)
+            new = SymmetricBuffer(nbytes, self.device, self.rank, self.R, self._gather_obj)
+            if old is not None:
+                old.close(barrier=self._barrier)
+            setattr(self, which, new)
+            if which == "grad":
+                self._grad_views = {}
+            self._write_ctx()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+
+    def set_fused(self, stages) -> None:
+        """Pick the fused kernels: a tuple of stages (see :class:`moonep.Tuning`), or a spec string "0"
+        (none), "1" (all) or a comma list of route, dispatch, combine (benchmarks and tests switch them)."""
+        if isinstance(stages, str):
+            stages = parse_fused(stages)
+        self.fused_route, self.fused_dispatch, self.fused_combine = (
+            "route" in stages, "dispatch" in stages, "combine" in stages)
+
+    # -- errors ----------------------------------------------------------------------------------------
+    def check(self, inputs: bool = True) -> None:
+        """Raise the error a kernel recorded (no CUDA call: a load from pinned host memory).
+
+        Before launching, only fatal errors are checked (``inputs=False``): every rank must launch the same
+        kernel sequence, and when a bad-input flag reaches the host differs between ranks. Bad-input errors
+        are raised after the launches of a public call, so each rank raises at that call or a later one.
+        """
+        fatal = self.herr[0]
+        if fatal:
+            op = getattr(self, "op_label", None)  # set by ExpertParallel: the call that surfaced it
+            at = f" (raised in {op}; recorded by that call's kernels or an earlier one's)" if op else ""
+            raise MoonepError(f"rank {self.rank}: rank {fatal >> 8} did not signal within the timeout of "
+                              f"{self.timeout:g}s (a peer died, stalled or called a different collective){at}; "
+                              "this ExpertParallel cannot be used any more")
+        bad = self.herr[1] if inputs else 0
+        if bad:
+            self.herr[1] = 0
+            code, r = bad & 0xFF, bad >> 8
+            what = next(m for b, m in _ERR_INPUT.items() if code & b).format(E=self.E)
+            raise ValueError(f"{what} (on rank {r}; detected on device in an earlier step, whose results are "
+                             "invalid)")
+
+    def exchange_header(self, header):
+        """Every rank's collective-order header (see :mod:`moonep.guard`, which calls this only when
+        the check is on and R > 1, i.e. when the board exists), on the host."""
+        return self.board.exchange(header, getattr(self.ep.transport, "current_op", "a collective"))
+
+    def label(self, op: str) -> None:
+        self.op_label = op
+
+    def after_call(self) -> None:
+        self.check()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+        self.check()
+
+    def close(self, peers_ok: bool = True, check: bool = True) -> None:
+        """With ``check``, raise a recorded error first; then free the buffers, collective (barriers) unless
+        this instance saw a failure.
+
+        ``peers_ok=False``: a collective of this instance raised :class:`moonep.MoonepError`.  The decision
+        is per instance, not the runtime's sticky ``failed``: after a failure the peers of this instance
+        all raised too (every wait is bounded), while a later instance's peers are in step again."""
+        if self._closed:
+            return
+        try:
+            if check:
+                self.check()
+        finally:
+            self._release(peers_ok)
+
+    def _release(self, peers_ok: bool) -> None:
+        self._closed = True
+        # a failed collective (kernel timeout, the order board's host timeout): don't wait for peers
+        fatal = not peers_ok or self.herr[0] != 0 or (self.board is not None and self.board.broken)
+        torch.cuda.synchronize(self.device)
+        barrier = None if fatal else self._barrier  # with a dead peer, don't wait for it
+        for buf in (self.grad, self.pool, self.main):
+            if buf is not None:
+                buf.close(barrier=barrier)
+        self.herr.close()
+        if self.board is not None:
+            self.board.close()
+        self.recv = self.wbuf = None
+
+    # -- plan ------------------------------------------------------------------------------------------
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None, error=None):
+        """Value checks on device; all-gather counts through peer stores; plan; destinations.  No host sync.
+
+        A shape/dtype ``error`` (checked by ExpertParallel) is raised here, on this rank only, before any
+        launch.  Bad values are flagged on device and raised by a later call (see the module docstring)."""
+        ep, E, K, dev = self.ep, self.E, self.K, self.device
+        self.check(inputs=False)
+        self.mark("gap")
+        if error is not None:
+            raise ValueError(error)
+        s = x.shape[0]
+        total = -1 if num_global_tokens is None else int(num_global_tokens)
+        if self.fused_route:
+            # One kernel: range/duplicate/finite checks, masked int64 ids, fp32 weights, this rank's
+            # histogram and the all-gather of [counts, s, flags] (no torch ops, no entry barrier).
+            ti, tw = topk_idx.contiguous(), topk_weights.contiguous()
+            # idx int64 [s, K], w32 fp32 [s, K] and counts int64 [R, E] in one allocation (host time)
+            n = s * K
+            buf = torch.empty(n + (n + 1) // 2 + self.R * E, dtype=torch.int64, device=dev)
+            idx = buf.as_strided((s, K), (K, 1), 0)
+            w32 = buf.view(torch.float32).as_strided((s, K), (K, 1), 2 * n)
+            counts = buf.as_strided((self.R, E), (E, 1), n + (n + 1) // 2)
+            grid = max(1, min(self.sm_count, -(-s * K // 512)))  # a choice per thread: loads in flight at once
+            self._launch("moonep_route_gather", grid,
+                         (_p(ti), np.int32(ti.dtype == torch.int64), _p(tw), np.int32(_DT[tw.dtype]), np.int32(s),
+                          _p(idx), _p(w32), _p(self._scratch), _p(counts), np.int64(total)))
+        else:
+            idx, w32, gathered = self._validate_gather(s, topk_idx, topk_weights, total)
+            counts = gathered[:, :E].contiguous()
+        # plan + this rank's layout: one launch (the layout's counting overlaps the plan's loop)
+        plan, dst_rank, dst_row = layout.plan_and_destinations(counts, self.rank, idx,
+                                                               slack=ep.slack, align=ep.align)
+        self.mark("planner")
+        st = NVLinkStep(s, dst_rank.to(torch.int64).contiguous(), dst_row.to(torch.int64).contiguous())
+        st.w32 = w32
+        # int32 [2*epn + 1]: a view of the planner launch's output on its one-launch path; with align 1 its
+        # last entry (this rank's rows) tells the fused dispatch which rows nobody writes
+        st.cu = layout.cu_seqlens(plan, self.rank, align=ep.align)
+        self.mark("layout")
+        # the planner's kernels are local: the gather's barrier (its data wait) still holds for dispatch
+        self._last_op = "moonep_route_gather" if self.fused_route else "moonep_gather"
+        return plan, st
+
+    def _validate_gather(self, s, topk_idx, topk_weights, total):
+        """Unfused: checks and counts in torch ops, then ``moonep_gather`` (entry barrier + peer stores)."""
+        E, K, dev = self.E, self.K, self.device
+        idx = topk_idx.to(torch.int64)
+        inr = (idx >= -1) & (idx < E)
+        idx = torch.where(inr, idx, torch.full_like(idx, -1))
+        flag = (~inr).any().to(torch.int64)
+        if K > 1:  # pairwise, not sort: O(s*K^2) booleans, trivially free of host syncs
+            upper = torch.ones(K, K, dtype=torch.bool, device=dev).triu(1)
+            dup = ((idx[:, :, None] == idx[:, None, :]) & upper & (idx[:, :, None] >= 0)).any()
+            flag = flag | (dup.to(torch.int64) * 2)
+        flag = flag | ((~torch.isfinite(topk_weights)).any().to(torch.int64) * 4)
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
+        counts.scatter_add_(0, torch.where(idx >= 0, idx, torch.full_like(idx, E)).reshape(-1),
+                            torch.ones(s * K, dtype=torch.int64, device=dev))
+        # Built with device ops only: writing a Python int into a CUDA tensor is a host-to-device copy.
+        mine = torch.cat([counts[:E], torch.full((1,), s, dtype=torch.int64, device=dev), flag.reshape(1)])
+        gathered = torch.empty(self.R, self.E2, dtype=torch.int64, device=dev)
+        self.mark("validate")
+        self._launch("moonep_gather", 1, (_p(mine), _p(gathered), np.int64(total)), block=256)
+        return idx, topk_weights.to(torch.float32).contiguous(), gathered
+
+    # -- dispatch --------------------------------------------------------------------------------------
+    def slots(self, plan, st):
+        return st.cu, layout.slot_experts(plan, self.rank), plan.recv_counts[self.rank]
+
+    def dispatch(self, x, topk_weights, st, tracked):
+        # zero_copy "auto": views of the receive buffer unless autograd keeps the rows for the backward
+        zero_copy = (not tracked) if self.zero_copy == "auto" else bool(self.zero_copy)
+        w32 = st.w32 if st.w32 is not None else topk_weights.to(torch.float32).contiguous()
+        tokens, weights = self._dispatch_rows(x, w32, st, zero_copy)
+        return tokens, weights.to(topk_weights.dtype)
+
+    def _dispatch_rows(self, x, w32, st: NVLinkStep, zero_copy: bool):
+        """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])``."""
+        self.check(inputs=False)
+        x = x.contiguous()
+        rb = self.H * self.es
+        self.generation += 1
+        st.generation, st.zero_copy = self.generation, zero_copy
+        # Right after this step's counts gather (plan_step), every peer has passed an entry barrier after
+        # its last read of the receive buffers: no second barrier.  Same call sequence on every rank.
+        barrier = 0 if self._last_op in _GATHERS else 1
+        if self.fused_dispatch:
+            return self._dispatch_fused(x, w32, st, zero_copy, rb, barrier)
+        self._launch("moonep_dispatch_send", self.num_sms,
+                     (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
+                      _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0)))
+        if zero_copy:
+            tokens, weights = self.recv, self.wbuf
+        else:
+            tokens = torch.empty((self.cap, self.H), dtype=self.ep.dtype, device=self.device)
+            weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
+        st.row_first = torch.empty(self.cap, dtype=torch.int32, device=self.device)
+        st.rec = torch.empty((self.cap, self.K), dtype=torch.int32, device=self.device)
+        st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
+        st.tokfirst = None  # a backward of this step takes the two-kernel path too
+        self._launch("moonep_dispatch_expand", self.sm_count,
+                     (np.int32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
+                      np.int64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0)))
+        return tokens, weights
+
+    def _step_lists(self, st: NVLinkStep) -> None:
+        # row_first [cap], rec [cap, K], src [cap] in one allocation (entries of non-first rows are unused)
+        cap, K = self.cap, self.K
+        lists = torch.empty(cap * (K + 2) + self.R * self.S, dtype=torch.int32, device=self.device)
+        st.row_first, st.rec = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K)
+        st.src, st.tokfirst = lists[cap * (K + 1):cap * (K + 2)], lists[cap * (K + 2):]
+
+    def _dispatch_fused(self, x, w32, st: NVLinkStep, zero_copy: bool, rb: int, barrier: int):
+        if zero_copy:
+            tokens, weights = self.recv, self.wbuf
+        else:
+            tokens = torch.empty((self.cap, self.H), dtype=self.ep.dtype, device=self.device)
+            weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
+        self._step_lists(st)
+        vec = np.int32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
+        cu = st.cu
+        # align 1: rows [0, cu[-1]) are exactly this step's copies, so the fused kernel zeroes the rest itself
+        # and the tag pass over every row (moonep_dispatch_zero, one more launch) is not needed
+        zero_from = np.uint64(cu.data_ptr() + 4 * (cu.numel() - 1)) if cu is not None and self.ep.align == 1 \
+            else np.uint64(0)
+        self._launch("moonep_dispatch_fused", self.grid_fused,
+                     (np.int32(0), _p(x), np.int64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
+                      _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
+                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst), zero_from))
+        if not zero_from:
+            self._launch("moonep_dispatch_zero", self.sm_count,
+                         (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
+        return tokens, weights
+
+    def dispatch_grad(self, gy, st: NVLinkStep):
+        """Backward of combine: send ``gy [s, H]`` over the forward's routing.  Returns ``[cap, H]`` (a view
+        of the gradient receive buffer, consumed before the next collective)."""
+        self.check(inputs=False)
+        expect(gy.dtype in _DT, "grad of combine", "float32, bfloat16 or float16", gy.dtype)
+        gy = gy.contiguous()
+        rb = self.H * gy.element_size()
+        if self.grad is None or self.grad.nbytes < self.cap * rb:
+            self._grow("grad", self.cap * rb)
+        if gy.dtype not in self._grad_views:  # views are made once: wrapping memory is not free of syncs
+            self._grad_views[gy.dtype] = self.grad.view(0, (self.cap, self.H), gy.dtype)
+        if self.fused_dispatch and st.tokfirst is not None:  # the forward ran fused: its tokfirst list
+            out = self._grad_views[gy.dtype]
+            self._launch("moonep_dispatch_fused", self.grid_fused,
+                         (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
+                          np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1),
+                          np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), np.uint64(0), _p(st.row_first),
+                          _p(st.rec), _p(st.src), _p(st.tokfirst), np.uint64(0)))
+            return out
+        self._launch("moonep_dispatch_send", self.num_sms,
+                     (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
+                      _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1), np.int32(1)))
+        out = self._grad_views[gy.dtype]
+        self._launch("moonep_dispatch_expand", self.sm_count,
+                     (np.int32(1), _p(out), np.uint64(0), _p(st.row_first), _p(st.rec), _p(st.src),
+                      np.int64(rb), np.int32(_vec(rb, out.data_ptr())), np.int32(1)))
+        return out
+
+    # -- combine ---------------------------------------------------------------------------------------
+    def combine(self, rows, weights, st, out_dtype):
+        base = self.recv.data_ptr()
+        in_recv = base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
+        expect(not (in_recv and st.generation != self.generation), "expert_out",
+               "not a view of a receive buffer that a later dispatch has overwritten (zero-copy views are valid "
+               "until the next dispatch)", f"output of dispatch #{st.generation}, buffer now holds #{self.generation}")
+        w32 = weights.to(torch.float32).contiguous() if weights is not None else None
+        return self._combine_rows(rows, w32, None, st, out_dtype)[0]
+
+    def dispatch_backward(self, g_tokens, g_weights, st, want_x, want_w, x_dtype, w_dtype):
+        if not (want_x or want_w):
+            return None, None
+        if g_tokens is None:
+            g_tokens = torch.zeros((self.cap, self.H), dtype=x_dtype, device=self.device)
+        gw_in = None
+        if want_w:
+            gw_in = (g_weights.to(torch.float32).contiguous() if g_weights is not None
+                     else torch.zeros(self.cap, dtype=torch.float32, device=self.device))
+        # the backward of dispatch is a combine without weights, plus the per-choice weight gradients
+        gx, gw = self._combine_rows(g_tokens, None, gw_in, st, x_dtype, want_gw=want_w)
+        return (gx if want_x else None), (gw.to(w_dtype) if want_w else None)
+
+    def combine_backward(self, gy, st):
+        return self.dispatch_grad(gy, st)
+
+    def _combine_rows(self, out, weights, gw_in, st: NVLinkStep, y_dtype, want_gw: bool = False):
+        """``out [cap, H]`` -> ``y [s, H]`` in ``y_dtype`` (fp32 accumulation, fixed order).
+
+        ``weights``: fp32 ``[cap]`` or None (plain sum).  ``gw_in``: fp32 ``[cap]`` per-row gradients to send
+        back per choice (backward of dispatch) or None.  Returns ``(y, gw [s, K] fp32 or None)``.
+        """
+        self.check(inputs=False)
+        expect(out.dtype in _DT, "expert_out", "float32, bfloat16 or float16 for the NVLink transport", out.dtype)
+        expect(y_dtype in _DT, "output dtype", "float32, bfloat16 or float16", y_dtype)
+        out = out.contiguous()
+        H, dt = self.H, _DT[out.dtype]  # the wire dtype is the row dtype (fp32 rows: fp32 partials)
+        rb = H * _ES[dt]
+        vec = int(rb % 16 == 0 and out.data_ptr() % 16 == 0)
+        if rb * self.R * self.S <= self.acc_half:  # double-buffered: no entry barrier
+            barrier, acc_off = int(self._comb_barrier_next), self.off["acc"] + self._comb_parity * self.acc_half
+            gw_off = self.off["gwacc"] + self._comb_parity * self.gw_half
+            self._comb_parity ^= 1
+            self._comb_barrier_next = False
+        else:  # fp32 rows with 16-bit tokens: the whole area, behind an entry barrier (and the next one too:
+            # its half overlaps what this one's sum still reads)
+            barrier, acc_off, gw_off = 1, self.off["acc"], self.off["gwacc"]
+            self._comb_barrier_next = True
+        if self.fused_combine:
+            y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
+            gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
+            self._launch("moonep_combine_fused", self.grid_fused,
+                         (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec), _p(st.src),
+                          np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off),
+                          np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), _p(y), np.int32(_DT[y_dtype]),
+                          _p(gw), np.int32(self.nnv_combine), np.int32(self.nch)))
+            return y, gw
+        self._launch("moonep_combine_reduce", self.sm_count,
+                     (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
+                      _p(st.src), np.int32(vec), np.int32(barrier), np.int64(acc_off), np.int64(gw_off),
+                      _p(st.tokfirst)))
+        y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
+        gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
+        self._launch("moonep_combine_sum", self.sm_count,
+                     (np.int32(st.num_tokens), _p(st.dst_rank), _p(y), np.int32(_DT[y_dtype]), _p(gw),
+                      np.int32(int(rb % 16 == 0)), np.int64(acc_off), np.int64(gw_off), np.int32(dt)))
+        return y, gw
+
+    # -- replicas --------------------------------------------------------------------------------------
+    def _replica_tables(self, plan):
+        rep = plan.replica_experts.to(device=self.device, dtype=torch.int64).contiguous()
+        src = plan.replica_source.to(device=self.device, dtype=torch.int64).contiguous()
+        return rep, src
+
+    def prefetch(self, plan, local_weight, out=None):
+        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).
+
+        ``out``: a checked persistent ``[2*epn, *D]`` pool (see ``ExpertParallel.prefetch``): only the
+        replica rows travel (pushed by their home rank, as without ``out``) and are written into
+        ``out[epn:]``; the home half is copied only when ``local_weight`` is not ``out[:epn]``.  Returns
+        ``out``.
+        """
+        if out is not None:
+            return self._prefetch_into(plan, local_weight, out)
+        self.check(inputs=False)
+        lw = local_weight.contiguous()
+        epn = self.epn
+        rb = lw[0].numel() * lw.element_size() if lw.numel() else 0
+        if self.pool is None or self.pool.nbytes < epn * rb:
+            self._grow("pool", max(epn * rb, 256))
+        rep, src = self._replica_tables(plan)
+        out = torch.empty((2 * epn, *lw.shape[1:]), dtype=lw.dtype, device=self.device)
+        vec = _vec(rb, lw.data_ptr(), out.data_ptr())
+        self._launch("moonep_prefetch_push", self.num_sms,
+                     (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
+        self._launch("moonep_prefetch_finish", self.sm_count,
+                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(1), _p(None)))
+        return out
+
+    def _prefetch_into(self, plan, local_weight, out):
+        self.check(inputs=False)
+        epn = self.epn
+        shared = home_is_view(local_weight, out)
+        lw = local_weight if shared else local_weight.contiguous()
+        rb = out[0].numel() * out.element_size()
+        if self.pool is None or self.pool.nbytes < epn * rb:
+            self._grow("pool", max(epn * rb, 256))
+        rep, src = self._replica_tables(plan)
+        vec = _vec(rb, lw.data_ptr(), out.data_ptr())
+        self._launch("moonep_prefetch_push", self.num_sms,
+                     (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
+        # The finish kernel waits for every peer's push, then copies the filled replica slots from the
+        # staging pool (and the home rows unless out[:epn] is local_weight itself).  Slots empty now and at
+        # the previous call into this same `out` are still zero and are not written: most of a pool of
+        # large expert weights is such slots.
+        prev = self._prev_replicas(out)
+        self._launch("moonep_prefetch_finish", self.sm_count,
+                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(not shared),
+                      _p(prev)))
+        prev.copy_(rep[self.rank])
+        # written by a raw kernel: mark it modified in place, so a saved earlier value raises in backward
+        torch.autograd.graph.increment_version(out)
+        return out
+
+    def _prev_replicas(self, out):
+        """int64 [epn]: this rank's replica table at the last prefetch into ``out`` (all 0, "filled", for an
+        ``out`` not seen before, so every empty slot gets zeroed once).  Keyed by the tensor object (a weak
+        reference): a new tensor at a reused address starts over."""
+        key = out.data_ptr()
+        ent = self._pool_prev.get(key)
+        if ent is None or ent[0]() is not out:
+            if len(self._pool_prev) >= 16:
+                self._pool_prev = {k: v for k, v in self._pool_prev.items() if v[0]() is not None}
+            ent = self._pool_prev[key] = (weakref.ref(out), torch.zeros(self.epn, dtype=torch.int64,
+                                                                         device=self.device))
+        return ent[1]
+
+    def reduce_grad(self, plan, grad_view):
+        """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``, replica parts added at home in rank order."""
+        self.check(inputs=False)
+        g = grad_view.contiguous()
+        expect(g.dtype in _DT, "grad_view", "float32, bfloat16 or float16 for the NVLink transport", g.dtype)
+        epn = self.epn
+        n = g[0].numel() if g.numel() else 0
+        rb = n * g.element_size()
+        if self.pool is None or self.pool.nbytes < epn * rb:
+            self._grow("pool", max(epn * rb, 256))
+        rep, src = self._replica_tables(plan)
+        out = torch.empty((epn, *g.shape[1:]), dtype=g.dtype, device=self.device)
+        self._launch("moonep_reduce_stage", self.num_sms,
+                     (_p(g), np.int64(rb), np.int32(_vec(rb, g.data_ptr())), np.int32(epn), _p(rep)))
+        self._launch("moonep_reduce_finish", self.sm_count,
+                     (_p(out), _p(g), np.int64(n), np.int32(_DT[g.dtype]), np.int32(epn), _p(rep), _p(src)))
+        return out
+
+
+def default_timeout(rt) -> float:
+    return float(os.environ.get("MOONEP_NVLINK_TIMEOUT", rt.timeout.total_seconds()))

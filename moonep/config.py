@@ -1,0 +1,107 @@
+"""Configuration: the tuning knobs of the GPU kernels, and every environment variable moonep reads.
+
+Tuning lives in :class:`Tuning`, passed to ``ExpertParallel(..., tuning=...)``.  Environment variables are
+not configuration: each one below is an override for profiling, benchmarking or tests, and ``ENV`` is the
+one place that lists them (a unit test checks that the code reads no other ``MOONEP_*`` variable).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from .errors import expect, expect_int
+
+FUSED_STAGES = ("route", "dispatch", "combine")
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Tuning of the nvlink backend's kernels; results are bitwise the same for every valid setting.
+
+    Args:
+        num_sms: blocks that drive NVLink (the dispatch send; the combine's push gets ``combine_sms``).  The
+            rest of the grid, every other SM, does the local HBM work of the fused kernels.
+        chunks: source-token chunks of the fused dispatch, each with its own signal, so the receiver's
+            local expansion starts before the whole send has landed (1..8).
+        combine_sms: NVLink blocks of the fused combine; ``None`` is ``2 * num_sms`` (they also read about
+            ``K/R`` rows for every row they push).
+        fused: which stages run as one fused kernel: any of ``"route"`` (validation + counts all-gather),
+            ``"dispatch"`` (send overlapped with the local expansion) and ``"combine"``.  The default fuses
+            route and dispatch; the fused combine measured slower than the two-kernel one
+            (docs/performance.md).
+    """
+
+    num_sms: int = 24
+    chunks: int = 4
+    combine_sms: int | None = None
+    fused: tuple = ("route", "dispatch")
+
+    def __post_init__(self):
+        expect_int(self.num_sms, "tuning.num_sms", 1)
+        expect_int(self.chunks, "tuning.chunks", 1)
+        expect(self.chunks <= 8, "tuning.chunks", "at most 8", self.chunks)
+        expect(self.combine_sms is None or (isinstance(self.combine_sms, int) and self.combine_sms >= 1),
+               "tuning.combine_sms", "None or an int >= 1", repr(self.combine_sms))
+        expect(isinstance(self.fused, (tuple, list, frozenset, set)) and set(self.fused) <= set(FUSED_STAGES),
+               "tuning.fused", f"a tuple of stages from {FUSED_STAGES}", repr(self.fused))
+        object.__setattr__(self, "fused", tuple(s for s in FUSED_STAGES if s in set(self.fused)))
+
+    def with_env(self) -> "Tuning":
+        """This tuning with the profiling overrides ``MOONEP_NVLINK_*`` applied (see ``ENV``)."""
+        kw = {}
+        spec = os.environ.get("MOONEP_NVLINK_FUSED")
+        if spec is not None:
+            kw["fused"] = parse_fused(spec, "MOONEP_NVLINK_FUSED")
+        if os.environ.get("MOONEP_NVLINK_CHUNKS"):
+            kw["chunks"] = max(1, min(int(os.environ["MOONEP_NVLINK_CHUNKS"]), 8))
+        if os.environ.get("MOONEP_NVLINK_COMBINE_SMS", "0") not in ("", "0"):
+            kw["combine_sms"] = int(os.environ["MOONEP_NVLINK_COMBINE_SMS"])
+        return replace(self, **kw) if kw else self
+
+
+def parse_fused(spec: str, name: str = "fused") -> tuple:
+    """``"0"`` (none), ``"1"`` (all) or a comma list of stages -> a tuple of stages."""
+    stages = {"0": set(), "1": set(FUSED_STAGES)}.get(spec.strip(), {t.strip() for t in spec.split(",") if t.strip()})
+    expect(stages <= set(FUSED_STAGES), name, '"0", "1" or a comma list of route, dispatch, combine', repr(spec))
+    return tuple(s for s in FUSED_STAGES if s in stages)
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    group: str  # runtime, profiling, tests or tools
+    doc: str
+
+
+# Every MOONEP_* variable read anywhere in the package, its tests, tools and benchmarks:
+# name | default | group | what it does
+_TABLE = """
+MOONEP_TIMEOUT | 60 | runtime | seconds a collective waits for a peer before MoonepError (moonep.init's default)
+MOONEP_NVLINK_TIMEOUT | the runtime's timeout | runtime | seconds the nvlink kernels wait for a peer's signal
+MOONEP_CHECK_ORDER | 1 | runtime | 0 skips the per-call header exchange that checks all ranks make the same call
+MOONEP_MASTER_ADDR | loopback, or rank 0's address | runtime | address of rank 0's TCPStore under mpirun
+MOONEP_NVLINK_FUSED | route,dispatch | profiling | overrides Tuning.fused: 0, 1 or a comma list of stages
+MOONEP_NVLINK_CHUNKS | 4 | profiling | overrides Tuning.chunks
+MOONEP_NVLINK_COMBINE_SMS | 0 (2 * num_sms) | profiling | overrides Tuning.combine_sms
+MOONEP_LAY_TILES | 48 | profiling | tile blocks the layout kernel aims at
+MOONEP_NVLINK_DIAG | 0 | profiling | bit mask: timing variants of the nvlink kernels that leave a stage out (wrong results by design; tools/diag_nvlink.sh)
+MOONEP_LINEINFO | unset | profiling | 1 compiles the kernels with -lineinfo (source lines in ncu)
+MOONEP_PLAN_CLOCKS | unset | profiling | 1 compiles cycle counters per planner phase (tools/profile_planner.py)
+MOONEP_PLAN_STAMPS | unset | profiling | 1 compiles phase stamps of the fused planner launch
+MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels
+MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum
+MOONEP_MPIEXEC | the venv's mpiexec | tests | launcher of the multi-rank tests
+MOONEP_LAUNCH_ID | set by the harness | tests | marks the processes of one test launch
+MOONEP_TEST_DEVICE | cpu | tests | device of the multi-rank test cases
+MOONEP_TEST_TRANSPORT | mpi,torch | tests | host transports the multi-rank EP cases run over
+MOONEP_GPU_NRANKS | 2 4 | tests | world sizes of the GPU multi-rank tests
+MOONEP_FUZZ_N | 10000 | tests | routings of the planner fuzz test
+MOONEP_FUZZ_GPU_N | 1000 | tests | routings of the GPU planner fuzz test
+MOONEP_EXTRAS | test,bench | tools | extras that scripts/setup.sh installs
+MOONEP_GIT_COMMIT | git rev-parse HEAD | tools | commit recorded in benchmark results (machines without git)
+MOONEP_MACHINE_KIND | unset | tools | machine name recorded in benchmark results
+MOONEP_BENCH_COMMAND | the command line | tools | command recorded in benchmark results
+"""
+ENV = {v.name: v for v in (EnvVar(*(f.strip() for f in line.split("|", 3)))
+                           for line in _TABLE.strip().splitlines())}

@@ -1,0 +1,107 @@
+"""Collective-order checks and failure bookkeeping.  The header goes through the host transport, or, for
+the nvlink backend, through host shared memory (:mod:`moonep.transport.order_board`).
+
+Every collective call of an :class:`moonep.ExpertParallel` (dispatch, combine, prefetch, reduce_grad and
+their backward passes) starts with a 4-word header exchange ``[magic, instance, op, seq]``.  When the
+ranks disagree (one calls ``combine`` while the others call ``dispatch``, or two layers' calls interleave
+differently) every rank sees all headers and raises the same :class:`moonep.MoonepError`, instead of
+feeding mismatched collectives to MPI/gloo (a hang at best, silently wrong data at worst).  A peer that
+never sends its header (dead or stalled) makes the exchange time out with an error naming the op.
+
+Set ``MOONEP_CHECK_ORDER=0`` to skip the header exchange (one tiny collective per call); timeouts still
+name the op then, but a mismatched order is no longer detected before the data moves.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+
+from .errors import MoonepError
+
+MAGIC = 0x6D6F6F6E  # "moon": a header from anything else is reported as such
+OPS = ("dispatch", "combine", "prefetch", "reduce_grad", "dispatch.backward", "combine.backward",
+       "prefetch.backward")
+_CODE = {name: i + 1 for i, name in enumerate(OPS)}
+
+
+def check_order_enabled() -> bool:
+    return os.environ.get("MOONEP_CHECK_ORDER", "1") not in ("0", "false", "False", "")
+
+
+def describe(header) -> str:
+    """``"combine #5"`` (plus the instance when it is not the first) for a header ``[magic, inst, op, seq]``."""
+    magic, inst, code, seq = (int(v) for v in header)
+    if magic != MAGIC or not 1 <= code <= len(OPS):
+        return f"an unknown collective (header {[magic, inst, code, seq]})"
+    suffix = f" of ExpertParallel #{inst}" if inst else ""
+    return f"{OPS[code - 1]} #{seq}{suffix}"
+
+
+class CollectiveGuard:
+    """Numbers the collective calls of one ExpertParallel and checks that every rank makes the same one.
+
+    ``instance`` is the ExpertParallel's index among those built on the same runtime (construction is
+    collective, so it is the same on every rank); ``seq`` counts its collective calls.
+    """
+
+    def __init__(self, transport, rt, instance: int):
+        self.transport, self.rt, self.instance = transport, rt, int(instance)
+        self.seq = 0
+        self.enabled = check_order_enabled()
+
+    def enter(self, op: str, exchange=None) -> None:
+        """Start collective ``op``: label the transport's errors with it and check the order. Collective.
+
+        ``exchange``: header all-gather to use instead of the transport's (the NVLink engine's host
+        shared-memory board)."""
+        self.seq += 1
+        header = [MAGIC, self.instance, _CODE[op], self.seq]
+        self.transport.current_op = describe(header)
+        if not self.enabled or self.transport.world_size == 1:
+            return
+        try:
+            got = (exchange or self.transport.exchange_header)(header)
+        except MoonepError:
+            mark_failed(self.rt, self.transport.timeout_s())
+            raise
+        ref = [int(v) for v in got[0]]
+        for r, h in enumerate(got):
+            if [int(v) for v in h] != ref:
+                # Every rank completed the exchange and raises here: the runtime itself stays usable.
+                raise MoonepError(f"collective order mismatch: rank {r} called {describe(h)} while rank 0 called "
+                                  f"{describe(ref)} (seen on rank {self.transport.rank}); every rank must make "
+                                  "the same collective calls in the same order")
+
+
+_WATCHDOG = {"armed": False, "seconds": 0.0}
+
+
+def mark_failed(rt, timeout_s: float) -> None:
+    """Remember that a collective of ``rt`` failed: its shutdown skips barriers, and under mpirun the process
+    is made to end even though ``MPI_Finalize`` would wait forever for a dead peer."""
+    if rt is not None:
+        rt.failed = True
+    if "mpi4py.MPI" in sys.modules:  # launched by mpirun (mpi4py is imported only then)
+        # Generous: a clean teardown must never be cut short; a hung one ends within this.
+        arm_exit_watchdog(max(2.0 * float(timeout_s), 10.0))
+
+
+def arm_exit_watchdog(seconds: float) -> None:
+    """At interpreter exit, arm ``SIGALRM`` (default action: terminate) ``seconds`` ahead.
+
+    Why: mpi4py calls ``MPI_Finalize`` at exit, which blocks forever on a dead peer (MPICH, auto-cleanup
+    off).  Registered after mpi4py's own handler, so it runs first; a clean finalize simply exits before
+    the alarm fires.
+    """
+    _WATCHDOG["seconds"] = max(_WATCHDOG["seconds"], seconds)
+    if _WATCHDOG["armed"]:
+        return
+    _WATCHDOG["armed"] = True
+
+    def _arm():
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(int(_WATCHDOG["seconds"]) + 2)
+
+    atexit.register(_arm)

@@ -1,0 +1,114 @@
+"""The handle types of the data path: what ``dispatch`` returns and the per-step state the backends keep.
+
+``Dispatched`` is what a user holds between ``dispatch`` and ``combine``.  Its ``routing`` field is the
+backend's state for the step (one of the ``*Step`` classes below), which combine, prefetch, reduce_grad and
+both backward passes reuse, so nothing is planned or exchanged twice.
+
+This module imports nothing else of moonep, so every other module can use these types.
+Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``K`` top-k, ``s`` tokens on this rank,
+``S`` the ``max_tokens`` the buffers were sized for, ``H`` hidden width, ``cap`` receive rows per rank
+(``moonep.layout.capacity``: ``S*K`` with exact balance and ``align == 1``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+
+class StepState:
+    """Base of the per-step states; a backend only accepts the kind it made (see ``Backend.step_type``)."""
+
+
+@dataclass
+class Dispatched:
+    """What :meth:`moonep.ExpertParallel.dispatch` returns; pass it to ``combine``, ``prefetch``, ``reduce_grad``.
+
+    Attributes:
+        tokens: ``[cap, H]`` in the token dtype: the received rows in slot order (slot ``j < epn`` is home
+            expert ``rank*epn + j``, slot ``epn + j`` a replica).  Rows past ``cu_seqlens[-1]`` (and
+            alignment padding) are zero.  With ``apply_weights="dispatch"`` every row is already multiplied
+            by its routing weight.  On the nvlink backend in zero-copy mode, a view of the receive buffer
+            that stays valid until the next ``dispatch`` of the same instance.
+        weights: ``[cap]`` in the dtype of ``topk_weights``: the routing weight of each row, zero in unused
+            rows.
+        cu_seqlens: int32 ``[2*epn + 1]``: slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
+        slot_experts: int64 ``[2*epn]``: the global expert of each slot, home experts first, ``-1`` for an
+            empty replica slot.
+        num_rows: the rows used, ``cu_seqlens[-1]`` (the same on every rank with exact balance): a Python
+            int, or a 0-d int64 device tensor on the nvlink backend (reading it is a host sync the backend
+            avoids).
+        plan: the :class:`moonep.planner.Plan` of this step (identical on every rank).
+        routing: the backend's :class:`StepState` for this step (opaque: combine and the backward passes
+            read it).
+    """
+
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    cu_seqlens: torch.Tensor
+    slot_experts: torch.Tensor
+    num_rows: Union[int, torch.Tensor]
+    plan: Any  # moonep.planner.Plan (not imported: this module depends on nothing of moonep)
+    routing: StepState
+
+
+@dataclass
+class HostStep(StepState):
+    """Who sends what to whom in one step of the host backends (MPI, torch.distributed, local).
+
+    Attributes:
+        num_tokens: ``s``, tokens on this rank.
+        pair_token: int64 ``[n_send]``: the token of each sent (token, destination rank) pair, grouped by
+            destination rank in rank order, ascending token inside a group.
+        send_rows: int64 ``[n_send, K]``: for each pair, the rows on the destination of choices
+            ``k = 0..K-1`` (``-1`` where choice ``k`` goes to another rank or is masked).
+        send_splits: ``R`` ints, pairs sent to each rank.
+        recv_rows: int64 ``[n_recv, K]``: the same lists as received, rows of this rank's buffer (``None``
+            until the dispatch exchange when the packed CPU dispatch carries them).
+        recv_splits: ``R`` ints, pairs received from each rank.
+        capacity: ``cap``, rows of the receive buffer.
+        cache: derived index arrays (e.g. the token order of the combine's final sum).
+    """
+
+    num_tokens: int
+    pair_token: torch.Tensor
+    send_rows: torch.Tensor
+    send_splits: list
+    recv_rows: Optional[torch.Tensor]
+    recv_splits: list
+    capacity: int
+    cache: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class NVLinkStep(StepState):
+    """One step of the nvlink backend (all device tensors; nothing here was copied to the host).
+
+    Attributes:
+        num_tokens: ``s``, tokens on this rank.
+        dst_rank: int64 ``[s, K]``: destination rank of each choice, ``-1`` masked.
+        dst_row: int64 ``[s, K]``: its row on that rank, ``-1`` masked.
+        generation: the dispatch that filled the receive buffer for this step (zero-copy views of an older
+            step are refused by combine).
+        zero_copy: whether ``tokens``/``weights`` are views of the receive buffer.
+        row_first: int32 ``[cap]``: the first row here of each row's token, ``-1`` for unwritten rows.
+        rec: int32 ``[cap, K]``: at first rows, the token's K-aligned rows here (``-1`` elsewhere).
+        src: int32 ``[cap]``: at first rows, ``src_rank * S + src_token``.
+        tokfirst: int32 ``[R, S]``: the first row here of each source token, ``-1`` none (fused dispatch
+            only; ``None`` after the two-kernel dispatch).
+        w32: fp32 ``[s, K]``: the routing weights as the kernels read them.
+        cu: int32 ``[2*epn + 1]``: this rank's ``cu_seqlens`` (a view of the planner launch's output).
+    """
+
+    num_tokens: int
+    dst_rank: torch.Tensor
+    dst_row: torch.Tensor
+    generation: int = 0
+    zero_copy: bool = True
+    row_first: Optional[torch.Tensor] = None
+    rec: Optional[torch.Tensor] = None
+    src: Optional[torch.Tensor] = None
+    tokfirst: Optional[torch.Tensor] = None
+    w32: Optional[torch.Tensor] = None
+    cu: Optional[torch.Tensor] = None

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
+# (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
+#   steps: ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source tools/gpu_env.sh
+# The tree arrives without .git: the caller writes HEAD into .git_commit and carries it.
+export MOONEP_GIT_COMMIT=$(cat .git_commit 2>/dev/null || echo unknown) MOONEP_MACHINE_KIND=${MOONEP_MACHINE_KIND:-nvidia-h200-x2}
+o=/tmp/o; rm -rf $o; mkdir -p $o  # a warm machine keeps /tmp: start each run empty
+step() {  # name timeout cmd...
+  local name=$1 t=$2; shift 2; local t0=$SECONDS
+  timeout "$t" "$@" > "$o/$name.txt" 2>&1; local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$o/summary.txt"
+  tar czf "${OUT:-/tmp}/run.tgz" -C $o .  # after every step, so a run cut off by the call limit keeps what ran
+}
+for s in "$@"; do case $s in
+  planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/gpu/test_planner_gpu.py tests/gpu/test_balance_gpu.py ;;
+  planner_gpu) step planner_gpu 240 python3 -m pytest -q -rA tests/gpu/test_planner_gpu.py ;;
+  fused_gpu) step fused_gpu 90 python3 -m pytest -q -rA -x tests/gpu/test_planner_gpu.py -k plan_and_destinations ;;
+  qb_timing) step qb_timing 90 python3 benchmarks/bench_balance.py gpu --out $o ;;
+  planner_bench) step planner_bench 150 python3 benchmarks/bench_planner.py --no-oracle --reps 30 --out $o/planner_gpu.json ;;
+  layers_gpu) step layers_gpu 120 python3 -m pytest -q -rA tests/unit/test_layers.py ;;
+  ep_np2) MOONEP_GPU_NRANKS=2 step ep_np2 200 python3 -m pytest -q -rA tests/gpu/test_mp_ep_gpu.py -k "test_ep_gpu" ;;
+  ep_bench) step ep_bench 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_ep_gpu.py --sms 16,24,32 --iters 30 --out $o ;;
+  ep_kill) MOONEP_GPU_NRANKS=2 step ep_kill 200 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py -k killed ;;
+  ep_np4) MOONEP_GPU_NRANKS=4 step ep_np4 200 python3 -m pytest -q -rA tests/gpu/test_mp_ep_gpu.py ;;
+  mp_gpu) step mp_gpu 300 python3 -m pytest -q -rA tests/gpu/test_mp_gpu.py ;;
+  smoke) step smoke 200 bash tools/gpu_smoke.sh $o ;;
+  examples) step train_tiny_moe 150 mpirun --allow-run-as-root -n 2 python3 examples/train_tiny_moe.py --steps 30
+            step hf_mixtral_ep 150 mpirun --allow-run-as-root -n 2 python3 examples/hf_mixtral_ep.py ;;
+  diag_quick) step diag_quick 400 bash tools/diag_nvlink.sh $o/diagq 24,32,48 unfused fused_dispatch fused_ch2 fused_ch8 fused_nvlink_only ;;
+  diag) step diag 480 bash tools/diag_nvlink.sh $o/diag 24,32,64 ;;
+  planner_prof) step planner_prof 150 python3 tools/profile_planner.py --out $o/planner_prof.json ;;
+  planner_clocks) step planner_clocks 120 python3 tools/profile_planner.py --clocks --out $o/planner_clocks.json ;;
+  ncu_t2) step ncu_t2 200 bash tools/ncu_planner_src.sh $o/ncu "896,64,16 theorem2 plan" ;;
+  ep_r1) step ep_r1 120 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 20 --out $o ;;
+  host_prof) step host_prof 120 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py --out $o ;;
+  stamps_r12) step stamps_r12 120 python3 tools/profile_planner.py --stamps --clocks --configs "256,2,8;256,1,8" \
+                 --families uniform,zipf1.5 --out $o/planner_stamps_R2_R1.json ;;
+  stamps_cold) step stamps_cold 120 python3 tools/profile_planner.py --stamps --clocks --cold --configs "256,2,8;256,1,8" \
+                 --families uniform --out $o/planner_stamps_cold.json ;;
+  ncu_plan_ep) step ncu_plan_ep 500 bash tools/ncu_plan_in_ep.sh $o ;;
+  ncu_plan_stalls) NCU_STALLS=1 step ncu_plan_stalls 500 bash tools/ncu_plan_in_ep.sh $o ;;
+  api_fuzz) step api_fuzz 200 python3 -m pytest -q -rA tests/unit/test_fuzz_api.py ;;
+  planner_stamps) step planner_stamps 120 python3 tools/profile_planner.py --stamps --out $o/planner_stamps.json ;;
+  ncu_planner) step ncu_planner 200 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:moonep --csv \
+                 --launch-skip 40 --launch-count 60 python3 tools/profile_planner.py --families zipf1.5 ;;
+  ncu_src) for c in "256,8,8 uniform plan" "896,64,16 theorem2 plan" "896,64,16 zipf1.5 plan" "256,8,8 uniform layout"; do set -- $c
+              MOONEP_LINEINFO=1 step ncu_src_$1_$2_$3 150 ncu --clock-control none --set full --import-source yes \
+                -k regex:moonep_$3 --launch-skip 10 -c 1 -o $o/ncu_$1_$2_$3 python3 tools/profile_planner.py --configs "$1" --families $2
+              ncu --import $o/ncu_$1_$2_$3.ncu-rep --page source --csv --print-source cuda > $o/src_$1_$2_$3.csv 2>&1
+              ncu --import $o/ncu_$1_$2_$3.ncu-rep --page details > $o/details_$1_$2_$3.txt 2>&1; done ;;
+  ncu_import) mkdir -p /tmp/src; for r in .prof/*.ncu-rep; do b=$(basename $r .ncu-rep)  # reports carried in .prof/
+              n=$(ncu --import $r --page source --csv --print-source cuda 2>&1 | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
+              cp csrc/planner.cu /tmp/src/$n; ncu --import $r --page source --csv --print-source cuda --import-source yes --source-folders /tmp/src > $o/src_$b.csv 2>&1
+              ncu --import $r --page source --csv --print-source sass > $o/sass_$b.csv 2>&1; done ;;
+  ncu_ep) step ncu_ep 150 mpirun --allow-run-as-root -n 2 bash -c 'if [ $OMPI_COMM_WORLD_RANK = 0 ]; then exec ncu --clock-control none --csv \
+            --metrics gpu__time_duration.sum,launch__grid_size,launch__block_size,dram__bytes.sum,lts__t_bytes.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+            --launch-skip 300 --launch-count 40 --log-file '$o'/ncu_ep_r0.csv python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 10 --warmup 3 --out '$o'; \
+            else exec python3 benchmarks/bench_ep_gpu.py --sms 24 --iters 10 --warmup 3 --out '$o'; fi' ;;
+  suite_np4) step suite_np4 300 mpirun --allow-run-as-root --oversubscribe -n 4 python3 -m moonep.bench --device cuda \
+               --preset h200 --placement clustered --maxvio 0 1 4 --iters 10 --warmup 2 --no-symm --plot --out $o/suite_h200_np4.json ;;
+  fuzz_gpu) step fuzz_gpu 150 python3 -m pytest -q -rA tests/gpu/test_planner_fuzz_gpu.py ;;
+  faults_np2) MOONEP_GPU_NRANKS=2 step faults_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py ;;
+  faults_np4) MOONEP_GPU_NRANKS=4 step faults_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py ;;
+  faults_np4_check) MOONEP_BOARD_CHECK=1 MOONEP_GPU_NRANKS=4 step faults_np4_check 300 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py ;;
+  faults_gpu) MOONEP_GPU_NRANKS="2 4" step faults_gpu 420 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py ;;
+  soak_gpu) step soak_gpu 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/soak_gpu.py --out $o/soak_gpu_nvlink.json ;;
+  suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
+esac; done
+tar czf "${OUT:-/tmp}/run.tgz" -C $o .

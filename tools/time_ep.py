@@ -1,0 +1,133 @@
+"""Time dispatch and combine through the public API on one rank, to compare two versions of the code.
+
+    python3 tools/time_ep.py --label after --out timings.jsonl            # PYTHONPATH picks the version
+    python3 tools/time_ep.py --report timings.jsonl                       # medians per label, and ratios
+
+Defaults: 4096 tokens, hidden 7168, bf16, top-8 of 256 experts (DeepEP's intranode shape), the nvlink
+backend on one GPU (rows stay local).  Reported per call, in microseconds: back-to-back eager calls timed
+with CUDA events (host launch time included when the host is the slower side) and the same calls replayed
+from a CUDA graph (device time only).  Only public API is used, so older versions run it unchanged; run
+the versions alternately in one session (A B A B) so drift of the machine shows up as spread, not as a
+difference.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+
+def _events(fn, iters):
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / iters
+
+
+def _graph(fn, n, reps):
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    return statistics.median(_events(g.replay, 1) / n for _ in range(reps))
+
+
+def measure(args) -> dict:
+    import torch
+
+    import moonep
+
+    rt = moonep.init(device="cuda")
+    s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(s, H, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]).cuda()
+    w = torch.rand(s, K, generator=g).cuda()
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
+                               transport="nvlink", zero_copy=True)
+    res = {}
+    with torch.no_grad():
+        h = ep.dispatch(x, idx, w)
+        for _ in range(args.warmup):
+            ep.combine(ep.dispatch(x, idx, w).tokens, h)
+        torch.cuda.synchronize()
+        h = ep.dispatch(x, idx, w)
+        res["dispatch_us"] = statistics.median(_events(lambda: ep.dispatch(x, idx, w), args.iters)
+                                               for _ in range(args.reps))
+        h = ep.dispatch(x, idx, w)
+        res["combine_us"] = statistics.median(_events(lambda: ep.combine(h.tokens, h), args.iters)
+                                              for _ in range(args.reps))
+        res["dispatch_graph_us"] = _graph(lambda: ep.dispatch(x, idx, w), 10, args.reps)
+        h = ep.dispatch(x, idx, w)
+        res["combine_graph_us"] = _graph(lambda: ep.combine(h.tokens, h), 10, args.reps)
+        ep.synchronize()
+    ep.close()
+    rt.shutdown()
+    return {k: round(v, 1) for k, v in res.items()}
+
+
+def report(path: str) -> int:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    labels = sorted({r["label"] for r in rows})
+    keys = [k for k in rows[0]["times"]]
+    out = {}
+    print(f"{'metric':20s}" + "".join(f"{lab:>28s}" for lab in labels))
+    for k in keys:
+        vals = {lab: [r["times"][k] for r in rows if r["label"] == lab] for lab in labels}
+        out[k] = {lab: dict(runs=v, median=statistics.median(v)) for lab, v in vals.items()}
+        print(f"{k:20s}" + "".join(f"{statistics.median(v):12.1f} ({min(v):.1f}-{max(v):.1f})".rjust(28)
+                                   for v in vals.values()))
+    if len(labels) == 2:
+        a, b = labels
+        for k in keys:
+            out[k][f"{b}/{a}"] = round(out[k][b]["median"] / out[k][a]["median"], 3)
+        print("ratios " + f"{b}/{a}: " + ", ".join(f"{k} {out[k][f'{b}/{a}']}" for k in keys))
+    with open(path + ".summary.json", "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default="run")
+    ap.add_argument("--out")
+    ap.add_argument("--report")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=20)
+    args = ap.parse_args(argv)
+    if args.report:
+        return report(args.report)
+    t0 = time.time()
+    times = measure(args)
+    rec = dict(label=args.label, times=times, seconds=round(time.time() - t0, 1))
+    print(json.dumps(rec))
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
