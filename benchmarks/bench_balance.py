@@ -243,7 +243,7 @@ def gpu(args):
     ``impl``: ``kernels`` = the fused CuPy kernels (csrc/balance.cu), ``torch`` = the pure-torch fallback.
     """
     assert torch.cuda.is_available(), "gpu mode needs CUDA"
-    from moonep import cuda_kernels
+    from moonep import cuda_runtime
 
     res = dict(provenance(), rows=[], note="CUDA events, median of --reps; single process, so no all-reduce")
 
@@ -278,11 +278,11 @@ def gpu(args):
             return None
 
     impls = {"both": ["kernels", "torch"], "kernels": ["kernels"], "torch": ["torch"]}[args.impl]
-    if not cuda_kernels.available() and "kernels" in impls:
+    if not cuda_runtime.available() and "kernels" in impls:
         print("cupy not available: only the torch fallback is timed", flush=True)
         impls = ["torch"]
     for impl in impls:
-        cuda_kernels._AVAILABLE = impl == "kernels"  # (the switch the library reads on every call)
+        cuda_runtime._AVAILABLE = impl == "kernels"  # (the switch the library reads on every call)
         for E, K, n, dtype in [(896, 16, 8192, torch.bfloat16), (896, 16, 8192, torch.float32),
                                (256, 8, 8192, torch.bfloat16), (64, 8, 4096, torch.bfloat16)]:
             scores = torch.rand(n, E, device="cuda").to(dtype)
@@ -316,7 +316,7 @@ def gpu(args):
             torch.cuda.synchronize()
             res["rows"].append(row)
             print(row, flush=True)
-    cuda_kernels._AVAILABLE = None
+    cuda_runtime._AVAILABLE = None
     rows = [r for r in res["rows"] if r["E"] == 896 and r["tokens"] == 8192]
     res["target"] = dict(qb_overhead_us_max=100, E=896, tokens=8192,
                          met={f"{r['impl']} {r['dtype']}": r["qb_overhead_us"] <= 100 for r in rows})

@@ -1,6 +1,7 @@
 // Quantile Balancing on CUDA (moonep/balance.py): fused histogram recording and the bias step.
 //
-// Compiled at run time by CuPy (NVRTC) through moonep/cuda_kernels.py; launched on torch's current stream.
+// Compiled at run time by CuPy (NVRTC) as the "balance" program of moonep/cuda_runtime.py; launched on
+// torch's current stream.
 // Every floating operation mirrors the torch CPU path of moonep/balance.py one for one, with explicit
 // round-to-nearest intrinsics (__fsub_rn, __fdiv_rn, __dmul_rn, ...) so nothing is contracted into an FMA
 // or turned into a reciprocal multiply. Hence the counts, the range and the uncentred quantiles are

@@ -1,7 +1,8 @@
-// moonep NVLink transport: shared device helpers.
+// moonep NVLink transport: device helpers and the context block shared by the "ep" program's kernels.
 //
-// Compiled at run time by NVRTC (moonep/transport/nvlink.py concatenates this file in front of
-// dispatch.cu and combine.cu), and checked offline with `nvcc -arch=sm_90 --ptx csrc/dispatch.cu`.
+// Compiled at run time by NVRTC: moonep/cuda_runtime.py concatenates this file in front of route.cu,
+// dispatch.cu, combine.cu and replicas.cu (the "ep" program); each of them also compiles alone, e.g.
+// `nvcc -std=c++17 -arch=sm_90 --ptx csrc/dispatch.cu`.
 // No CUDA headers are needed: bf16/fp16 conversions are written out below.
 //
 // Synchronisation model (see docs/design.md, "NVLink transport"):
@@ -22,9 +23,9 @@
 typedef unsigned long long u64;
 typedef long long i64;
 
-#define MOONEP_MAXR 64
+#define MAXR 64
 
-// Timing diagnostics (benchmarks/diag_nvlink.sh): MOONEP_NVLINK_DIAG=<bits> compiles variants that leave
+// Timing diagnostics (tools/diag_nvlink.sh): MOONEP_NVLINK_DIAG=<bits> compiles variants that leave
 // one stage of a kernel out, so that differences of their times place the time inside the kernel (the
 // results are then wrong: never set it outside that script).  0, the default, compiles every stage.
 #ifndef MOONEP_DIAG
@@ -37,6 +38,7 @@ typedef long long i64;
 #define DIAG_REDUCE_NO_LOADS 16      // moonep_combine_reduce: zeros pushed, rows not read
 #define DIAG_SEND_REMOTE_ONLY 32     // moonep_dispatch_send: only the remote first rows are copied
 #define FULL_MASK 0xffffffffu
+#define MAX_WARPS 32   // warps per block (per-warp shared-memory scratch)
 
 // Error codes (low 8 bits); bits 8.. carry a rank.
 #define ERR_TIMEOUT 1      // fatal: peer (bits 8..) did not signal in time
@@ -45,7 +47,7 @@ typedef long long i64;
 #define ERR_NONFINITE 4    // input: non-finite routing weight
 #define ERR_TOTAL 8        // input: num_global_tokens disagrees with the sum of s
 
-// Dtype codes shared with nvlink.py.
+// Dtype codes (moonep/backends/nvlink_abi.py DT).
 #define DT_F32 0
 #define DT_BF16 1
 #define DT_F16 2
@@ -64,19 +66,21 @@ typedef long long i64;
 #define MAX_CHUNKS 8
 // Dispatch tags: epoch (bits 63..32) | first row (bits 31..0).
 
-// Field order must match nvlink.py (_CTX_FIELDS); every field is 8 bytes.
+// Context block, one per NVLink backend object, filled by moonep/backends/nvlink.py from the declaration in
+// moonep/backends/nvlink_abi.py (CTX_FIELDS; tests/unit/test_cuda_abi.py checks that the two agree, with
+// MAXR, CTR_WORDS, MAX_CHUNKS, the error and dtype codes).  Every field is 8 bytes.
 struct Ctx {
   i64 rank, R, S, K, H, cap, E2, timeout_ns;                          // 0..7
-  u64* ctr;                                                            // 8: local counters [8]
+  u64* ctr;                                                            // 8: local counters [CTR_WORDS]
   int* derr;                                                           // 9: local fatal word
   int* herr;                                                           // 10: host-mapped [0]=fatal, [1]=input
   i64 off_esig, off_dsig, off_gather, off_recv, off_w, off_tag, off_meta, off_msrc, off_acc, off_gwacc;  // 11..20
   i64 off_csig;                                                        // 21: chunk signals [MAX_CHUNKS][R]
   i64 off_flist;                                                       // 22: int [R, S] first rows (fused)
   i64 pad[9];                                                          // 23..31
-  char* base[MOONEP_MAXR];                                             // 32..95   main allocation per rank
-  char* gbase[MOONEP_MAXR];                                            // 96..159  gradient receive buffer
-  char* pbase[MOONEP_MAXR];                                            // 160..223 replica weight pool
+  char* base[MAXR];                                                    // 32..95   main allocation per rank
+  char* gbase[MAXR];                                                   // 96..159  gradient receive buffer
+  char* pbase[MAXR];                                                   // 160..223 replica weight pool
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -128,15 +132,26 @@ __device__ void signal_all(const Ctx* c, i64 off, u64 value) {
     st_release_sys((u64*)(c->base[p] + off) + c->rank, value);
 }
 
-// Wait until every slot of this rank's signal array `off` reached `target`.  Returns false (and skips
-// waiting) when a fatal error is set or the wait times out.
-__device__ bool wait_all(const Ctx* c, i64 off, u64 target) {
+// Signal array of chunk ch on rank p (fused kernels, below): csig[ch][R].
+__device__ __forceinline__ u64* chunk_sig(const Ctx* c, int p, int ch) {
+  return (u64*)(c->base[p] + c->off_csig) + (i64)ch * c->R;
+}
+
+// Wait (every thread of the block) until a signal array of this rank reached `target` in every slot:
+//   CHUNK false: the array at offset `where` of this rank's allocation (esig, dsig), every rank's slot;
+//   CHUNK true: the signal array of chunk `where` (csig), the peers' slots.
+// Returns false (and skips waiting) when a fatal error is set or a wait times out (recorded, naming the
+// rank that did not signal).
+template <bool CHUNK>
+__device__ bool wait_signals(const Ctx* c, i64 where, u64 target) {
   __shared__ int s_bad;
   if (threadIdx.x == 0) s_bad = is_fatal(c) ? 1 : 0;
   __syncthreads();
   if (s_bad) return false;
-  const u64* sig = (const u64*)(c->base[c->rank] + off);
+  const int me = (int)c->rank;
+  const u64* sig = CHUNK ? chunk_sig(c, me, (int)where) : (const u64*)(c->base[c->rank] + where);
   for (int p = threadIdx.x; p < (int)c->R; p += blockDim.x) {
+    if (CHUNK && p == me) continue;
     u64 t0 = now_ns();
     unsigned spins = 0;
     while (ld_acquire_sys(sig + p) < target) {
@@ -155,6 +170,11 @@ __device__ bool wait_all(const Ctx* c, i64 off, u64 target) {
   int bad = s_bad;
   __syncthreads();
   return bad == 0;
+}
+
+// Wait until every slot of this rank's signal array `off` reached `target` (see wait_signals).
+__device__ __forceinline__ bool wait_all(const Ctx* c, i64 off, u64 target) {
+  return wait_signals<false>(c, off, target);
 }
 
 // Entry barrier, fused at the start of a "send" kernel: every block stores the same epoch (idempotent)
@@ -212,9 +232,6 @@ __device__ __forceinline__ bool wait_data(const Ctx* c) {
 // grid to finish commits the counters.  Every block reads the counters at its start: they change only in
 // finish_fused, after every block arrived.
 // ---------------------------------------------------------------------------------------------------
-__device__ __forceinline__ u64* chunk_sig(const Ctx* c, int p, int ch) {
-  return (u64*)(c->base[p] + c->off_csig) + (i64)ch * c->R;
-}
 
 // Called by every thread of an NVLink block when it finished chunk ch: the last of the nnv NVLink blocks
 // to get here signals chunk ch (value de) to every peer.
@@ -239,36 +256,22 @@ __device__ void chunk_done(const Ctx* c, int ch, int nnv, u64 de) {
   }
 }
 
-// Wait (every thread of the block) until every peer signalled chunk ch with an epoch >= de.  Returns false
-// on a fatal error or a timeout (recorded).
-__device__ bool wait_chunk(const Ctx* c, int ch, u64 de) {
-  __shared__ int s_bad_ch;
-  if (threadIdx.x == 0) s_bad_ch = is_fatal(c) ? 1 : 0;
-  __syncthreads();
-  if (s_bad_ch) return false;
-  const int me = (int)c->rank;
-  const u64* sig = chunk_sig(c, me, ch);
-  for (int p = threadIdx.x; p < (int)c->R; p += blockDim.x) {
-    if (p == me) continue;
-    u64 t0 = now_ns();
-    unsigned spins = 0;
-    while (ld_acquire_sys(sig + p) < de) {
-      if ((++spins & 255u) == 0) {
-        if (is_fatal(c)) { s_bad_ch = 1; break; }
-        if ((i64)(now_ns() - t0) > c->timeout_ns) {
-          set_fatal(c, ERR_TIMEOUT | (p << 8));
-          s_bad_ch = 1;
-          break;
-        }
-      }
-    }
+// The NVLink blocks' part of a fused kernel (every thread): the entry barrier (if `barrier`), then for each
+// chunk ch the block's share of its work, work(ch) (skipped after a fatal error), and the chunk's signal (sent
+// even then: a fatal error makes every later wait return at once).  Returns the entry epoch for finish_fused.
+template <typename F>
+__device__ __forceinline__ u64 nvlink_chunks(const Ctx* c, int barrier, int nnv, int nch, u64 de, F work) {
+  u64 ne;
+  const bool ok = maybe_entry_barrier(c, barrier, &ne);
+  for (int ch = 0; ch < nch; ++ch) {
+    if (ok) work(ch);
+    chunk_done(c, ch, nnv, de);
   }
-  __syncthreads();
-  __threadfence();
-  int bad = s_bad_ch;
-  __syncthreads();
-  return bad == 0;
+  return ne;
 }
+
+// Wait (every thread of the block) until every peer signalled chunk ch with an epoch >= de (see wait_signals).
+__device__ __forceinline__ bool wait_chunk(const Ctx* c, int ch, u64 de) { return wait_signals<true>(c, ch, de); }
 
 // End of a fused kernel (every block, every thread): the last block commits the entry epoch, the data
 // epoch and (bump_tag) the dispatch tag epoch.  No signal: the chunk signals carried the data.
@@ -297,6 +300,46 @@ __device__ __forceinline__ void chunk_range(i64 S, int nch, int ch, int s, int* 
 __device__ __forceinline__ int chunk_of(i64 i, i64 S, int nch) { return (int)((i * nch) / S); }
 
 // ---------------------------------------------------------------------------------------------------
+// L2-only loads (ld.global.cg) for memory that peers write while this kernel runs: the L1 of this SM
+// may hold a line from before the peer's chunk signal (small rows share lines).
+__device__ __forceinline__ int4 ld_cg_v4(const void* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u64 ld_cg_u64(const void* p) {
+  u64 v;
+  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned ld_cg_u32(const void* p) {
+  unsigned v;
+  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned short ld_cg_u16(const void* p) {
+  unsigned short v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ int ld_cg_i32(const void* p) { return (int)ld_cg_u32(p); }
+__device__ __forceinline__ float ld_cg_f32(const void* p) { return __uint_as_float(ld_cg_u32(p)); }
+
+// Loads of a source row: plain, or L2-only (CG) for a row a peer wrote during this kernel.
+template <bool CG> __device__ __forceinline__ int4 ld_src(const int4* p) {
+  if constexpr (CG) return ld_cg_v4(p); else return *p;
+}
+template <bool CG> __device__ __forceinline__ unsigned ld_src(const unsigned* p) {
+  if constexpr (CG) return ld_cg_u32(p); else return *p;
+}
+template <bool CG> __device__ __forceinline__ unsigned short ld_src(const unsigned short* p) {
+  if constexpr (CG) return ld_cg_u16(p); else return *p;
+}
+template <bool CG> __device__ __forceinline__ float ld_src(const float* p) {
+  if constexpr (CG) return ld_cg_f32(p); else return *p;
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Element conversions (round to nearest even, as torch's casts do)
 // ---------------------------------------------------------------------------------------------------
 __device__ __forceinline__ float bf16_to_f(unsigned short b) { return __uint_as_float(((unsigned)b) << 16); }
@@ -320,9 +363,11 @@ __device__ __forceinline__ unsigned short f_to_f16(float f) {
   return h;
 }
 
+// Element i of a row of dtype dt, as a float (CG: L2-only load, see ld_src).
+template <bool CG = false>
 __device__ __forceinline__ float load_f(const void* p, i64 i, int dt) {
-  if (dt == DT_F32) return ((const float*)p)[i];
-  unsigned short v = ((const unsigned short*)p)[i];
+  if (dt == DT_F32) return ld_src<CG>((const float*)p + i);
+  unsigned short v = ld_src<CG>((const unsigned short*)p + i);
   return dt == DT_BF16 ? bf16_to_f(v) : f16_to_f(v);
 }
 
@@ -338,32 +383,52 @@ __device__ __forceinline__ float round_to(float v, int dt) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Copies.  `vec` is the widest access every pointer and the byte count allow: 16, 4 or 2.
+// Copies.  `vec` is the widest access every pointer and the byte count allow: 16, 4 or 2.  CG: the source
+// is read with L2-only loads (see ld_src).
 // ---------------------------------------------------------------------------------------------------
+// One warp copies one source row (`nbytes`, 16-byte aligned, nbytes % 16 == 0) into `n` destination rows
+// (`dsts`, any mix of local and peer memory): every 16-byte word is loaded once and stored n times, with
+// four words per lane in flight.
+template <bool CG = false>
+__device__ __forceinline__ void warp_fanout16(char* const* dsts, int n, const void* src, i64 nbytes, int lane) {
+  const int4* s = (const int4*)src;
+  const i64 nw = nbytes >> 4;
+  for (i64 j = lane; j < nw; j += 32 * 4) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (j + u * 32 < nw) v[u] = ld_src<CG>(s + j + u * 32);
+    for (int t = 0; t < n; ++t) {
+      int4* d = (int4*)dsts[t];
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (j + u * 32 < nw) d[j + u * 32] = v[u];
+    }
+  }
+}
+
 // One warp copies `nbytes` from src to dst (either may be a peer's memory).
+template <bool CG = false>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, i64 nbytes, int vec, int lane) {
   if (vec == 16) {
-    const int4* s = (const int4*)src;
-    int4* d = (int4*)dst;
-    i64 n = nbytes >> 4;
-    for (i64 j = lane; j < n; j += 32 * 4) {
-      int4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < n) v[u] = s[j + u * 32];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < n) d[j + u * 32] = v[u];
-    }
+    char* const d = (char*)dst;
+    warp_fanout16<CG>(&d, 1, src, nbytes, lane);
   } else if (vec == 4) {
     const unsigned* s = (const unsigned*)src;
     unsigned* d = (unsigned*)dst;
-    for (i64 j = lane; j < (nbytes >> 2); j += 32) d[j] = s[j];
+    for (i64 j = lane; j < (nbytes >> 2); j += 32) d[j] = ld_src<CG>(s + j);
   } else {
     const unsigned short* s = (const unsigned short*)src;
     unsigned short* d = (unsigned short*)dst;
-    for (i64 j = lane; j < (nbytes >> 1); j += 32) d[j] = s[j];
+    for (i64 j = lane; j < (nbytes >> 1); j += 32) d[j] = ld_src<CG>(s + j);
   }
+}
+
+// One warp copies one source row into the n rows dsts[0..n) (warp_fanout16 when vec == 16).
+template <bool CG = false>
+__device__ __forceinline__ void warp_fanout(char* const* dsts, int n, const void* src, i64 nbytes, int vec, int lane) {
+  if (vec == 16) warp_fanout16<CG>(dsts, n, src, nbytes, lane);
+  else for (int t = 0; t < n; ++t) warp_copy<CG>(dsts[t], src, nbytes, vec, lane);
 }
 
 __device__ __forceinline__ void warp_zero(void* dst, i64 nbytes, int vec, int lane) {
@@ -398,26 +463,6 @@ __device__ __forceinline__ void grid_zero(void* dst, i64 nbytes, int vec) {
     for (i64 j = t; j < (nbytes >> 2); j += nt) ((unsigned*)dst)[j] = 0u;
   } else {
     for (i64 j = t; j < (nbytes >> 1); j += nt) ((unsigned short*)dst)[j] = 0;
-  }
-}
-
-// One warp copies one source row (`nbytes`, 16-byte aligned, nbytes % 16 == 0) into `n` destination rows
-// (`dsts`, any mix of local and peer memory): every 16-byte word is loaded once and stored n times, with
-// four words per lane in flight.
-__device__ __forceinline__ void warp_fanout16(char* const* dsts, int n, const void* src, i64 nbytes, int lane) {
-  const int4* s = (const int4*)src;
-  const i64 nw = nbytes >> 4;
-  for (i64 j = lane; j < nw; j += 32 * 4) {
-    int4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (j + u * 32 < nw) v[u] = s[j + u * 32];
-    for (int t = 0; t < n; ++t) {
-      int4* d = (int4*)dsts[t];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < nw) d[j + u * 32] = v[u];
-    }
   }
 }
 
@@ -468,71 +513,35 @@ __device__ __forceinline__ void store_n(void* p, i64 idx, int dt, const float* v
   }
 }
 
-// L2-only loads (ld.global.cg) for memory that peers write while this kernel runs: the L1 of this SM
-// may hold a line from before the peer's chunk signal (small rows share lines).
-__device__ __forceinline__ int4 ld_cg_v4(const void* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u64 ld_cg_u64(const void* p) {
-  u64 v;
-  asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned ld_cg_u32(const void* p) {
-  unsigned v;
-  asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned short ld_cg_u16(const void* p) {
-  unsigned short v;
-  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ int ld_cg_i32(const void* p) { return (int)ld_cg_u32(p); }
-__device__ __forceinline__ float ld_cg_f32(const void* p) { return __uint_as_float(ld_cg_u32(p)); }
-__device__ __forceinline__ float load_f_cg(const void* p, i64 i, int dt) {
-  if (dt == DT_F32) return ld_cg_f32((const float*)p + i);
-  unsigned short v = ld_cg_u16((const unsigned short*)p + i);
-  return dt == DT_BF16 ? bf16_to_f(v) : f16_to_f(v);
-}
-
-// warp_copy / warp_fanout16 with L2-only loads of the source (a row a peer wrote during this kernel).
-__device__ __forceinline__ void warp_copy_cg(void* dst, const void* src, i64 nbytes, int vec, int lane) {
-  if (vec == 16) {
-    const i64 n = nbytes >> 4;
-    for (i64 j = lane; j < n; j += 32 * 4) {
-      int4 v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < n) v[u] = ld_cg_v4((const int4*)src + j + u * 32);
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < n) ((int4*)dst)[j + u * 32] = v[u];
+// Choice k = lane (< K) of source token i: its destination rank r and row there (-1, -1 where masked or out
+// of range) and, with w (fp32 [s, K]), its routing weight wk (0 without).  dst_rank/dst_row: int64 [s, K].
+__device__ __forceinline__ void load_choice(const i64* dst_rank, const i64* dst_row, const float* w, i64 i, int K,
+                                            int R, i64 cap, int lane, int& r, int& row, float& wk) {
+  r = -1;
+  row = -1;
+  wk = 0.f;
+  if (lane < K) {
+    const i64 rr = dst_rank[i * K + lane], rw = dst_row[i * K + lane];
+    if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
+      r = (int)rr;
+      row = (int)rw;
     }
-  } else if (vec == 4) {
-    for (i64 j = lane; j < (nbytes >> 2); j += 32) ((unsigned*)dst)[j] = ld_cg_u32((const unsigned*)src + j);
-  } else {
-    for (i64 j = lane; j < (nbytes >> 1); j += 32)
-      ((unsigned short*)dst)[j] = ld_cg_u16((const unsigned short*)src + j);
+    if (w != nullptr) wk = w[i * K + lane];
   }
 }
 
-__device__ __forceinline__ void warp_fanout16_cg(char* const* dsts, int n, const void* src, i64 nbytes, int lane) {
-  const int4* s = (const int4*)src;
-  const i64 nw = nbytes >> 4;
-  for (i64 j = lane; j < nw; j += 32 * 4) {
-    int4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      if (j + u * 32 < nw) v[u] = ld_cg_v4(s + j + u * 32);
-    for (int t = 0; t < n; ++t) {
-      int4* d = (int4*)dsts[t];
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < nw) d[j + u * 32] = v[u];
-    }
+// Mode 0 dispatch: the token's K-aligned row list at its first row on every destination rank whose first
+// lane is set in `firsts` (lane k < K writes there the row of choice k, -1 where choice k goes elsewhere);
+// every lane then calls seen(dr, frow) with that rank and row, in lane order.
+template <typename F>
+__device__ __forceinline__ void put_row_lists(const Ctx* c, unsigned firsts, int r, int row, int K, int lane, F seen) {
+  while (firsts) {
+    int fl = __ffs(firsts) - 1;
+    firsts &= firsts - 1;
+    int dr = __shfl_sync(FULL_MASK, r, fl);
+    int frow = __shfl_sync(FULL_MASK, row, fl);
+    if (lane < K) ((int*)(c->base[dr] + c->off_meta))[(i64)frow * K + lane] = (r == dr) ? row : -1;
+    seen(dr, frow);
   }
 }
 

@@ -1,4 +1,4 @@
-// moonep NVLink transport: counts all-gather, dispatch (send + local expand), replica weight prefetch.
+// moonep NVLink transport: dispatch (send + local expand), two-kernel and fused.
 //
 // Dispatch writes each token ONCE per destination rank, straight into its first row there (the row of
 // its lowest-k choice on that rank), with 16-byte stores when alignment allows.  With the token it
@@ -12,44 +12,6 @@
 // row lists, so later combines and backward passes never read symmetric metadata again.
 #include "common.cuh"
 
-#define MAX_WARPS_BLOCK 32
-
-// All-gather of one int64 vector per rank (routing counts, s, input-error flags), one block.
-// mine: [E2] = counts[E], s, flags.  out: [R, E2].  expected_total: -1 or num_global_tokens.
-extern "C" __global__ void moonep_gather(const Ctx* c, const i64* mine, i64* out, i64 expected_total) {
-  u64 ne;
-  bool ok = entry_barrier(c, &ne);
-  const int R = (int)c->R, E2 = (int)c->E2, me = (int)c->rank;
-  if (ok) {
-    for (int j = threadIdx.x; j < R * E2; j += blockDim.x) {
-      int p = j / E2, q = j % E2;
-      ((i64*)(c->base[p] + c->off_gather))[me * E2 + q] = mine[q];
-    }
-  }
-  u64 nd = ld_volatile(&c->ctr[CTR_DATA]) + 1;
-  signal_all(c, c->off_dsig, nd);  // begins with __syncthreads + system fence: the stores above are published
-  ok = wait_all(c, c->off_dsig, nd) && ok;
-  const i64* g = (const i64*)(c->base[me] + c->off_gather);
-  for (int j = threadIdx.x; j < R * E2; j += blockDim.x) out[j] = ok ? g[j] : 0;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    c->ctr[CTR_ENTRY] = ne;
-    c->ctr[CTR_DATA] = nd;
-    if (ok) {
-      i64 total = 0;
-      int code = 0;
-      for (int r = 0; r < R; ++r) {
-        total += g[r * E2 + E2 - 2];
-        i64 f = g[r * E2 + E2 - 1];
-        if (f != 0 && code == 0) code = (int)f | (r << 8);
-      }
-      if (code == 0 && expected_total >= 0 && total != expected_total) code = ERR_TOTAL | (me << 8);
-      if (code) set_input_error(c, code);
-    }
-    __threadfence();
-  }
-}
-
 // Source side of dispatch.  One warp per token.
 //   mode 0: forward; rows go to the main receive buffers, with meta/msrc/w/tag.
 //   mode 1: backward of combine (dispatch of dy); rows go to the gradient receive buffers, rows only.
@@ -62,7 +24,7 @@ extern "C" __global__ void moonep_gather(const Ctx* c, const i64* mine, i64* out
 extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const char* x, i64 row_bytes, int vec,
                                                 int s, const i64* dst_rank, const i64* dst_row, const float* w,
                                                 int barrier, int local_expand) {
-  __shared__ char* s_dst[MAX_WARPS_BLOCK][32];
+  __shared__ char* s_dst[MAX_WARPS][32];
   u64 ne;
   bool ok = maybe_entry_barrier(c, barrier, &ne);
   if (ok) {
@@ -70,16 +32,9 @@ extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const ch
     const i64 cap = c->cap, S = c->S;
     const u64 tag_epoch = (ld_volatile(&c->ctr[CTR_TAG]) + 1) & 0xffffffffull;
     for (int i = warp_id_global(); i < s; i += num_warps_global()) {
-      int r = -1, row = -1;
-      float wk = 0.f;
-      if (lane < K) {
-        i64 rr = dst_rank[(i64)i * K + lane], rw = dst_row[(i64)i * K + lane];
-        if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
-          r = (int)rr;
-          row = (int)rw;
-        }
-        if (mode == 0 && w != nullptr) wk = w[(i64)i * K + lane];
-      }
+      int r, row;
+      float wk;
+      load_choice(dst_rank, dst_row, mode == 0 ? w : nullptr, i, K, R, cap, lane, r, row, wk);
       unsigned same = __match_any_sync(FULL_MASK, r);
       int first_lane = __ffs(same) - 1;
       bool is_first = r >= 0 && first_lane == lane;
@@ -102,22 +57,10 @@ extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const ch
         char* dbase = mode == 0 ? c->base[r] + c->off_recv : c->gbase[r];
         s_dst[wib][slot] = dbase + (i64)row * row_bytes;
       }
-      if (mode == 0) {  // K-aligned row lists at the first row of every destination rank
-        unsigned firsts = __ballot_sync(FULL_MASK, is_first);
-        while (firsts) {
-          int fl = __ffs(firsts) - 1;
-          firsts &= firsts - 1;
-          int dr = __shfl_sync(FULL_MASK, r, fl);
-          int frow = __shfl_sync(FULL_MASK, row, fl);
-          if (lane < K) ((int*)(c->base[dr] + c->off_meta))[(i64)frow * K + lane] = (r == dr) ? row : -1;
-        }
-      }
+      if (mode == 0)  // K-aligned row lists at the first row of every destination rank
+        put_row_lists(c, __ballot_sync(FULL_MASK, is_first), r, row, K, lane, [](int, int) {});
       __syncwarp();
-      if (vec == 16) {
-        warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
-      } else {
-        for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
-      }
+      warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
       __syncwarp();
     }
   }
@@ -134,7 +77,7 @@ extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const ch
 //   it once and stores it into the token's other rows (and into the row itself when copying).
 extern "C" __global__ void moonep_dispatch_expand(const Ctx* c, int mode, char* dst, float* w_out, int* row_first,
                                                   int* rec, int* src, i64 row_bytes, int vec, int local_expand) {
-  __shared__ char* s_dst[MAX_WARPS_BLOCK][32];
+  __shared__ char* s_dst[MAX_WARPS][32];
   if (!wait_data(c)) return;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, K = (int)c->K, me = (int)c->rank;
   const i64 cap = c->cap, S = c->S;
@@ -180,186 +123,14 @@ extern "C" __global__ void moonep_dispatch_expand(const Ctx* c, int mode, char* 
     int n = __popc(dmask);
     if (want) s_dst[wib][__popc(dmask & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
     __syncwarp();
-    if (vec == 16) warp_fanout16(s_dst[wib], n, sbuf + row * row_bytes, row_bytes, lane);
-    else for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], sbuf + row * row_bytes, row_bytes, vec, lane);
+    warp_fanout(s_dst[wib], n, sbuf + row * row_bytes, row_bytes, vec, lane);
     __syncwarp();
-  }
-}
-
-// Replica weight prefetch, push side: the home rank writes local_weight[e - me*epn] into slot j of the
-// pool of every rank u whose replicas come from here (replica_source[u] == me).
-// rep: int64 [R, epn]; rsrc: int64 [R]; local: [epn, row_bytes].
-extern "C" __global__ void moonep_prefetch_push(const Ctx* c, const char* local, i64 row_bytes, int vec, int epn,
-                                                const i64* rep, const i64* rsrc) {
-  u64 ne;
-  bool ok = entry_barrier(c, &ne);
-  if (ok) {
-    const int R = (int)c->R, me = (int)c->rank;
-    for (int u = 0; u < R; ++u) {
-      if (rsrc[u] != me) continue;
-      for (int j = 0; j < epn; ++j) {
-        i64 e = rep[(i64)u * epn + j] - (i64)me * epn;
-        if (e < 0 || e >= epn) continue;
-        grid_copy(c->pbase[u] + (i64)j * row_bytes, local + e * row_bytes, row_bytes, vec);
-      }
-    }
-  }
-  finish_send(c, ne, false);
-}
-
-// Replica weight prefetch, receive side: out[2*epn, row_bytes] = home experts, then replica slots
-// (zero where the slot is empty).
-// copy_home: also copy the home rows (0 when `local` is already out[:epn]).  prev (int64 [epn] or null):
-// the replica table of this rank at the previous call into the same persistent `out`; a slot that was
-// empty then is still zero, so it is not written again (a pool of large weights is mostly such slots).
-extern "C" __global__ void moonep_prefetch_finish(const Ctx* c, char* out, const char* local, i64 row_bytes,
-                                                  int vec, int epn, const i64* rep, int copy_home,
-                                                  const i64* prev) {
-  bool ok = wait_data(c);
-  const int me = (int)c->rank;
-  if (copy_home) grid_copy(out, local, row_bytes * epn, vec);
-  for (int j = 0; j < epn; ++j) {
-    char* d = out + (i64)(epn + j) * row_bytes;
-    if (ok && rep[(i64)me * epn + j] >= 0) grid_copy(d, c->pbase[me] + (i64)j * row_bytes, row_bytes, vec);
-    else if (!ok || prev == nullptr || prev[j] >= 0) grid_zero(d, row_bytes, vec);
   }
 }
 
 // ===================================================================================================
 // Fused path (default; MOONEP_NVLINK_FUSED=0 selects the kernels above).
 // ===================================================================================================
-
-#define MAXE_SMEM 4096
-
-// Routing validation + this rank's expert histogram + counts all-gather, one launch.  Every block checks a
-// grid-stride share of the s*K choices:
-//   expert ids outside [-1, E) -> ERR_BAD_IDX, masked to -1 in idx_out; a repeated expert in one token
-//   -> ERR_DUP_IDX (kept, counted twice, as the host path does); a non-finite weight -> ERR_NONFINITE;
-//   idx_out: int64 [s, K] masked ids; w_out: fp32 [s, K] weights (exact widening of bf16/fp16).
-// The histogram goes to shared memory, then to scratch (int32 [E + 2]: counts, flags, block counter; zero
-// between calls: the last block resets it).  The last block to finish gathers [counts, s, flags] from
-// every rank through peer stores into one half of the gather area (halves alternate between calls, so
-// no entry barrier is needed: a peer writes half h again only after it saw this rank's signal of the
-// gather in between, which this rank sent after reading h), signals, waits for every rank's data and
-// copies its counts, int64 [R, E], to `out` (the planner's input as is).  The data wait also stands for the entry barrier of the dispatch
-// that follows: every peer has finished its earlier kernels (which read the receive buffers).
-extern "C" __global__ void __launch_bounds__(512) moonep_route_gather(
-    const Ctx* c, const void* idx, int idx64, const void* w, int w_dt, int s, i64* idx_out, float* w_out,
-    int* scratch, i64* out, i64 expected_total) {
-  __shared__ int s_hist[MAXE_SMEM];
-  __shared__ int s_flag, s_last, s_fatal;
-  const int K = (int)c->K, E2 = (int)c->E2, E = E2 - 2, R = (int)c->R, me = (int)c->rank;
-  int* g_hist = scratch;
-  int* g_flag = scratch + E;
-  int* g_cnt = scratch + E + 1;
-  const bool use_smem = E <= MAXE_SMEM;
-  if (use_smem)
-    for (int e = threadIdx.x; e < E; e += blockDim.x) s_hist[e] = 0;
-  if (threadIdx.x == 0) s_flag = 0;
-  __syncthreads();
-  int* hist = use_smem ? s_hist : g_hist;
-  int flag = 0;
-  const i64 n = (i64)s * K;
-  // Whole warps step together (j0 = the warp's first choice), so when K divides 32 a token's K choices sit
-  // in K adjacent lanes and its duplicate check is one __match_any_sync instead of up to K-1 reloads.
-  const int lane = threadIdx.x & 31;
-  const bool kwarp = (32 % K) == 0;
-  const unsigned tok = K == 32 ? FULL_MASK : ((1u << K) - 1u) << (lane - lane % K);
-  const i64 stride = (i64)gridDim.x * blockDim.x;
-  for (i64 j0 = (i64)blockIdx.x * blockDim.x + (threadIdx.x & ~31); j0 < n; j0 += stride) {
-    const i64 j = j0 + lane;
-    const bool live = j < n;
-    i64 v = !live ? -1 : idx64 ? ((const i64*)idx)[j] : (i64)((const int*)idx)[j];
-    if (v < -1 || v >= E) {
-      flag |= ERR_BAD_IDX;
-      v = -1;
-    }
-    if (kwarp) {
-      const unsigned same = __match_any_sync(FULL_MASK, v) & tok;
-      if (v >= 0 && __popc(same) > 1) flag |= ERR_DUP_IDX;
-    }
-    if (!live) continue;
-    idx_out[j] = v;
-    if (v >= 0) {
-      atomicAdd(&hist[v], 1);
-      if (!kwarp) {
-        const int k = (int)(j % K);
-        const i64 b = j - k;
-        for (int q = 0; q < k; ++q) {
-          i64 u = idx64 ? ((const i64*)idx)[b + q] : (i64)((const int*)idx)[b + q];
-          if (u == v) flag |= ERR_DUP_IDX;
-        }
-      }
-    }
-    float wf;
-    bool fin;
-    if (w_dt == DT_F32) {
-      unsigned u = ((const unsigned*)w)[j];
-      wf = __uint_as_float(u);
-      fin = (u & 0x7f800000u) != 0x7f800000u;
-    } else {
-      unsigned short h = ((const unsigned short*)w)[j];
-      if (w_dt == DT_BF16) {
-        wf = bf16_to_f(h);
-        fin = (h & 0x7f80u) != 0x7f80u;
-      } else {
-        wf = f16_to_f(h);
-        fin = (h & 0x7c00u) != 0x7c00u;
-      }
-    }
-    if (!fin) flag |= ERR_NONFINITE;
-    w_out[j] = wf;
-  }
-  if (flag) atomicOr(&s_flag, flag);
-  __syncthreads();
-  if (use_smem)
-    for (int e = threadIdx.x; e < E; e += blockDim.x)
-      if (s_hist[e]) atomicAdd(&g_hist[e], s_hist[e]);
-  if (threadIdx.x == 0 && s_flag) atomicOr(g_flag, s_flag);
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    s_last = atomicAdd(g_cnt, 1) == (int)gridDim.x - 1;
-    s_fatal = is_fatal(c) ? 1 : 0;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  // ---- last block: gather ----
-  __threadfence();
-  const u64 gen = ld_volatile(&c->ctr[CTR_GATHER]) + 1;
-  const i64 half = (i64)(gen & 1ull) * R * E2;
-  const u64 nd = ld_volatile(&c->ctr[CTR_DATA]) + 1;
-  for (int q = threadIdx.x; q < E2; q += blockDim.x) {
-    i64 v;
-    if (q < E) v = (i64)atomicExch(&g_hist[q], 0);  // read and reset for the next call
-    else if (q == E) v = s;
-    else v = (i64)atomicExch(g_flag, 0);
-    if (!s_fatal)
-      for (int p = 0; p < R; ++p) ((i64*)(c->base[p] + c->off_gather))[half + (i64)me * E2 + q] = v;
-  }
-  if (threadIdx.x == 0) atomicExch(g_cnt, 0);
-  signal_all(c, c->off_dsig, nd);  // begins with a system fence + __syncthreads: the stores above first
-  bool ok = wait_all(c, c->off_dsig, nd);
-  const volatile i64* g = (const volatile i64*)(c->base[me] + c->off_gather) + half;
-  for (int j = threadIdx.x; j < R * E; j += blockDim.x) out[j] = ok ? g[(j / E) * E2 + j % E] : 0;  // counts only
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    c->ctr[CTR_DATA] = nd;
-    c->ctr[CTR_GATHER] = gen;
-    if (ok) {
-      i64 total = 0;
-      int code = 0;
-      for (int r = 0; r < R; ++r) {
-        total += g[r * E2 + E2 - 2];
-        i64 f = g[r * E2 + E2 - 1];
-        if (f != 0 && code == 0) code = (int)f | (r << 8);
-      }
-      if (code == 0 && expected_total >= 0 && total != expected_total) code = ERR_TOTAL | (me << 8);
-      if (code) set_input_error(c, code);
-    }
-    __threadfence();
-  }
-}
 
 // Fused dispatch: send + local expansion in one launch.
 //   Blocks [0, nnv) (NVLink): every token once per REMOTE destination rank, into its first row there (with
@@ -388,7 +159,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
     const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
     const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src,
     int* tokfirst, const int* zero_from) {
-  __shared__ char* s_dst[MAX_WARPS_BLOCK][32];
+  __shared__ char* s_dst[MAX_WARPS][32];
   __shared__ int s_fat;
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   const int K = (int)c->K, R = (int)c->R, me = (int)c->rank;
@@ -399,77 +170,56 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
   u64 ne;
   if ((int)blockIdx.x < nnv) {
     // ------------------------------------------------------------------ NVLink blocks
-    bool ok = maybe_entry_barrier(c, barrier, &ne);
     const int w0 = blockIdx.x * wpb + wib, nw = nnv * wpb;
-    for (int ch = 0; ch < nch; ++ch) {
-      if (ok) {
-        int lo, hi;
-        chunk_range(S, nch, ch, s, &lo, &hi);
-        for (int i = lo + w0; i < hi; i += nw) {
-          int r = -1, row = -1;
-          float wk = 0.f;
-          if (lane < K) {
-            i64 rr = dst_rank[(i64)i * K + lane], rw = dst_row[(i64)i * K + lane];
-            if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
-              r = (int)rr;
-              row = (int)rw;
-            }
-            if (mode == 0 && w != nullptr) wk = w[(i64)i * K + lane];
-          }
-          unsigned same = __match_any_sync(FULL_MASK, r);
-          int first_lane = __ffs(same) - 1;
-          const bool remote = r >= 0 && r != me;
-          const bool is_first = remote && first_lane == lane;
-          int my_first = __shfl_sync(FULL_MASK, row, first_lane);
-          if (mode == 0 && remote) {
-            char* b = c->base[r];
-            ((float*)(b + c->off_w))[row] = wk;
-            ((u64*)(b + c->off_tag))[row] = (tag_epoch << 32) | (u64)(unsigned)my_first;
-          }
-          unsigned dmask = __ballot_sync(FULL_MASK, is_first);
-          int n = __popc(dmask);
-          if (is_first) {
-            char* dbase = mode == 0 ? c->base[r] + c->off_recv : c->gbase[r];
-            s_dst[wib][__popc(dmask & ((1u << lane) - 1u))] = dbase + (i64)row * row_bytes;
-          }
-          if (mode == 0) {  // K-aligned row lists at the first row of every remote destination rank
-            int f_lo = -1, f_hi = -1;  // the first row on rank `lane` / `lane + 32`
-            unsigned firsts = dmask;
-            while (firsts) {
-              int fl = __ffs(firsts) - 1;
-              firsts &= firsts - 1;
-              int dr = __shfl_sync(FULL_MASK, r, fl);
-              int frow = __shfl_sync(FULL_MASK, row, fl);
-              if (lane < K) ((int*)(c->base[dr] + c->off_meta))[(i64)frow * K + lane] = (r == dr) ? row : -1;
-              if (dr == lane) f_lo = frow;
-              if (dr == lane + 32) f_hi = frow;
-            }
-            if (lane < R && lane != me) ((int*)(c->base[lane] + c->off_flist))[(i64)me * S + i] = f_lo;
-            if (lane + 32 < R && lane + 32 != me)
-              ((int*)(c->base[lane + 32] + c->off_flist))[(i64)me * S + i] = f_hi;
-          }
-          __syncwarp();
-          if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
-            if (vec == 16) {
-              warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
-            } else {
-              for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
-            }
-          }
-          __syncwarp();
+    ne = nvlink_chunks(c, barrier, nnv, nch, de, [&](int ch) {
+      int lo, hi;
+      chunk_range(S, nch, ch, s, &lo, &hi);
+      for (int i = lo + w0; i < hi; i += nw) {
+        int r, row;
+        float wk;
+        load_choice(dst_rank, dst_row, mode == 0 ? w : nullptr, i, K, R, cap, lane, r, row, wk);
+        unsigned same = __match_any_sync(FULL_MASK, r);
+        int first_lane = __ffs(same) - 1;
+        const bool remote = r >= 0 && r != me;
+        const bool is_first = remote && first_lane == lane;
+        int my_first = __shfl_sync(FULL_MASK, row, first_lane);
+        if (mode == 0 && remote) {
+          char* b = c->base[r];
+          ((float*)(b + c->off_w))[row] = wk;
+          ((u64*)(b + c->off_tag))[row] = (tag_epoch << 32) | (u64)(unsigned)my_first;
         }
-        if (mode == 0) {  // source token slots this rank does not fill (s <= i < S): no token
-          int a, b;
-          chunk_range(S, nch, ch, (int)S, &a, &b);
-          const int from = a > s ? a : s;
-          for (i64 q = (i64)w0 * 32 + lane; q < (i64)(b - from) * R; q += (i64)nw * 32) {
-            const int p = (int)(q % R), i = from + (int)(q / R);
-            if (p != me) ((int*)(c->base[p] + c->off_flist))[(i64)me * S + i] = -1;
-          }
+        unsigned dmask = __ballot_sync(FULL_MASK, is_first);
+        int n = __popc(dmask);
+        if (is_first) {
+          char* dbase = mode == 0 ? c->base[r] + c->off_recv : c->gbase[r];
+          s_dst[wib][__popc(dmask & ((1u << lane) - 1u))] = dbase + (i64)row * row_bytes;
+        }
+        if (mode == 0) {  // K-aligned row lists at the first row of every remote destination rank
+          int f_lo = -1, f_hi = -1;  // the first row on rank `lane` / `lane + 32`
+          put_row_lists(c, dmask, r, row, K, lane, [&](int dr, int frow) {
+            if (dr == lane) f_lo = frow;
+            if (dr == lane + 32) f_hi = frow;
+          });
+          if (lane < R && lane != me) ((int*)(c->base[lane] + c->off_flist))[(i64)me * S + i] = f_lo;
+          if (lane + 32 < R && lane + 32 != me)
+            ((int*)(c->base[lane + 32] + c->off_flist))[(i64)me * S + i] = f_hi;
+        }
+        __syncwarp();
+        if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
+          warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
+        }
+        __syncwarp();
+      }
+      if (mode == 0) {  // source token slots this rank does not fill (s <= i < S): no token
+        int a, b;
+        chunk_range(S, nch, ch, (int)S, &a, &b);
+        const int from = a > s ? a : s;
+        for (i64 q = (i64)w0 * 32 + lane; q < (i64)(b - from) * R; q += (i64)nw * 32) {
+          const int p = (int)(q % R), i = from + (int)(q / R);
+          if (p != me) ((int*)(c->base[p] + c->off_flist))[(i64)me * S + i] = -1;
         }
       }
-      chunk_done(c, ch, nnv, de);  // also when !ok: a fatal error makes every later wait return at once
-    }
+    });
   } else {
     // ------------------------------------------------------------------ local blocks
     ne = ld_volatile(&c->ctr[CTR_ENTRY]) + (barrier ? 1 : 0);
@@ -484,16 +234,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
     if (!s_fat) {
       // A. own tokens
       for (int i = lw0; i < s; i += nlw) {
-        int r = -1, row = -1;
-        float wk = 0.f;
-        if (lane < K) {
-          i64 rr = dst_rank[(i64)i * K + lane], rw = dst_row[(i64)i * K + lane];
-          if (rr >= 0 && rr < R && rw >= 0 && rw < cap) {
-            r = (int)rr;
-            row = (int)rw;
-          }
-          if (mode == 0 && w != nullptr) wk = w[(i64)i * K + lane];
-        }
+        int r, row;
+        float wk;
+        load_choice(dst_rank, dst_row, mode == 0 ? w : nullptr, i, K, R, cap, lane, r, row, wk);
         const bool local = r == me;
         const unsigned lm = __ballot_sync(FULL_MASK, local);
         if (lm == 0u) {
@@ -514,8 +257,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         if (local) s_dst[wib][__popc(lm & ((1u << lane) - 1u))] = dst + (i64)row * row_bytes;
         __syncwarp();
         const int n = (MOONEP_DIAG & DIAG_FUSED_NO_OWN_ROWS) ? 0 : __popc(lm);
-        if (vec == 16) warp_fanout16(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, lane);
-        else for (int t = 0; t < n; ++t) warp_copy(s_dst[wib][t], x + (i64)i * row_bytes, row_bytes, vec, lane);
+        warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
         __syncwarp();
       }
       if (mode == 0)  // own source slots without a token
@@ -583,8 +325,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         if (want) s_dst[wib][__popc(dm & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
         __syncwarp();
         const int n = (MOONEP_DIAG & DIAG_FUSED_NO_EXPAND) ? 0 : __popc(dm);
-        if (vec == 16) warp_fanout16_cg(s_dst[wib], n, sbuf + (i64)f * row_bytes, row_bytes, lane);
-        else for (int t = 0; t < n; ++t) warp_copy_cg(s_dst[wib][t], sbuf + (i64)f * row_bytes, row_bytes, vec, lane);
+        warp_fanout<true>(s_dst[wib], n, sbuf + (i64)f * row_bytes, row_bytes, vec, lane);
         __syncwarp();
       }
     }

@@ -1,7 +1,7 @@
-// Balanced planner and token layout on the GPU: the same algorithm and tie-breaks as
-// moonep/planner/cpu.py and the torch layout in moonep/layout.py, so the results are bit-identical.
-// Compiled at run time by CuPy (NVRTC) from moonep/planner/cuda.py; launched with raw pointers into
-// one int64 workspace per plan on torch's current stream (no host sync, CUDA-graph capturable).
+// Balanced planner on the GPU: the same algorithm and tie-breaks as moonep/planner/cpu.py, so the results
+// are bit-identical. The "plan" program (moonep/cuda_runtime.py) compiles this file with layout.cu after
+// it; moonep/planner/cuda.py launches them with raw pointers into one int64 workspace per plan on torch's
+// current stream (no host sync, CUDA-graph capturable).
 //
 // moonep_plan (one block): column sums + checks, the plan, and everything the layout needs.
 //   Why one block: the plan is a short sequential loop (each rank is filled at most once, so at most
@@ -18,17 +18,9 @@
 //   before the loop (8 loads in flight per thread), zeroing the [E, R] assignment DURING the loop
 //   (warps not on warp 0's scheduler), and scattering its 2E possible nonzeros after it.
 //   For large R*E (> 2^18) the column sums and the [E, R] assignment run as grid kernels instead.
-// moonep_layout (grid): every local copy's (dst rank, dst row) in one launch. Block b owns a tile
-//   of copies in (token, k) order; its warps own contiguous sub-tiles. Pass 1 counts copies per
-//   expert per warp; each block publishes its per-expert counts and waits only for LOWER blocks
-//   (flags in the plan workspace, reset by the last block to finish; lower-indexed blocks are
-//   always resident first, the assumption CUB's decoupled look-back makes too). Pass 2 ranks each
-//   copy among its expert's copies with __match_any_sync in (token, k) order, adds the copies of
-//   earlier blocks/warps and of earlier source ranks (prefix blocks), and finds its chunk (rank)
-//   in the plan's per-expert chunk table.
 typedef long long i64;
 
-// MOONEP_PLAN_CLOCKS (a profiling build, scripts/profile_planner.py --clocks): warp 0 accumulates clock64()
+// MOONEP_PLAN_CLOCKS (a profiling build, tools/profile_planner.py --clocks): warp 0 accumulates clock64()
 // cycles per phase of moonep_plan and per part of a fill step into CLK[0..15], written to the layout's
 // hist scratch at the end (read before any layout runs). Costs a few instructions per step when on.
 // MOONEP_PLAN_STAMPS (or CLOCKS; profile_planner.py --stamps): fused launches (moonep_plan_layout) stamp
@@ -103,9 +95,10 @@ __device__ __forceinline__ i64 warp_sum(i64 v) {
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(FULL, v, off);
   return v;
 }
-__device__ __forceinline__ i64 warp_incl_scan(i64 v, int lane) {
+template <typename T>
+__device__ __forceinline__ T warp_incl_scan(T v, int lane) {
   for (int off = 1; off < 32; off <<= 1) {
-    i64 y = __shfl_up_sync(FULL, v, off);
+    T y = __shfl_up_sync(FULL, v, off);
     if (lane >= off) v += y;
   }
   return v;
@@ -118,68 +111,50 @@ __device__ __forceinline__ void warp_min2(i64& a, int& i) {
     if (oi != NONE && (i == NONE || oa < a || (oa == a && oi < i))) { a = oa; i = oi; }
   }
 }
-// Warp argmax of positive values (v <= 0: no candidate), ties to the lowest index; all lanes get
-// (value, index), index NONE if no lane has a candidate. Three single-instruction reductions (sm_80+)
-// instead of five shuffle rounds: max of the high words, max of the low words among lanes holding that
-// high word, min index among lanes holding the maximum.
-__device__ __forceinline__ int warp_argmax_pos(i64& v, int idx) {
+// Warp argmax (MAX) or argmin of positive values, ties to the lowest index; all lanes get (value, index),
+// index NONE if no lane has a candidate (v > 0, and for the argmin idx != NONE). Three single-instruction
+// reductions (sm_80+) instead of five shuffle rounds: the extreme of the high words, the extreme of the low
+// words among lanes holding that high word, the min index among lanes holding the extreme.
+template <bool MAX>
+__device__ __forceinline__ int warp_arg_pos(i64& v, int idx) {
 #if __CUDA_ARCH__ >= 800
-  const bool ok = v > 0;
-  const unsigned hi = ok ? (unsigned)((unsigned long long)v >> 32) : 0u;
-  const unsigned mh = __reduce_max_sync(FULL, hi);
-  const unsigned ml = __reduce_max_sync(FULL, (ok && hi == mh) ? (unsigned)(unsigned long long)v : 0u);
+  constexpr unsigned LOSE = MAX ? 0u : 0xffffffffu;  // a key no candidate loses to
+  const bool ok = v > 0 && (MAX || idx != NONE);
+  const unsigned hi = ok ? (unsigned)((unsigned long long)v >> 32) : LOSE;
+  const unsigned mh = MAX ? __reduce_max_sync(FULL, hi) : __reduce_min_sync(FULL, hi);
+  const unsigned lo = (ok && hi == mh) ? (unsigned)(unsigned long long)v : LOSE;
+  const unsigned ml = MAX ? __reduce_max_sync(FULL, lo) : __reduce_min_sync(FULL, lo);
   const i64 m = (i64)(((unsigned long long)mh << 32) | (unsigned long long)ml);
   const int bi = (int)__reduce_min_sync(FULL, (ok && v == m) ? (unsigned)idx : (unsigned)NONE);
   v = m;
   return bi;
-#else
-  i64 a = v > 0 ? -v : 0;
-  int i = v > 0 ? idx : NONE;
+#else  // lexicographic min of (-v, index) or (v, index)
+  i64 a = MAX ? (v > 0 ? -v : 0) : v;
+  int i = (v > 0 && (MAX || idx != NONE)) ? idx : NONE;
   warp_min2(a, i);
-  v = -a;
+  v = MAX ? -a : a;
   return i;
 #endif
 }
-// Warp argmin of positive values (v <= 0 or idx == NONE: no candidate), ties to the lowest index; the same
-// three single-instruction reductions as warp_argmax_pos.
-__device__ __forceinline__ int warp_argmin_pos(i64& v, int idx) {
+// Warp-wide unsigned min (OR false) or bitwise or (OR true) of v; all lanes get the result.
+template <bool OR>
+__device__ __forceinline__ unsigned warp_reduce(unsigned v) {
 #if __CUDA_ARCH__ >= 800
-  const bool ok = v > 0 && idx != NONE;
-  const unsigned hi = ok ? (unsigned)((unsigned long long)v >> 32) : 0xffffffffu;
-  const unsigned mh = __reduce_min_sync(FULL, hi);
-  const unsigned ml = __reduce_min_sync(FULL, (ok && hi == mh) ? (unsigned)(unsigned long long)v : 0xffffffffu);
-  const i64 m = (i64)(((unsigned long long)mh << 32) | (unsigned long long)ml);
-  const int bi = (int)__reduce_min_sync(FULL, (ok && v == m) ? (unsigned)idx : (unsigned)NONE);
-  v = m;
-  return bi;
+  return OR ? __reduce_or_sync(FULL, v) : __reduce_min_sync(FULL, v);
 #else
-  i64 a = v;
-  int i = (v > 0 && idx != NONE) ? idx : NONE;
-  warp_min2(a, i);
-  v = a;
-  return i;
-#endif
-}
-__device__ __forceinline__ unsigned warp_umin(unsigned v) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(FULL, v);
-#else
-  for (int off = 16; off > 0; off >>= 1) { unsigned o = __shfl_xor_sync(FULL, v, off); v = o < v ? o : v; }
+  for (int off = 16; off > 0; off >>= 1) {
+    const unsigned o = __shfl_xor_sync(FULL, v, off);
+    v = OR ? v | o : (o < v ? o : v);
+  }
   return v;
 #endif
 }
-__device__ __forceinline__ unsigned warp_or(unsigned v) {
-#if __CUDA_ARCH__ >= 800
-  return __reduce_or_sync(FULL, v);
-#else
-  for (int off = 16; off > 0; off >>= 1) v |= __shfl_xor_sync(FULL, v, off);
-  return v;
-#endif
-}
+__device__ __forceinline__ unsigned warp_umin(unsigned v) { return warp_reduce<false>(v); }
+__device__ __forceinline__ unsigned warp_or(unsigned v) { return warp_reduce<true>(v); }
 // One-reduction forms for small values (PlanSm.ib >= 0: every value compared is below 2^(31 - ib), ib bits
 // hold a rank): the value and the (inverted) index packed in one 32-bit key, one dependent reduction
 // instead of three in each of the ~R steps of the fill loop (measured: -3 % plan time at (896, 64, 16),
-// h200x1_round16 -> round17_planner_prof.json).
+// h200x1_planner_prof_0411968.json -> h200x1_planner_prof_ac869a9.json).
 template <typename V>
 __device__ __forceinline__ int warp_argmax_small(V& v, int idx, int ib) {
 #if __CUDA_ARCH__ >= 800
@@ -190,7 +165,7 @@ __device__ __forceinline__ int warp_argmax_small(V& v, int idx, int ib) {
   return m ? (int)(mask - (m & mask)) : NONE;
 #else
   i64 w = v;
-  const int i = warp_argmax_pos(w, idx);
+  const int i = warp_arg_pos<true>(w, idx);
   v = (V)w;
   return i;
 #endif
@@ -202,8 +177,20 @@ __device__ __forceinline__ int warp_argmin_small(i64& v, int idx, int ib) {
   v = m == 0xffffffffu ? -1 : (i64)(m >> ib);
   return m == 0xffffffffu ? NONE : (int)(m & ((1u << ib) - 1u));
 #else
-  return warp_argmin_pos(v, idx);
+  return warp_arg_pos<false>(v, idx);
 #endif
+}
+// Column e of int32 counts [R, E]: the sum of its non-negative entries, each entry also widened into c64
+// (the plan's int64 copy of the counts); neg |= some entry is negative.
+__device__ __forceinline__ i64 colsum32(const int* c, i64* c64, int R, int E, int e, bool& neg) {
+  i64 sum = 0;
+  for (int r = 0; r < R; ++r) {
+    i64 v = c[(i64)r * E + e];
+    c64[(i64)r * E + e] = v;
+    neg |= v < 0;
+    sum += v < 0 ? 0 : v;
+  }
+  return sum;
 }
 // Tq, Tr: T / R and T % R, computed once (64-bit division is a long software routine)
 __device__ __forceinline__ i64 tgt_of(int r, bool exact, i64 Tq, i64 Tr, i64 cap) {
@@ -227,10 +214,10 @@ struct PlanSm {
 template <typename V>
 __device__ __forceinline__ int argmax_pos(const PlanSm& s, V& v, int idx) {
   if constexpr (sizeof(V) == 4) return warp_argmax_small(v, idx, s.ib);
-  else return s.ib >= 0 ? warp_argmax_small(v, idx, s.ib) : warp_argmax_pos(v, idx);
+  else return s.ib >= 0 ? warp_argmax_small(v, idx, s.ib) : warp_arg_pos<true>(v, idx);
 }
 __device__ __forceinline__ int argmin_pos(const PlanSm& s, i64& v, int idx) {
-  return s.ib >= 0 ? warp_argmin_small(v, idx, s.ib) : warp_argmin_pos(v, idx);
+  return s.ib >= 0 ? warp_argmin_small(v, idx, s.ib) : warp_arg_pos<false>(v, idx);
 }
 
 // warp: psum[base + a] = sum of rem over order[base .. base+a]; returns the total
@@ -288,7 +275,7 @@ __device__ __forceinline__ int kneed(const i64* ps, int epn, V d) {
 // t touched experts: an untouched one moves up by the touched ones now before it (O(1) when its rem > 0),
 // a touched one finds its place in the suffix by binary search. A full re-rank of the donor (every expert
 // against every other, O(epn^2 / 32) per lane) was 19.5k of the 21.8k cycles of the fill loop at (256, 2, 8)
-// (h200x1_round37_planner_stamps.json).
+// (h200x1_planner_stamps_128eefa.json).
 __device__ void wfill_gen(const PlanSm& s, int u, int o, i64 need, int lane, bool upd_bal) {
   const int epn = s.epn, base = o * epn;
   int ntouch = 0;
@@ -501,7 +488,7 @@ __device__ int run_exact(const PlanSm& s, int R, int lane, i64* CLKp) {
       cmin = warp_umin(bc);
       if (cmin < 2) {
         i64 xm = bc == cmin ? (i64)bx : 0;
-        o = warp_argmax_pos(xm, bo);
+        o = warp_arg_pos<true>(xm, bo);
       }
     }
     if (cmin >= 2) {
@@ -582,11 +569,22 @@ __device__ int run_cap(const PlanSm& s, int R, int lane) {
   }
 }
 
+// gpu-scope acquire load and release store of a layout flag: int, or i64 (the fused launch's nonce flags)
+template <typename T>
+__device__ __forceinline__ T ld_acquire(const T* p) {
+  T v;
+  if constexpr (sizeof(T) == 8) asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  else asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ void st_release(T* p, T v) {
+  if constexpr (sizeof(T) == 8) asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+  else asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
 // Single block. Dynamic shared memory (bytes): 8*(2E + R) + 4*(E + 4R + 2 + epn) + R, plus 128 of padding
 // (kneed's unconditional loads), plus 8E with F_AMT_SMEM.
-__device__ __forceinline__ void ld_acq_wait64(const i64* p, i64 want);
-__device__ __forceinline__ void st_release64(i64* p, i64 v);
-
 __device__ __noinline__ void plan_body(
     const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
     const i64* __restrict__ decl, i64 decl_scalar, i64 nonce) {
@@ -632,13 +630,7 @@ __device__ __noinline__ void plan_body(
     for (int e = tid; e < E; e += nt) {
       i64 sum = 0;
       if (flags & F_C32) {
-        const int* c = (const int*)counts;
-        for (int r = 0; r < R; ++r) {
-          i64 v = c[(i64)r * E + e];
-          w.c64[(i64)r * E + e] = v;
-          neg |= v < 0;
-          sum += v < 0 ? 0 : v;
-        }
+        sum = colsum32((const int*)counts, w.c64, R, E, e, neg);
       } else {  // 8 loads in flight per thread: this single block reads all R*E counts
         const i64* c = (const i64*)counts + e;
         int r = 0;
@@ -775,8 +767,7 @@ __device__ __noinline__ void plan_body(
     if (h >= 0 && rp == 0) nrecv[h] = __popc(grp);
     __syncwarp();
     const int cnt = lane < R ? nrecv[lane] : 0;
-    int inc = cnt;
-    for (int off = 1; off < 32; off <<= 1) { const int y = __shfl_up_sync(FULL, inc, off); if (lane >= off) inc += y; }
+    const int inc = warp_incl_scan(cnt, lane);
     const int tot = __shfl_sync(FULL, inc, 31);
     if (lane < R) rptr[lane] = inc - cnt;
     if (lane == 0) rptr[R] = tot;
@@ -815,8 +806,7 @@ __device__ __noinline__ void plan_body(
       int carry = 0;
       for (int r0 = 0; r0 <= R; r0 += 32) {
         int r = r0 + lane;
-        int v = r < R ? nrecv[r] : 0, inc = v;
-        for (int off = 1; off < 32; off <<= 1) { int y = __shfl_up_sync(FULL, inc, off); if (lane >= off) inc += y; }
+        int v = r < R ? nrecv[r] : 0, inc = warp_incl_scan(v, lane);
         if (r <= R) rptr[r] = carry + inc - v;
         carry += __shfl_sync(FULL, inc, 31);
       }
@@ -856,7 +846,7 @@ __device__ __noinline__ void plan_body(
     if (tid == 0) {
       ((i64*)w.flags)[0] = 0;  // the layout blocks' finish counter (stale memory: it is not zeroed upstream)
       __threadfence();
-      st_release64((i64*)w.flags + 1, nonce);
+      st_release((i64*)w.flags + 1, nonce);
     }
     TS_MARK(5);
   }
@@ -891,13 +881,7 @@ extern "C" __global__ void moonep_colsum(const void* __restrict__ counts, i64* _
   i64 sum = 0;
   bool neg = false;
   if (c32) {
-    const int* c = (const int*)counts;
-    for (int r = 0; r < R; ++r) {
-      i64 v = c[(i64)r * E + e];
-      w.c64[(i64)r * E + e] = v;
-      neg |= v < 0;
-      sum += v < 0 ? 0 : v;
-    }
+    sum = colsum32((const int*)counts, w.c64, R, E, e, neg);
   } else {
     const i64* c = (const i64*)counts;
 #pragma unroll 8
@@ -919,323 +903,4 @@ extern "C" __global__ void moonep_assign(i64* __restrict__ wsp, i64 R_, i64 E_) 
   if (idx >= (i64)E * R) return;
   int e = (int)(idx / R), r = (int)(idx - (i64)e * R), h = e / epn;
   w.A[idx] = r == h ? w.rem[e] : (w.rs[r] == h ? w.amt[(i64)r * epn + (e - h * epn)] : 0);
-}
-
-// cu_seqlens (int32) of one rank (rank >= 0: warp 0) or of every rank (warp r: rank r; [R, 2*epn + 1]).
-// One warp per rank, 32 slots per step with a warp scan: a single thread walking 2*epn slots one dependent
-// load and store at a time took ~70 us at epn = 256 (torch profiler, h200x1 round 33).
-extern "C" __global__ void moonep_cu(i64* __restrict__ wsp, int* __restrict__ out, i64 R_, i64 E_, i64 align,
-                                     i64 rank) {
-  if (R_ <= 0) return;  // no-op launch (the launcher's probe)
-  const Ws w = ws_layout(wsp, R_, E_);
-  const int R = (int)R_, E = (int)E_, epn = E / R, lane = threadIdx.x & 31;
-  const int gw = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
-  const int r = rank >= 0 ? (gw == 0 ? (int)rank : -1) : gw;
-  if (r < 0 || r >= R) return;  // warp-uniform
-  int* o = out + (rank >= 0 ? 0 : (i64)r * (2 * epn + 1));
-  if (lane == 0) o[0] = 0;
-  i64 acc = 0;
-  for (int j0 = 0; j0 < epn; j0 += 32) {  // home slots
-    const int j = j0 + lane;
-    const i64 v = j < epn ? (w.rem[(i64)r * epn + j] + align - 1) / align * align : 0;
-    const i64 inc = warp_incl_scan(v, lane);
-    if (j < epn) o[1 + j] = (int)(acc + inc);
-    acc += __shfl_sync(FULL, inc, 31);
-  }
-  int p = 0;
-  for (int j0 = 0; j0 < epn; j0 += 32) {  // replica slots: the non-empty ones, packed in order
-    const int j = j0 + lane;
-    const i64 a = j < epn ? w.amt[(i64)r * epn + j] : 0;
-    const i64 inc = warp_incl_scan(a > 0 ? (a + align - 1) / align * align : 0, lane);
-    const unsigned m = __ballot_sync(FULL, a > 0);
-    if (a > 0) o[1 + epn + p + __popc(m & ((1u << lane) - 1u))] = (int)(acc + inc);
-    acc += __shfl_sync(FULL, inc, 31);
-    p += __popc(m);
-  }
-  for (int q = p + lane; q < epn; q += 32) o[1 + epn + q] = (int)acc;
-}
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ i64 ld_acquire64(const i64* p) {
-  i64 v;
-  asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release64(i64* p, i64 v) {
-  asm volatile("st.release.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void ld_acq_wait64(const i64* p, i64 want) {
-  while (ld_acquire64(p) != want) __nanosleep(64);
-}
-__device__ __forceinline__ int load_e(const void* topk, i64 idx, bool t32, i64 n, int E) {
-  if (idx >= n) return -1;
-  i64 e = t32 ? (i64)__ldg((const int*)topk + idx) : __ldg((const i64*)topk + idx);
-  return (e >= 0 && e < E) ? (int)e : -1;
-}
-// Plan outputs: through the read-only cache when an earlier kernel wrote them, through L2 when the plan
-// block of the same launch did (moonep_plan_layout: the non-coherent path could hold stale lines).
-template <bool FUSED, typename T>
-__device__ __forceinline__ T ld_plan(const T* p) {
-  return FUSED ? __ldcg(p) : __ldg(p);
-}
-
-// Token layout of source rank `rank`: out[0:n] = dst rank, out[n:2n] = dst row (int64, -1 masked).
-// cfg: bits 0-7 P (prefix blocks), 8-15 B (tile blocks), 16-31 SUB (copies per warp), bit 32: int32 topk,
-// bit 33: int32 counts, bit 34: chunk tables staged in shared memory, bit 35 (fused only): also write this
-// rank's slot experts (int64 [2*epn]) and cu_seqlens (int32 [2*epn + 1]) at out + 2n, bits 40-47: warps that own copies
-// (0: all of the block's). Blocks [0, P): copies of each expert on source ranks < rank. Blocks [P, P+B):
-// tiles of nw*SUB copies. Dynamic shared memory (bytes): max((16 + 2*nw) * E, 256 * warps of the block),
-// (44 + 2*nw) * E + 16 with bit 34.
-//
-// FUSED (moonep_plan_layout, layout block blk = blockIdx.x - 1 beside the plan in block 0): nothing in the
-// workspace is zeroed beforehand, so the flags are i64 words holding this launch's 56-bit `nonce` (a 2^-56
-// chance that stale memory matches), "plan done" is flag 1, block blk's is flag 2 + blk, and flag 0 counts
-// finished layout blocks (zeroed by the plan block before "plan done"); the last one zeroes every flag, so
-// a CUDA graph that replays the same nonce starts clean. Pass 1, the prefix blocks and each tile's
-// prefixes need no plan: they overlap it.
-template <bool FUSED>
-__device__ __noinline__ void layout_body(
-    const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const void* __restrict__ counts,
-    i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg, int blk, i64 nonce) {
-  const int R = (int)R_, E = (int)E_, epn = E / R;
-  const int P = (int)(cfg & 0xff), B = (int)((cfg >> 8) & 0xff), SUB = (int)((cfg >> 16) & 0xffff);
-  const bool t32 = (cfg >> 32) & 1, c32 = (cfg >> 33) & 1;
-  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5, ntw = nt >> 5;
-  const int nw = ((cfg >> 40) & 0xff) ? (int)((cfg >> 40) & 0xff) : ntw;
-  const bool owns = warp < nw;
-  const int G = P + B;
-  const Ws w = ws_layout(wsp, R_, E_);
-  i64* f64 = (i64*)w.flags;
-  extern __shared__ __align__(16) unsigned char sm_raw[];
-  i64* off = (i64*)sm_raw;                                 // [E] copies of e before this block
-  int* Tt = (int*)(off + E);                               // [R, 2*epn] row offsets (home j | replica j)
-  // cfg bit 34: the plan's chunk tables are staged in shared memory (pass 2's binary searches then wait on
-  // shared memory, not on chains of L2 loads; measured 20 us of 24 after the plan at (896, 64, 16))
-  const bool stage = (cfg >> 34) & 1;
-  i64* cst_s = (i64*)(Tt + 2 * E);                         // [2E] staged w.cst
-  int* crk_s = (int*)(cst_s + 2 * E);                      // [2E] staged w.crk
-  int* cseg_s = crk_s + 2 * E;                             // [E+1] staged w.cseg
-  unsigned short* cnt = (unsigned short*)(stage ? (void*)(cseg_s + E + 1) : (void*)(Tt + 2 * E));  // [nw, E]
-  const i64 w0 = ((i64)(blk - P) * nw + warp) * SUB;       // this warp's first copy (tile blocks)
-#ifdef MOONEP_PLAN_TS
-  i64* TSp = FUSED ? w.c64 + (c32 ? R_ * E_ : 0) + 32 * (i64)(blk + 1) : nullptr;
-  TS_MARK(0);
-#endif
-  // The first NC rounds of a warp's copies stay in registers from pass 1 to pass 2, and their loads are
-  // all issued before the first use (one memory latency instead of one per round).
-  constexpr int NC = 8;
-  int ec[NC];
-
-  if (blk < P) {
-    i64* red = off;  // [ntw * 32]
-    for (int e0 = blk * 32; e0 < E; e0 += P * 32) {
-      int e = e0 + lane;
-      i64 sum = 0;
-      if (e < E)
-        for (i64 src = warp; src < rank; src += ntw)
-          sum += c32 ? (i64)((const int*)counts)[src * E + e] : ((const i64*)counts)[src * E + e];
-      red[warp * 32 + lane] = sum;
-      __syncthreads();
-      if (warp == 0 && e < E) {
-        i64 t = 0;
-        for (int q = 0; q < ntw; ++q) t += red[q * 32 + lane];
-        w.pre[e] = t;
-      }
-      __syncthreads();
-    }
-  } else {
-    const int b = blk - P;
-    for (int q = tid; q < nw * E; q += nt) cnt[q] = 0;
-#pragma unroll
-    for (int it = 0; it < NC; ++it) ec[it] = (owns && it * 32 < SUB) ? load_e(topk, w0 + it * 32 + lane, t32, n, E) : -1;
-    __syncthreads();
-    auto pass1 = [&](int e) {  // per-warp counts: one add per distinct expert of the round
-      const unsigned peers = __match_any_sync(FULL, e);
-      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-      __syncwarp();
-    };
-    if (owns) {
-#pragma unroll
-      for (int it = 0; it < NC; ++it) {
-        if (it * 32 >= SUB) break;
-        pass1(ec[it]);
-      }
-      for (int c = NC * 32; c < SUB; c += 32) pass1(load_e(topk, w0 + c + lane, t32, n, E));
-    }
-    __syncthreads();
-    for (int e = tid; e < E; e += nt) {
-      int run = 0;
-      for (int q = 0; q < nw; ++q) { int c = cnt[q * E + e]; cnt[q * E + e] = (unsigned short)run; run += c; }
-      w.hist[(i64)b * E + e] = run;
-    }
-  }
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    if (FUSED) st_release64(f64 + 2 + blk, nonce);
-    else st_release(&w.flags[1 + blk], 1);
-  }
-  TS_MARK(1);
-
-  if (blk >= P) {
-    const int b = blk - P;
-    // copies of each expert before this block: needs only the lower blocks (not the plan), so in a fused
-    // launch it is done while the plan block still runs
-    for (int q = tid; q < blk; q += nt) {
-      if (FUSED) ld_acq_wait64(f64 + 2 + q, nonce);
-      else while (ld_acquire(&w.flags[1 + q]) == 0) __nanosleep(64);
-    }
-    __syncthreads();
-    TS_MARK(2);
-    for (int e = tid; e < E; e += nt) {
-      i64 sum = P ? __ldcg(&w.pre[e]) : 0;
-#pragma unroll 8
-      for (int bb = 0; bb < b; ++bb) sum += __ldcg(&w.hist[(i64)bb * E + e]);  // 8 loads in flight
-      off[e] = sum;
-    }
-    if (FUSED) {
-      if (tid == 0) ld_acq_wait64(f64 + 1, nonce);  // the plan block's outputs
-      __syncthreads();
-    }
-    TS_MARK(3);
-    if (stage) {  // two rounds per thread unrolled: every load issued before the first store waits
-      for (int q0 = tid; q0 < 2 * E; q0 += 2 * nt) {
-        const int q1 = q0 + nt;
-        const bool h1 = q1 < 2 * E;
-        const i64 a0 = ld_plan<FUSED>(w.cst + q0), a1 = h1 ? ld_plan<FUSED>(w.cst + q1) : 0;
-        const int b0 = ld_plan<FUSED>(w.crk + q0), b1 = h1 ? ld_plan<FUSED>(w.crk + q1) : 0;
-        const int c0 = q0 <= E ? ld_plan<FUSED>(w.cseg + q0) : 0, c1 = q1 <= E ? ld_plan<FUSED>(w.cseg + q1) : 0;
-        cst_s[q0] = a0; crk_s[q0] = b0;
-        if (q0 <= E) cseg_s[q0] = c0;
-        if (h1) { cst_s[q1] = a1; crk_s[q1] = b1; }
-        if (q1 <= E) cseg_s[q1] = c1;
-      }
-    }
-    // Row offsets of every (rank, slot) for this align: the aligned slot sizes first, by the whole block
-    // (independent loads), then a warp per rank scans them in shared memory. A warp per rank loading as it
-    // scanned waited one L2 latency per 32 slots: ~4 us at epn 128, ~7 at epn 256 (round 37 stamps).
-    for (int q = tid; q < 2 * E; q += nt) {
-      const int r = q / (2 * epn), k = q - r * 2 * epn;
-      const i64 x = k < epn ? ld_plan<FUSED>(w.rem + r * epn + k) : ld_plan<FUSED>(w.amt + r * epn + k - epn);
-      Tt[q] = (int)((x + align - 1) / align * align);
-    }
-    __syncthreads();
-    // cfg bit 35 (PRE): tile block 0's warp of rank `rank` also writes that rank's slot experts and
-    // cu_seqlens after dst row (moonep_cu's output, without its launch and two torch ops per step)
-    const bool pre = FUSED && ((cfg >> 35) & 1) && blk == P;
-    for (int r = warp; r < R; r += ntw) {
-      const int base = r * epn;
-      const bool mine = pre && r == (int)rank;
-      int* cuo = (int*)(out + 2 * n + 2 * epn);
-      i64 carry = 0;
-      int packed = 0;
-      for (int k0 = 0; k0 < 2 * epn; k0 += 32) {
-        const int k = k0 + lane;
-        const int v = k < 2 * epn ? Tt[2 * base + k] : 0;
-        const i64 inc = warp_incl_scan((i64)v, lane);
-        if (k < 2 * epn) Tt[2 * base + k] = (int)(carry + inc - v);
-        if (mine) {  // cu_seqlens: home slots, then the non-empty replica slots packed (as moonep_cu)
-          const bool rep = k >= epn && k < 2 * epn && v > 0;
-          const unsigned m = __ballot_sync(FULL, rep);
-          if (k < epn) cuo[1 + k] = (int)(carry + inc);
-          if (rep) cuo[1 + epn + packed + __popc(m & ((1u << lane) - 1u))] = (int)(carry + inc);
-          packed += __popc(m);
-        }
-        carry += __shfl_sync(FULL, inc, 31);
-      }
-      if (mine) {
-        if (lane == 0) cuo[0] = 0;
-        for (int q = packed + lane; q < epn; q += 32) cuo[1 + epn + q] = (int)carry;
-        for (int k = lane; k < 2 * epn; k += 32)  // slot experts: home ids, then the replicas (-1 empty)
-          out[2 * n + k] = k < epn ? (i64)(base + k) : ld_plan<FUSED>(w.rx + base + k - epn);
-      }
-    }
-    __syncthreads();
-    TS_MARK(4);
-    const unsigned lt = (1u << lane) - 1u;
-    // (dst rank, dst row) of the copy with global index g among expert e's copies
-    auto place = [&](int e, i64 g, i64& dr, i64& rw) {
-      const int h = e / epn, j = e - h * epn;
-      int lo, hi;
-      if (stage) { lo = cseg_s[e]; hi = cseg_s[e + 1] - 1; }
-      else { lo = ld_plan<FUSED>(w.cseg + e); hi = ld_plan<FUSED>(w.cseg + e + 1) - 1; }
-      while (lo < hi) {  // last chunk starting at or before g
-        const int mid = (lo + hi + 1) >> 1;
-        const i64 cm = stage ? cst_s[mid] : ld_plan<FUSED>(w.cst + mid);
-        if (cm <= g) lo = mid; else hi = mid - 1;
-      }
-      const int r = stage ? crk_s[lo] : ld_plan<FUSED>(w.crk + lo);
-      const i64 c0 = stage ? cst_s[lo] : ld_plan<FUSED>(w.cst + lo);
-      dr = r;
-      rw = (i64)Tt[2 * r * epn + (r == h ? j : epn + j)] + (g - c0);
-    };
-    auto pass2 = [&](int e, i64 idx) {  // global copy index -> (rank, row)
-      const unsigned peers = __match_any_sync(FULL, e);
-      i64 g = 0;
-      if (e >= 0) g = off[e] + cnt[warp * E + e] + __popc(peers & lt);
-      __syncwarp();
-      if (e >= 0 && lane == __ffs(peers) - 1) cnt[warp * E + e] += (unsigned short)__popc(peers);
-      __syncwarp();
-      if (idx < n) {
-        i64 dr = -1, rw = -1;
-        if (e >= 0) place(e, g, dr, rw);
-        out[idx] = dr;
-        out[n + idx] = rw;
-      }
-    };
-    if (owns) {
-#pragma unroll
-      for (int it = 0; it < NC; ++it) {
-        if (it * 32 >= SUB) break;
-        pass2(ec[it], w0 + it * 32 + lane);
-      }
-      for (int c = NC * 32; c < SUB; c += 32) pass2(load_e(topk, w0 + c + lane, t32, n, E), w0 + c + lane);
-    }
-  }
-  __syncthreads();
-  TS_MARK(6);
-  if (tid == 0) {  // the last block to finish re-arms the flags for the next call
-    __threadfence();
-    if (FUSED) {
-      // The plan block zeroed the counter before publishing "plan done", so one atomicAdd per block
-      // counts (a CAS loop that recognised stale counts by a tag cost ~16 us of contention at 72 blocks).
-      // Prefix blocks never waited for the plan: they do now, to count after the zeroing.
-      if (blk < P) ld_acq_wait64(f64 + 1, nonce);
-      if (atomicAdd((unsigned long long*)f64, 1ull) == (unsigned long long)(G - 1)) {
-        // every flag word, not only this launch's: a plan from this launch may later be given to
-        // moonep_layout (token_destinations), whose int flags must start zeroed, as moonep_plan leaves them
-        for (int q = 1; q < FLAG_INTS / 2; ++q) f64[q] = 0;
-        __threadfence();
-        f64[0] = 0;
-      }
-    } else if (atomicAdd(&w.flags[0], 1) == G - 1) {
-      for (int q = 1; q <= G; ++q) w.flags[q] = 0;
-      __threadfence();
-      w.flags[0] = 0;
-    }
-  }
-}
-
-extern "C" __global__ void __launch_bounds__(1024) moonep_layout(
-    const void* __restrict__ topk, i64* __restrict__ out, i64* __restrict__ wsp, const i64* __restrict__ counts,
-    i64 n, i64 R_, i64 E_, i64 rank, i64 align, i64 cfg) {
-  layout_body<false>(topk, out, wsp, counts, n, R_, E_, rank, align, cfg & ~(1ll << 33), blockIdx.x, 0);
-}
-
-// Plan and this rank's layout in one launch: block 0 plans (moonep_plan with F_FUSED), blocks 1.. are
-// moonep_layout's blocks. The layout's counting and its prefix blocks run while the plan's one-warp loop
-// does; only the row offsets and pass 2 wait for the plan. Lower-indexed blocks are resident first
-// (moonep_layout's assumption), so block 0 never waits behind blocks that spin on it.
-extern "C" __global__ void __launch_bounds__(1024) moonep_plan_layout(
-    const void* __restrict__ counts, i64* __restrict__ wsp, i64 R_, i64 E_, i64 flags, i64 slack_bits,
-    const void* __restrict__ topk, i64* __restrict__ out, i64 n, i64 rank, i64 align, i64 cfg, i64 nonce) {
-  if (blockIdx.x == 0) plan_body(counts, wsp, R_, E_, flags | F_FUSED, slack_bits, nullptr, 0, nonce);
-  else layout_body<true>(topk, out, wsp, counts, n, R_, E_, rank, align, cfg, (int)blockIdx.x - 1, nonce);
 }

@@ -24,7 +24,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import cuda_kernels
+from . import cuda_runtime
 from .errors import MoonepError, expect, expect_device, expect_tensor
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
@@ -173,10 +173,10 @@ class QuantileBalancer(torch.nn.Module):
     _RECORD_SMEM = 96 * 1024  # per block: two blocks of 512 threads per SM
 
     def _use_kernels(self, t: torch.Tensor) -> bool:
-        return t.is_cuda and t.dtype in self._KERNEL_DTYPES and cuda_kernels.available()
+        return t.is_cuda and t.dtype in self._KERNEL_DTYPES and cuda_runtime.available()
 
     def _kernel_step(self) -> bool:
-        return self._counts.is_cuda and cuda_kernels.available()
+        return self._counts.is_cuda and cuda_runtime.available()
 
     def _record_layout(self):
         """(experts per tile, tiles, shared bytes, privatise): shared-memory histograms of a tile of experts."""
@@ -200,21 +200,20 @@ class QuantileBalancer(torch.nn.Module):
             values = values.contiguous()
         n, dev = raw.shape[0], raw.device
         et, tiles, smem, priv = self._record_layout()
-        sms = cuda_kernels.num_sms(dev)
+        sms = cuda_runtime.num_sms(dev.index)
         chunks = max(1, min(-(-n // 64), (2 * sms) // tiles))
         tpb = max(1, -(-n // chunks))
         grid_y = max(1, -(-n // tpb))
         name = "qb_record_" + self._KERNEL_DTYPES[raw.dtype]
-        fn = cuda_kernels.module("balance.cu").get_function(name)
-        i32, p = np.int32, cuda_kernels.ptr
+        k = cuda_runtime.kernels("balance", dev.index)
+        i32, p = np.int32, cuda_runtime.ptr
         alpha = np.uint64(values.data_ptr() + K * values.element_size())
         flags = np.uint64(self._work.data_ptr() + (E + 1) * 8)
-        with cuda_kernels.stream(dev):
-            cuda_kernels.allow_smem(fn, name, smem, dev.index)
-            fn((tiles, grid_y), (self._RECORD_THREADS,),
-               (p(raw), np.int64(raw.stride(0)), alpha, np.int64(values.stride(0)), i32(n), i32(E), i32(B),
-                i32(et), i32(tpb), p(self.bias), p(self._lo), p(self._width), i32(not self._recording),
-                p(self._counts), i32(bool(check) and n > 0), flags, i32(priv)), shared_mem=smem)
+        k.need_smem(name, smem)
+        k.launch(name, (tiles, grid_y), (self._RECORD_THREADS,),
+                 (p(raw), np.int64(raw.stride(0)), alpha, np.int64(values.stride(0)), i32(n), i32(E), i32(B),
+                  i32(et), i32(tpb), p(self.bias), p(self._lo), p(self._width), i32(not self._recording),
+                  p(self._counts), i32(bool(check) and n > 0), flags, i32(priv)), smem, True)
         self._recording = True
 
     def _step_cuda(self) -> None:
@@ -222,15 +221,14 @@ class QuantileBalancer(torch.nn.Module):
         import numpy as np
         E, B, K = self.num_experts, self.bins, self.topk
         dev = self._counts.device
-        mod = cuda_kernels.module("balance.cu")
-        i32, p = np.int32, cuda_kernels.ptr
-        with cuda_kernels.stream(dev):
-            mod.get_function("qb_quantiles")((E,), (256,), (
-                p(self._counts), i32(E), i32(B), i32(K), p(self.bias), p(self._lo), p(self._width),
-                i32(not self._recording), p(self._work)))
-            mod.get_function("qb_finalize")((1,), (512,), (
-                p(self._work), p(self._counts), i32(E), i32(B), p(self.bias), np.float64(self.ema),
-                np.float64(1.0 - self.ema), p(self.num_steps), p(self._bad_total)))
+        k = cuda_runtime.kernels("balance", dev.index)
+        i32, p = np.int32, cuda_runtime.ptr
+        k.launch("qb_quantiles", (E,), (256,), (
+            p(self._counts), i32(E), i32(B), i32(K), p(self.bias), p(self._lo), p(self._width),
+            i32(not self._recording), p(self._work)), 0, True)
+        k.launch("qb_finalize", (1,), (512,), (
+            p(self._work), p(self._counts), i32(E), i32(B), p(self.bias), np.float64(self.ema),
+            np.float64(1.0 - self.ema), p(self.num_steps), p(self._bad_total)), 0, True)
         self._recording = False
 
     def _set_range(self) -> None:

@@ -9,7 +9,7 @@ Destination rank ``r`` groups its rows by slot: slot ``j < epn`` is home expert 
 
 With ``align > 1`` every slot's row count is rounded up to a multiple of ``align`` (padding rows are
 zero). On CPU everything here is torch ops; plans made on CUDA use one fused kernel each for
-``token_destinations`` and ``cu_seqlens`` (``csrc/planner.cu``, bit-identical to the torch ops, which
+``token_destinations`` and ``cu_seqlens`` (``csrc/layout.cu``, bit-identical to the torch ops, which
 remain the reference and the fallback). ``plan_and_destinations`` on CUDA is one launch that also writes
 the rank's ``slot_experts`` and ``cu_seqlens``; for that plan and rank those two return views of it.
 Neither path synchronises with the host, and both can be captured in a CUDA graph.

@@ -72,14 +72,12 @@ layers may share one ``ExpertParallel``).  Both modes give bitwise identical res
 from __future__ import annotations
 
 import os
-import warnings
 import weakref
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .. import layout
+from .. import cuda_runtime, layout
 from ..config import Tuning, parse_fused
 from ..errors import MoonepError, expect
 from ..guard import check_order_enabled
@@ -87,91 +85,20 @@ from ..handles import NVLinkStep
 from ..replicas import home_is_view
 from ..transport.ipc import HostWords, SymmetricBuffer
 from ..transport.order_board import OrderBoard
+from . import nvlink_abi as abi
 from .base import Backend
 
-_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_MAXR = 64
-_CTX_WORDS = 224
-_OFF_NAMES = ("esig", "dsig", "gather", "recv", "w", "tag", "meta", "msrc", "acc", "gwacc", "csig", "flist")
-_MAX_CHUNKS = 8   # common.cuh MAX_CHUNKS
-_CTR_WORDS = 16   # common.cuh CTR_WORDS
-_ES = {0: 4, 1: 2, 2: 2}
-_ERR_INPUT = {1: "topk_idx: expected expert ids in [-1, {E})", 2: "topk_idx: expected distinct experts per token",
-              4: "topk_weights: expected finite values",
-              8: "num_global_tokens: expected the sum of tokens over ranks"}
-
-
-def _csrc_dir() -> Path:
-    here = Path(__file__).resolve()
-    for cand in (here.parents[2] / "csrc", here.parents[1] / "csrc"):
-        if (cand / "common.cuh").exists():
-            return cand
-    raise FileNotFoundError("moonep: csrc/common.cuh not found next to the package")
-
-
-def kernel_source() -> str:
-    """common.cuh + dispatch.cu + combine.cu as one translation unit (NVRTC needs no include path, and
-    CuPy's compile cache keys on the full text, so editing the header recompiles)."""
-    d = _csrc_dir()
-    parts = []
-    for name in ("common.cuh", "dispatch.cu", "combine.cu"):
-        text = (d / name).read_text()
-        text = "\n".join(line for line in text.splitlines()
-                         if line.strip() not in ('#include "common.cuh"', "#pragma once"))
-        parts.append(f"// ---- {name} ----\n{text}")
-    return "\n".join(parts)
-
-
-_MODULES: dict = {}
-_KERNELS = ("moonep_gather", "moonep_dispatch_send", "moonep_dispatch_expand", "moonep_prefetch_push",
-            "moonep_prefetch_finish", "moonep_combine_reduce", "moonep_combine_sum", "moonep_reduce_stage",
-            "moonep_reduce_finish", "moonep_route_gather", "moonep_dispatch_fused", "moonep_dispatch_zero",
-            "moonep_combine_fused")
+_DT = {torch.float32: abi.DT_F32, torch.bfloat16: abi.DT_BF16, torch.float16: abi.DT_F16}
+_MAXR = abi.MAXR
+_MAX_CHUNKS = abi.MAX_CHUNKS
+_CTR_WORDS = abi.CTR_WORDS
+_ES = {abi.DT_F32: 4, abi.DT_BF16: 2, abi.DT_F16: 2}
+_ERR_INPUT = {abi.ERR_BAD_IDX: "topk_idx: expected expert ids in [-1, {E})",
+              abi.ERR_DUP_IDX: "topk_idx: expected distinct experts per token",
+              abi.ERR_NONFINITE: "topk_weights: expected finite values",
+              abi.ERR_TOTAL: "num_global_tokens: expected the sum of tokens over ranks"}
 _GATHERS = ("moonep_gather", "moonep_route_gather")
-
-
-def _module(device_index: int):
-    if device_index not in _MODULES:
-        import cupy
-
-        with cupy.cuda.Device(device_index):
-            # MOONEP_NVLINK_DIAG: timing variants for benchmarks/diag_nvlink.sh only (see common.cuh)
-            diag = int(os.environ.get("MOONEP_NVLINK_DIAG", "0") or 0)
-            opts = ("-std=c++17",) + ((f"-DMOONEP_DIAG={diag}",) if diag else ())
-            mod = cupy.RawModule(code=kernel_source(), options=opts, backend="nvrtc")
-            _MODULES[device_index] = {name: mod.get_function(name) for name in _KERNELS}
-    return _MODULES[device_index]
-
-
-class _TorchStream:
-    """Exposes a raw stream pointer through the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-_STREAMS: dict = {}
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent in CPU-only torch builds
-_cur_device = getattr(torch._C, "_cuda_getDevice", None)
-
-
-def _cupy_stream(ptr: int, device_index: int):
-    key = (ptr, device_index)
-    if key not in _STREAMS:
-        import cupy
-
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            _STREAMS[key] = cupy.cuda.Stream.from_external(_TorchStream(ptr))
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _STREAMS[key] = cupy.cuda.ExternalStream(ptr, device_index)
-    return _STREAMS[key]
+_p = cuda_runtime.ptr   # kernel argument for a tensor's address (None: null)
 
 
 def nvlink_available(rt) -> tuple[bool, str]:
@@ -202,10 +129,6 @@ def _vec(nbytes: int, *ptrs: int) -> int:
         if nbytes % v == 0 and all(p % v == 0 for p in ptrs):
             return v
     return 2
-
-
-def _p(t) -> np.uint64:
-    return np.uint64(0 if t is None else t.data_ptr())
 
 
 class NVLinkBackend(Backend):
@@ -275,9 +198,7 @@ class NVLinkBackend(Backend):
             self.off[name] = total
             total += _align(max(n, 1))
         torch.cuda.set_device(self.device)
-        self._mods = _module(self.dev_index)
-        self._fns = {name: k.kernel for name, k in self._mods.items()}  # cupy Functions (loaded once)
-        self._lean = True
+        self._kernels = cuda_runtime.kernels("ep", self.dev_index)
         self.main = SymmetricBuffer(total, self.device, self.rank, R, self._gather_obj)
         self.herr = HostWords(4, self.device)
         self.recv = self.main.view(self.off["recv"], (self.cap, self.H), ep.dtype)
@@ -288,23 +209,20 @@ class NVLinkBackend(Backend):
         self._pool_prev = {}   # out.data_ptr() -> (weakref(out), int64 [epn] replica table last written)
         # route_gather's histogram/flag/block-counter scratch (zero between calls)
         self._scratch = torch.zeros(self.E + 2, dtype=torch.int32, device=self.device)
-        self._ctx = torch.zeros(_CTX_WORDS, dtype=torch.int64, device=self.device)
+        self._ctx = torch.zeros(abi.CTX_WORDS, dtype=torch.int64, device=self.device)
         self._write_ctx()
         self._barrier()
 
     # -- context ---------------------------------------------------------------------------------------
     def _write_ctx(self) -> None:
-        words = [0] * _CTX_WORDS
-        words[0:8] = [self.rank, self.R, self.S, self.K, self.H, self.cap, self.E2, int(self.timeout * 1e9)]
-        words[8] = self.main.ptr + self.off["ctr"]
-        words[9] = self.main.ptr + self.off["derr"]
-        words[10] = self.herr.device_ptr
-        for i, name in enumerate(_OFF_NAMES):
-            words[11 + i] = self.off[name]
-        for p in range(self.R):
-            words[32 + p] = self.main.peer_ptrs[p]
-            words[96 + p] = self.grad.peer_ptrs[p] if self.grad is not None else 0
-            words[160 + p] = self.pool.peer_ptrs[p] if self.pool is not None else 0
+        """The kernels' context block (struct Ctx, csrc/common.cuh), from its declaration in nvlink_abi."""
+        words = abi.ctx_words(
+            rank=self.rank, R=self.R, S=self.S, K=self.K, H=self.H, cap=self.cap, E2=self.E2,
+            timeout_ns=int(self.timeout * 1e9), ctr=self.main.ptr + self.off["ctr"],
+            derr=self.main.ptr + self.off["derr"], herr=self.herr.device_ptr,
+            **{f"off_{name}": self.off[name] for name in abi.CTX_OFFSETS},
+            base=self.main.peer_ptrs[:self.R], gbase=self.grad.peer_ptrs[:self.R] if self.grad is not None else None,
+            pbase=self.pool.peer_ptrs[:self.R] if self.pool is not None else None)
         self._ctx.copy_(torch.tensor(words, dtype=torch.int64))
         self._ctx_arg = _p(self._ctx)
         torch.cuda.synchronize(self.device)
@@ -319,23 +237,9 @@ class NVLinkBackend(Backend):
     def _launch(self, name: str, grid: int, args: tuple, block: int | None = None) -> None:
         if self.profile is not None:
             self.mark("gap")
-        ptr = _raw_stream(self.dev_index)
-        launched = False
-        if self._lean and _cur_device() == self.dev_index:
-            # Lean path (the common case: torch's current device is this engine's): the compiled Function
-            # with an explicit stream, without entering CuPy's device and stream context managers on every
-            # launch (host time between the step's kernels: the "launch gaps" of bench_ep_gpu.py).
-            try:
-                self._fns[name]((max(1, grid),), (block or self.block,), (self._ctx_arg,) + tuple(args), 0,
-                                _cupy_stream(ptr, self.dev_index))
-                launched = True
-            except TypeError:  # a CuPy whose Function call takes no positional stream: the context form
-                self._lean = False
-        if not launched:
-            import cupy
-
-            with cupy.cuda.Device(self.dev_index), _cupy_stream(ptr, self.dev_index):
-                self._mods[name]((max(1, grid),), (block or self.block,), (self._ctx_arg,) + tuple(args))
+        # the runtime's lean launch (no context managers when torch's current device is this backend's:
+        # host time between the step's kernels is the "launch gaps" of bench_ep_gpu.py)
+        self._kernels.launch(name, (max(1, grid),), (block or self.block,), (self._ctx_arg,) + tuple(args), 0, True)
         self._last_op = name
         if self.profile is not None:
             self.mark(name)

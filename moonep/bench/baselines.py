@@ -197,12 +197,11 @@ class PeerStoreCeiling:
     def __call__(self):
         import cupy
 
-        from moonep.transport.nvlink import _cupy_stream
+        from moonep import cuda_runtime
 
         if not self.peers:
             return None
-        stream = _cupy_stream(torch.cuda.current_stream(self.device).cuda_stream, self.device.index)
-        with cupy.cuda.Device(self.device.index), stream:
+        with cupy.cuda.Device(self.device.index), cuda_runtime.stream(self.device.index):
             self.kernel((self.blocks, len(self.peers)), (self.threads,),
                         (np.uint64(self.dst.data_ptr()), np.uint64(self.nvec.data_ptr()),
                          np.uint64(self.src.data_ptr())))

@@ -1,8 +1,10 @@
-"""GPU balanced planner and token layout: thin launchers for ``csrc/planner.cu`` (CuPy RawModule, NVRTC).
+"""GPU balanced planner and token layout: thin launchers for the "plan" program of
+:mod:`moonep.cuda_runtime` (``csrc/planner.cu`` + ``csrc/layout.cu``).
 
 Why CuPy RawModule: no build step for CPU installs (cupy is imported lazily, only for CUDA inputs),
 and plain CUDA C lets the kernels mirror ``cpu.py`` / the torch layout statement by statement, which
-is what makes the results bit-identical.
+is what makes the results bit-identical. The constants below mirror the kernels' (checked against the
+sources by tests/unit/test_cuda_abi.py).
 
 Host cost is what bounds small plans (the kernels take a few µs), so the launch path is lean:
 
@@ -11,7 +13,7 @@ Host cost is what bounds small plans (the kernels take a few µs), so the launch
 * one launch for the plan (``moonep_plan``; two more grid kernels only when R*E > 2**18) and one for
   a rank's token layout (``moonep_layout``);
 * kernels are launched through the cached ``cupy.cuda.Function`` with an explicit stream (torch's
-  current raw stream, wrapped once per stream) and pre-built ``CIntptr`` arguments, so there is no
+  current raw stream, wrapped once per stream by the runtime) and pre-built ``CIntptr`` arguments, so there is no
   per-call stream object, device context switch, DLPack hand-off or host sync. Everything is
   CUDA-graph capturable (the workspace comes from torch's allocator, so from the graph's pool);
 * the first call of a (device, shape, dtype, slack) plan or (geometry, shape, rank, align, dtype) layout
@@ -23,29 +25,32 @@ from __future__ import annotations
 
 import os
 import struct
-import warnings
 
 import torch
+
+from .. import cuda_runtime
+from ..cuda_runtime import _cur_dev, _cur_stream
 
 FLAG_INTS = 256       # csrc/planner.cu
 HIST_BLOCKS = 64
 F_C32, F_CAP, F_COLSUM, F_ASSIGN, F_DECL_SCALAR, F_DECL_PTR, F_FUSED, F_AMT_SMEM = 1, 2, 4, 8, 16, 32, 64, 128
+# cfg word of moonep_layout / moonep_plan_layout (csrc/layout.cu CFG_*): bits 0-7 prefix blocks, then
+LAY_B_SHIFT = 8       # bits 8-15: tile blocks
+LAY_SUB_SHIFT = 16    # bits 16-31: copies per warp
+LAY_T32 = 1 << 32     # topk is int32
+LAY_C32 = 1 << 33     # moonep_plan_layout: counts are int32
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
 LAY_PRE = 1 << 35     # moonep_plan_layout cfg: also the rank's slot experts and cu_seqlens after dst row
-LAY_TILES = max(1, int(os.environ.get("MOONEP_LAY_TILES", "48")))  # tile blocks aimed at (48 beat 16: round 21)
+LAY_NW_SHIFT = 40     # bits 40-47: warps that own copies (0: all of the block's)
+LAY_TILES = max(1, int(os.environ.get("MOONEP_LAY_TILES", "48")))  # tile blocks aimed at (48 beat 16: h200x1_planner_prof_layout_tiles{16,48}_24349bb.json)
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 # The kernels' static shared memory (272 B in moonep_plan / moonep_plan_layout, more in profiling builds) counts
-# against the same per-block limits as the dynamic bytes: keep this margin below both.
-STATIC_SMEM = 1024
-_DYN_DEFAULT = 48 * 1024 - STATIC_SMEM
-_KERNELS = ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout", "moonep_plan_layout")
-_DEV: dict = {}
+# against the same per-block limits as the dynamic bytes: the runtime keeps cuda_runtime.STATIC_SMEM below both
+# (Kernels.smem_max, the opt-in threshold).
 _GEO: dict = {}
 _i64 = torch.int64
 _i32 = torch.int32
 _empty = torch.empty
-_cur_dev = getattr(torch._C, "_cuda_getDevice", None)                # absent in CPU-only torch builds
-_cur_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 # Hot-path launch records (common calls only: no declaration, one block, kernel launched with the stream
 # keyword). plan: (di, shape, dtype, slack) -> _PlanFast; layout: (geo, n, rank, align, dtype, di) -> tuple.
 _PLAN_FAST: dict = {}
@@ -55,113 +60,17 @@ _NEW = object.__new__
 _Plan = None
 
 
-def _source_path() -> str:
-    here = os.path.dirname(os.path.abspath(__file__))
-    for p in (os.path.join(here, "..", "..", "csrc", "planner.cu"), os.path.join(here, "..", "csrc", "planner.cu")):
-        if os.path.exists(p):
-            return os.path.normpath(p)
-    raise FileNotFoundError("csrc/planner.cu not found next to the moonep package")
+_LOADED = cuda_runtime.loaded("plan")
 
 
-class _TorchStream:
-    """A raw stream pointer through the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-class _Dev:
-    """Per-device compiled kernels, stream wrappers and launch mode."""
-
-    def __init__(self, di: int):
-        import cupy
-        try:
-            from cupy.cuda.function import CIntptr
-            CIntptr(0)
-        except Exception:  # older CuPy: plain ints (converted per call by CuPy)
-            CIntptr = int
-        self.arg = CIntptr
-        self.di = di
-        self.device = torch.device("cuda", di)
-        with open(_source_path()) as f:
-            src = f.read()
-        with cupy.cuda.Device(di):
-            # MOONEP_LINEINFO=1: source lines in profiles (ncu --page source)
-            # MOONEP_PLAN_CLOCKS=1: cycle counters per plan phase (scripts/profile_planner.py --clocks);
-            # MOONEP_PLAN_STAMPS=1: only the fused launch's phase stamps (--stamps)
-            opts = ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ()) + (
-                ("-DMOONEP_PLAN_CLOCKS",) if os.environ.get("MOONEP_PLAN_CLOCKS") else ()) + (
-                ("-DMOONEP_PLAN_STAMPS",) if os.environ.get("MOONEP_PLAN_STAMPS") else ())
-            mod = cupy.RawModule(code=src, options=opts)
-            self.raw = {k: mod.get_function(k) for k in _KERNELS}
-            self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
-        self.smem = {k: _DYN_DEFAULT for k in _KERNELS}  # dynamic bytes allowed without the opt-in
-        props = torch.cuda.get_device_properties(di)
-        self.smem_max = int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)) - STATIC_SMEM
-        self.streams: dict = {}
-        self.consts: dict = {}
-        self.kw_stream = True
-        self._probe()
-
-    def _probe(self):
-        """Pick the cheapest launch form this CuPy accepts (a no-op launch: moonep_cu with R = 0)."""
-        for arg, kw in ((self.arg, True), (int, True), (int, False)):
-            self.arg, self.kw_stream = arg, kw
-            try:
-                self.launch("moonep_cu", 1, 1, (arg(0), arg(0), arg(0), arg(1), arg(1), arg(-1)))
-                return
-            except TypeError:
-                continue
-        raise RuntimeError("moonep: cannot launch the planner kernels with this CuPy version")
-
-    def c(self, v: int):
-        """Cached kernel argument for a small constant."""
-        a = self.consts.get(v)
-        if a is None:
-            a = self.consts[v] = self.arg(v)
-        return a
-
-    def stream(self, ptr: int):
-        s = self.streams.get(ptr)
-        if s is None:
-            import cupy
-            if hasattr(cupy.cuda.Stream, "from_external"):
-                s = cupy.cuda.Stream.from_external(_TorchStream(ptr))
-            else:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    s = cupy.cuda.ExternalStream(ptr, self.di)
-            self.streams[ptr] = s
-        return s
-
-    def need_smem(self, name: str, nbytes: int):
-        if nbytes > self.smem[name]:
-            import cupy
-            with cupy.cuda.Device(self.di):
-                self.raw[name].max_dynamic_shared_size_bytes = nbytes
-            self.smem[name] = nbytes
-
-    def launch(self, name: str, grid: int, block: int, args: tuple, smem: int = 0):
-        s = self.stream(torch._C._cuda_getCurrentRawStream(self.di))
-        if self.kw_stream:
-            self.fn[name]((grid,), (block,), args, smem, s)
-        else:
-            with s:
-                self.raw[name]((grid,), (block,), args, shared_mem=smem)
-
-
-def _dev(di: int) -> _Dev:
-    d = _DEV.get(di)
-    if d is None:
-        d = _DEV[di] = _Dev(di)
-    return d
+def _dev(di: int) -> cuda_runtime.Kernels:
+    """The plan program's kernels on device di (compiled and loaded on first use)."""
+    d = _LOADED.get(di)
+    return d if d is not None else cuda_runtime.kernels("plan", di)
 
 
 class _Geo:
-    """Workspace layout (int64 words) of one (R, E, int32-counts); mirrors ``ws_layout`` in planner.cu."""
+    """Workspace layout (int64 words) of one (R, E, int32-counts); mirrors ``ws_layout`` in csrc/planner.cu."""
 
     def __init__(self, R: int, E: int, c32: bool):
         self.R, self.E, self.epn, self.c32 = R, E, E // R, c32
@@ -224,7 +133,7 @@ class _Geo:
                 sub = 32768 // nw
             B = -(-n // (nw * sub))
             P = 0 if rank0 else min(-(-self.E // 32), 128)
-            v = None if B > HIST_BLOCKS else (P + B, P | (B << 8) | (sub << 16))
+            v = None if B > HIST_BLOCKS else (P + B, P | (B << LAY_B_SHIFT) | (sub << LAY_SUB_SHIFT))
             self.lay[key] = v
         return v
 
@@ -250,7 +159,8 @@ class _Geo:
                 sub = 32 * -(-n // (nw * 32 * bmax))
                 B = -(-n // (nw * sub))
                 if nw * sub <= 32768 and B <= bmax:  # per-warp counters are 16-bit
-                    v = (1 + P + B, P | (B << 8) | (sub << 16) | (nw << 40) | LAY_STAGE, nt, smem)
+                    v = (1 + P + B, P | (B << LAY_B_SHIFT) | (sub << LAY_SUB_SHIFT) | (nw << LAY_NW_SHIFT) | LAY_STAGE,
+                         nt, smem)
             self.fused[key] = v
         return v
 
@@ -261,6 +171,16 @@ def _geo(R: int, E: int, c32: bool) -> _Geo:
     if g is None:
         g = _GEO[key] = _Geo(R, E, c32)
     return g
+
+
+def _int_input(t: torch.Tensor):
+    """(t as a contiguous int32 or int64 tensor (other dtypes become int64), its dtype)."""
+    dt = t.dtype
+    if dt is not _i64 and dt is not _i32:
+        t, dt = t.to(_i64), _i64
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t, dt
 
 
 def _guard(di: int):
@@ -303,13 +223,9 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
     if _guard(di):
         with torch.cuda.device(di):
             return plan_cuda(counts, slack, tokens_per_rank, topk)
-    dt = counts.dtype
-    if dt is not _i64 and dt is not torch.int32:
-        counts, dt = counts.to(_i64), _i64
-    if not counts.is_contiguous():
-        counts = counts.contiguous()
+    counts, dt = _int_input(counts)
     R, E = counts.shape
-    c32 = dt is torch.int32
+    c32 = dt is _i32
     g = _geo(R, E, c32)
     d = _dev(di)
     ws = torch.empty(g.words, dtype=_i64, device=counts.device)
@@ -326,7 +242,8 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
                 flags |= F_DECL_PTR
                 decl_ptr = decl_t.data_ptr()
     if g.big:
-        d.launch("moonep_colsum", -(-E // 256), 256, (d.arg(counts.data_ptr()), wp, d.c(R), d.c(E), d.c(int(c32))))
+        d.launch("moonep_colsum", (-(-E // 256),), (256,),
+                 (d.arg(counts.data_ptr()), wp, d.c(R), d.c(E), d.c(int(c32))))
     else:
         flags |= F_COLSUM | F_ASSIGN
     psm = g.smem
@@ -342,9 +259,9 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
         raise ValueError(f"counts: R={R}, E={E} needs {psm} B of shared memory for the GPU planner, "
                          f"the device has {d.smem_max} B per block")
     d.need_smem("moonep_plan", psm)
-    d.launch("moonep_plan", 1, g.nt, (d.arg(counts.data_ptr()), wp) + tail + (d.arg(decl_ptr), d.c(decl_scalar)),
+    d.launch("moonep_plan", (1,), (g.nt,), (d.arg(counts.data_ptr()), wp) + tail + (d.arg(decl_ptr), d.c(decl_scalar)),
              psm)
-    if tokens_per_rank is None and not g.big and d.kw_stream and counts.dtype in (_i64, _i32):
+    if tokens_per_rank is None and not g.big and d.lean and counts.dtype in (_i64, _i32):
         if _Plan is None:
             _plan_cls()
         _PLAN_FAST[(di, counts.shape, counts.dtype, slack)] = (
@@ -352,7 +269,7 @@ def _plan_cuda(counts: torch.Tensor, slack: float, tokens_per_rank=None, topk=No
             d.arg, not c32, d)
     if g.big:
         n = E * R
-        d.launch("moonep_assign", -(-n // 256), 256, (wp, d.c(R), d.c(E)))
+        d.launch("moonep_assign", (-(-n // 256),), (256,), (wp, d.c(R), d.c(E)))
     plan = Plan._cuda(ws, g, None if c32 else counts, float(slack))
     if g.big and decl_t is not None:  # device-side contract check, recorded in plan.error
         bad = (counts.sum(1, dtype=_i64) != decl_t).any()
@@ -395,11 +312,7 @@ def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     di = ws.get_device()
     if topk_idx.get_device() != di:
         return None
-    dt = topk_idx.dtype
-    if dt is not _i64 and dt is not torch.int32:
-        topk_idx, dt = topk_idx.to(_i64), _i64
-    if not topk_idx.is_contiguous():
-        topk_idx = topk_idx.contiguous()
+    topk_idx, dt = _int_input(topk_idx)
     s, K = topk_idx.shape
     n = s * K
     cfg = g.layout_cfg(n, rank == 0)
@@ -417,15 +330,15 @@ def _layout_cuda(plan, rank: int, topk_idx: torch.Tensor, align: int):
     d.need_smem("moonep_layout", lsm)
     grid, c = cfg
     if dt is torch.int32:
-        c |= 1 << 32
+        c |= LAY_T32
     if stage:
         c |= LAY_STAGE
     a = d.arg
     tail = (a(n), d.c(g.R), d.c(g.E), d.c(rank), d.c(align), d.c(c))
-    d.launch("moonep_layout", grid, g.lay_nw * 32,
+    d.launch("moonep_layout", (grid,), (g.lay_nw * 32,),
              (a(topk_idx.data_ptr()), a(out.data_ptr()), a(ws.data_ptr()), a(plan.counts.data_ptr())) + tail,
              lsm)
-    if d.kw_stream and (dt is _i64 or dt is _i32) and isinstance(rank, int) and isinstance(align, int):
+    if d.lean and (dt is _i64 or dt is _i32) and isinstance(rank, int) and isinstance(align, int):
         _LAY_FAST[(g, topk_idx.shape, rank, align, dt, di)] = (
             d.fn["moonep_layout"], (grid,), (g.lay_nw * 32,), lsm, d.streams, d.device, (2, s, K), tail,
             d.arg, 8 * g.c64, d)
@@ -469,15 +382,15 @@ def plan_layout_cuda(counts: torch.Tensor, slack: float, rank: int, topk_idx: to
     buf, dst_rank, dst_row = _ws_and_out(g.words, s, K, counts.device, g.epn)
     flags = (F_C32 if c32 else 0) | (F_CAP if slack > 0 else 0) | F_COLSUM | F_ASSIGN | F_AMT_SMEM
     sb = struct.unpack("<q", struct.pack("<d", float(slack)))[0]
-    c |= (1 << 32 if topk_idx.dtype is _i32 else 0) | (1 << 33 if c32 else 0) | LAY_PRE
+    c |= (LAY_T32 if topk_idx.dtype is _i32 else 0) | (LAY_C32 if c32 else 0) | LAY_PRE
     nonce = _next_nonce()
     a = d.arg
     mid = (d.c(R), d.c(E), d.c(flags), a(sb))
     tail = (a(n), d.c(rank), d.c(align), a(c))
-    d.launch("moonep_plan_layout", grid, threads,
+    d.launch("moonep_plan_layout", (grid,), (threads,),
              (a(counts.data_ptr()), a(buf.data_ptr())) + mid + (a(topk_idx.data_ptr()),
                                                               a(buf.data_ptr() + 8 * g.words)) + tail + (a(nonce),), smem)
-    if d.kw_stream and type(slack) is float:
+    if d.lean and type(slack) is float:
         if _Plan is None:
             _plan_cls()
         _FUSED_FAST[(di, counts.shape, counts.dtype, slack, topk_idx.shape, topk_idx.dtype, rank, align)] = (
@@ -500,27 +413,9 @@ def _ws_and_out(words: int, s: int, K: int, device, epn: int):
     plan keeps the whole buffer; its views are offsets from 0), dst rank and dst row (returned as [s, K]
     views), then slot experts and cu_seqlens. One ``torch.empty`` instead of two: each costs ~3.5 us of host
     time on the H200 machine, and at (256, 8, 8) the host time of a call is larger than its device time
-    (h200x1_round29_host_breakdown.json)."""
+    (h200x1_planner_host_breakdown_188c31c.json)."""
     buf = _empty(words + 2 * s * K + _pre_words(epn), dtype=_i64, device=device)
     return buf, buf.as_strided((s, K), (K, 1), words), buf.as_strided((s, K), (K, 1), words + s * K)
-
-
-def pre_slot_experts(plan, rank):
-    """int64 [2*epn] slot experts of ``rank`` written by the plan's fused launch, or None (other rank, or a
-    plan made without it)."""
-    pre = plan._pre
-    if pre is None or rank != pre[0]:
-        return None
-    return plan._ws.as_strided((2 * plan._geo.epn,), (1,), pre[2])
-
-
-def pre_cu_seqlens(plan, rank, align):
-    """int32 [2*epn + 1] cu_seqlens of ``rank`` for ``align`` written by the plan's fused launch, or None."""
-    pre = plan._pre
-    if pre is None or rank != pre[0] or align != pre[1]:
-        return None
-    epn = plan._geo.epn
-    return plan._ws.view(torch.int32).as_strided((2 * epn + 1,), (1,), 2 * (pre[2] + 2 * epn))
 
 
 def plan_layout_fast(counts: torch.Tensor, slack: float, rank: int, topk_idx: torch.Tensor, align: int):
@@ -562,11 +457,10 @@ def cu_seqlens_cuda(plan, rank, align: int):
     shape = (2 * g.epn + 1,) if rank is not None else (g.R, 2 * g.epn + 1)
     out = torch.empty(shape, dtype=torch.int32, device=ws.device)
     nthreads = 32 * (1 if rank is not None else g.R)  # a warp per rank
-    d.launch("moonep_cu", -(-nthreads // 128), 128,
+    d.launch("moonep_cu", (-(-nthreads // 128),), (128,),
              (d.arg(ws.data_ptr()), d.arg(out.data_ptr()), d.c(g.R), d.c(g.E), d.c(align),
               d.c(-1 if rank is None else rank)))
     return out
 
 
-__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "plan_layout_fast", "cu_seqlens_cuda",
-           "pre_slot_experts", "pre_cu_seqlens"]
+__all__ = ["plan_cuda", "layout_cuda", "layout_fast", "plan_layout_cuda", "plan_layout_fast", "cu_seqlens_cuda"]

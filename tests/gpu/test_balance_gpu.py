@@ -7,7 +7,7 @@ capturable in a CUDA graph. The pure-torch fallback (no CuPy) must give the same
 import pytest
 import torch
 
-from moonep import cuda_kernels
+from moonep import cuda_runtime as cuda_kernels
 from moonep.balance import QuantileBalancer, histogram_quantiles
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -1,0 +1,306 @@
+"""One runtime for every CUDA kernel of moonep: compile, cache, stream and launch.
+
+The kernels are plain CUDA C in ``csrc/``, grouped in *programs* (:data:`PROGRAMS`): an ordered list of
+files concatenated into one translation unit (``#pragma once`` and ``#include`` lines naming a file of the
+same program are dropped, so NVRTC needs no include path; each file still compiles alone with nvcc).
+
+* **Compile**: ``cupy.RawModule(code=..., backend="nvrtc")``, once per (program, device) in a process, with
+  the compile options of that moment: the switches are read from the environment when a program is first
+  used on a device (``MOONEP_LINEINFO``: ``-lineinfo``, every program; ``MOONEP_NVLINK_DIAG``: "ep";
+  ``MOONEP_PLAN_CLOCKS`` / ``MOONEP_PLAN_STAMPS``: "plan"). CuPy's on-disk cache keys on the full source
+  text, the options and the architecture, so a later process only loads the binary, and editing any file of
+  a program recompiles it.
+* **Why CuPy/NVRTC**: no build step, and CPU installs need neither CuPy nor a compiler: CuPy is imported
+  lazily, only when a CUDA tensor needs a kernel. ``MOONEP_NO_CUPY=1`` makes :func:`available` false, so
+  callers take their pure-torch fallbacks.
+* **Stream**: every launch goes to torch's current stream of the device (``_cuda_getCurrentRawStream``),
+  wrapped once per (device, stream) in a CuPy stream object (:func:`stream`, one cache for all programs).
+  No DLPack hand-off, no device context switch, no host sync, so launches are CUDA-graph capturable.
+* **Launch**: :meth:`Kernels.launch` calls the cached ``cupy.cuda.Function`` with the stream as a positional
+  argument: no per-call import, context manager or stream object. Which call form and argument type this
+  CuPy accepts is probed once per process with a no-op kernel (:func:`launch_form`); with an old CuPy the
+  context-manager form is used instead. Hot paths that record their launch (``moonep.planner.cuda``) keep
+  ``Kernels.fn[name]``, ``Kernels.streams`` and pre-built arguments (``Kernels.arg`` / :meth:`Kernels.c`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+__all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
+           "kernels", "loaded", "stream", "num_sms", "ptr", "launch_form", "STATIC_SMEM"]
+
+
+def _flag(name: str) -> tuple[str, ...]:
+    """``-D<name>`` when the environment variable of the same name is set (a profiling build)."""
+    return (f"-D{name}",) if os.environ.get(name) else ()
+
+
+def _diag() -> tuple[str, ...]:
+    # MOONEP_NVLINK_DIAG: timing variants for tools/diag_nvlink.sh only (see csrc/common.cuh)
+    diag = int(os.environ.get("MOONEP_NVLINK_DIAG", "0") or 0)
+    return (f"-DMOONEP_DIAG={diag}",) if diag else ()
+
+
+@dataclass(frozen=True)
+class Program:
+    """files: csrc/ files in translation-unit order; kernels: the ``extern "C"`` kernels loaded when the
+    program is; defines: the program's compile-time switches, read when it is compiled."""
+
+    files: tuple[str, ...]
+    kernels: tuple[str, ...]
+    defines: Callable[[], tuple[str, ...]] = tuple
+
+
+PROGRAMS: dict[str, Program] = {
+    # balanced plan (planner.cu) and token layout (layout.cu), launched by moonep/planner/cuda.py
+    "plan": Program(("planner.cu", "layout.cu"),
+                    ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout",
+                     "moonep_plan_layout"),
+                    lambda: _flag("MOONEP_PLAN_CLOCKS") + _flag("MOONEP_PLAN_STAMPS")),
+    # the NVLink backend's data path by stage, launched by moonep/backends/nvlink.py
+    "ep": Program(("common.cuh", "route.cu", "dispatch.cu", "combine.cu", "replicas.cu"),
+                  ("moonep_gather", "moonep_route_gather", "moonep_dispatch_send", "moonep_dispatch_expand",
+                   "moonep_dispatch_fused", "moonep_dispatch_zero", "moonep_combine_reduce", "moonep_combine_sum",
+                   "moonep_combine_fused", "moonep_prefetch_push", "moonep_prefetch_finish",
+                   "moonep_reduce_stage", "moonep_reduce_finish"),
+                  _diag),
+    # Quantile Balancing's recording and bias step, launched by moonep/balance.py
+    "balance": Program(("balance.cu",),
+                       ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",
+                        "qb_finalize")),
+}
+
+# Dynamic shared memory a kernel may use without the opt-in is 48 KiB minus its static shared memory; the
+# kernels' static shared memory stays below this margin wherever they also take dynamic memory.
+STATIC_SMEM = 1024
+_DYN_DEFAULT = 48 * 1024 - STATIC_SMEM
+
+_cur_dev = getattr(torch._C, "_cuda_getDevice", None)                # absent in CPU-only torch builds
+_cur_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+_AVAILABLE = None
+_CSRC = None
+_LOADED: dict = {name: {} for name in PROGRAMS}   # program -> {device index: Kernels}
+_STREAMS: dict = {}   # device index -> {raw stream pointer: CuPy stream}
+_SMS: dict = {}
+_FORM = None          # (argument type, positional stream) this CuPy accepts
+
+
+def available() -> bool:
+    """CuPy importable (checked once); ``MOONEP_NO_CUPY=1`` forces the pure-torch fallbacks."""
+    global _AVAILABLE
+    if _AVAILABLE is None:
+        if os.environ.get("MOONEP_NO_CUPY", "") not in ("", "0"):
+            _AVAILABLE = False
+        else:
+            try:
+                import cupy  # noqa: F401
+                _AVAILABLE = True
+            except Exception:  # ImportError, or a CuPy that cannot find its CUDA libraries
+                _AVAILABLE = False
+    return _AVAILABLE
+
+
+def csrc_dir() -> Path:
+    """The kernel sources: ``csrc/`` beside the package in a checkout, or ``moonep/csrc`` (package data)."""
+    global _CSRC
+    if _CSRC is None:
+        here = Path(__file__).resolve().parent
+        for cand in (here.parent / "csrc", here / "csrc"):
+            if (cand / "common.cuh").exists():
+                _CSRC = cand
+                break
+        else:
+            raise FileNotFoundError("moonep: csrc/common.cuh not found next to the package")
+    return _CSRC
+
+
+_INCLUDE = re.compile(r'#include\s+"([^"]+)"')
+
+
+def program_source(name: str) -> str:
+    """The program's files as one translation unit (NVRTC needs no include path)."""
+    files = PROGRAMS[name].files
+    parts = []
+    for f in files:
+        lines = []
+        for line in (csrc_dir() / f).read_text().splitlines():
+            s = line.strip()
+            m = _INCLUDE.fullmatch(s)
+            if s != "#pragma once" and not (m and m.group(1) in files):
+                lines.append(line)
+        parts.append(f"// ---- {f} ----\n" + "\n".join(lines))
+    return "\n".join(parts)
+
+
+def compile_options(name: str) -> tuple[str, ...]:
+    """NVRTC options of a program, from the environment now (see the module docstring)."""
+    # MOONEP_LINEINFO=1: source lines in profiles (ncu --page source)
+    return ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ()) + PROGRAMS[name].defines()
+
+
+def ptr(t) -> np.uint64:
+    """Kernel argument for a tensor's device address (``None``: a null pointer)."""
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def num_sms(device_index: int) -> int:
+    """Multiprocessors of a CUDA device (cached)."""
+    n = _SMS.get(device_index)
+    if n is None:
+        n = _SMS[device_index] = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return n
+
+
+class _TorchStream:
+    """A raw stream pointer through the CUDA stream protocol (for ``cupy.cuda.Stream.from_external``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def stream(device_index: int, raw=None):
+    """The CuPy stream for torch's current stream on a device (or for the raw stream pointer ``raw``),
+    wrapped once per (device, stream)."""
+    if raw is None:
+        raw = _cur_stream(device_index)
+    streams = _STREAMS.setdefault(device_index, {})
+    s = streams.get(raw)
+    if s is None:
+        import cupy
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            s = cupy.cuda.Stream.from_external(_TorchStream(raw))
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                s = cupy.cuda.ExternalStream(raw, device_index)
+        streams[raw] = s
+    return s
+
+
+def launch_form(device_index: int):
+    """(argument type, positional stream): the cheapest launch this CuPy accepts, probed once per process with
+    a no-op kernel on torch's current stream of the device. The argument type is ``CIntptr`` (a pre-built
+    kernel argument) where CuPy has it, else ``int`` (converted by CuPy on every call)."""
+    global _FORM
+    if _FORM is None:
+        import cupy
+        try:
+            from cupy.cuda.function import CIntptr
+            CIntptr(0)
+        except Exception:  # older CuPy: plain ints
+            CIntptr = int
+        with cupy.cuda.Device(device_index):
+            mod = cupy.RawModule(code='extern "C" __global__ void moonep_probe(long long x) {}',
+                                 options=("-std=c++17",), backend="nvrtc")
+            raw = mod.get_function("moonep_probe")
+            fn = raw.kernel
+            st = stream(device_index)
+            for arg, positional in ((CIntptr, True), (int, True), (int, False)):
+                try:
+                    if positional:
+                        fn((1,), (1,), (arg(0),), 0, st)
+                    else:
+                        with st:
+                            raw((1,), (1,), (arg(0),), shared_mem=0)
+                except TypeError:
+                    continue
+                _FORM = (arg, positional)
+                break
+            else:
+                raise RuntimeError("moonep: cannot launch CUDA kernels with this CuPy version")
+    return _FORM
+
+
+class Kernels:
+    """The compiled kernels of one program on one device, and how to launch them.
+
+    Attributes:
+        fn: kernel name -> ``cupy.cuda.Function`` (loaded on this device); raw: name -> ``cupy.RawKernel``.
+        streams: the shared stream cache's entry of this device (raw stream pointer -> CuPy stream).
+        arg: the kernel argument type for integers and pointers (``CIntptr`` or ``int``, see launch_form).
+        lean: launches take the positional-stream form (False: an old CuPy, the context-manager form).
+        smem_max: dynamic shared memory bytes a kernel may use after the opt-in (:meth:`need_smem`).
+    """
+
+    def __init__(self, program: str, device_index: int):
+        import cupy
+
+        self.program, self.di = program, device_index
+        self.device = torch.device("cuda", device_index)
+        self.options = compile_options(program)
+        self.arg, self.lean = launch_form(device_index)
+        names = PROGRAMS[program].kernels
+        with cupy.cuda.Device(device_index):
+            mod = cupy.RawModule(code=program_source(program), options=self.options, backend="nvrtc")
+            self.raw = {k: mod.get_function(k) for k in names}
+            self.fn = {k: v.kernel for k, v in self.raw.items()}  # compiles and loads once
+        self.smem = dict.fromkeys(names, _DYN_DEFAULT)  # dynamic bytes allowed so far
+        props = torch.cuda.get_device_properties(device_index)
+        self.smem_max = int(getattr(props, "shared_memory_per_block_optin", 227 * 1024)) - STATIC_SMEM
+        self.streams = _STREAMS.setdefault(device_index, {})
+        self.consts: dict = {}
+
+    def c(self, v: int):
+        """Cached kernel argument for a small constant."""
+        a = self.consts.get(v)
+        if a is None:
+            a = self.consts[v] = self.arg(v)
+        return a
+
+    def stream(self, raw=None):
+        """The CuPy stream for torch's current stream on this device (or for ``raw``)."""
+        return stream(self.di, raw)
+
+    def need_smem(self, name: str, nbytes: int) -> None:
+        """Let kernel ``name`` take ``nbytes`` of dynamic shared memory (the opt-in above the default limit,
+        once per larger size)."""
+        if nbytes > self.smem[name]:
+            import cupy
+            with cupy.cuda.Device(self.di):
+                self.raw[name].max_dynamic_shared_size_bytes = nbytes
+            self.smem[name] = nbytes
+
+    def launch(self, name: str, grid: tuple, block: tuple, args: tuple, smem: int = 0, any_device: bool = False):
+        """Launch kernel ``name`` on torch's current stream of this device. grid, block: tuples of ints.
+
+        The calling thread's current CUDA device must be this one, unless ``any_device`` (one device query
+        more per launch; another current device takes the context-manager form)."""
+        st = self.streams.get(_cur_stream(self.di))
+        if st is None:
+            st = self.stream()
+        if self.lean and (not any_device or _cur_dev() == self.di):
+            self.fn[name](grid, block, args, smem, st)
+        else:
+            import cupy
+            with cupy.cuda.Device(self.di):
+                if self.lean:
+                    self.fn[name](grid, block, args, smem, st)
+                else:
+                    with st:
+                        self.raw[name](grid, block, args, shared_mem=smem)
+
+
+def kernels(program: str, device_index: int) -> Kernels:
+    """The program's kernels on a device, compiled and loaded on first use (see the module docstring)."""
+    k = _LOADED[program].get(device_index)
+    if k is None:
+        k = _LOADED[program][device_index] = Kernels(program, device_index)
+    return k
+
+
+def loaded(program: str) -> dict:
+    """The program's loaded kernels by device index (the cache :func:`kernels` fills), for callers that look
+    them up on every call: one dict lookup."""
+    return _LOADED[program]
