@@ -19,7 +19,8 @@ torch code as on CPU runs on the device. Neither syncs with the host.
 """
 from __future__ import annotations
 
-import os
+import json
+import struct
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,8 @@ from . import cuda_runtime
 from .errors import MoonepError, expect, expect_device, expect_tensor
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
+
+_CHECKED: dict = {}  # a group's global ranks -> balancers whose settings were checked on it so far
 
 
 def histogram_quantiles(counts: torch.Tensor, topk: int, lo: torch.Tensor, width: torch.Tensor):
@@ -111,6 +114,8 @@ class QuantileBalancer(torch.nn.Module):
         self._recording = False  # host flag: counts recorded since the last step (avoids reading device)
         self._bad_host = self._bad_event = None  # CUDA deferred check: pinned copy of _bad_total + its event
         self._bad_reported = 0
+        self._config_checked = False  # the ranks' settings agree (checked by the first step of a group)
+        self._config_key = None  # where this balancer's settings are published in the group's store
 
     # ---------------------------------------------------------------- routing
     def route(self, scores: torch.Tensor):
@@ -268,12 +273,18 @@ class QuantileBalancer(torch.nn.Module):
     def step(self) -> None:
         """Pool the counts (one int32 all-reduce of ``E*B + 1``) and set the bias used from now on.
 
-        Collective over ``group`` unless frozen. No host sync on CUDA. An empty histogram (no tokens on
+        Collective over ``group`` unless frozen. No host sync on CUDA. The first step checks that every
+        rank built the balancer with the same ``num_experts``, ``topk``, ``bins``, ``ema``, ``validate``
+        and bias dtype (through the group's key-value store, on the host): a difference raises
+        ``ValueError`` on every rank, naming the argument and each rank's value, where the counts'
+        all-reduce of different sizes would abort the process or hang.  An empty histogram (no tokens on
         any rank) or a step with bad scores leaves the bias unchanged.
         """
         if self.frozen:
             self._reset_counts()
             return
+        if not self._config_checked and self._world() > 1:
+            self._check_config()
         if self._kernel_step():
             if self._world() > 1:
                 self._all_reduce_counts()
@@ -335,18 +346,73 @@ class QuantileBalancer(torch.nn.Module):
         gloo raises after the group's timeout (``moonep.init(timeout=...)``); NCCL reports asynchronously
         (its watchdog ends the process after the timeout), so there this only names synchronous failures.
         """
-        try:
-            dist.all_reduce(self._counts, op=dist.ReduceOp.SUM, group=self.group)
-        except RuntimeError as exc:
-            from .guard import mark_failed
+        self._all_reduce(self._counts, "the all_reduce of the score histograms")
 
-            rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-            timeout = os.environ.get("MOONEP_TIMEOUT", "60")
-            mark_failed(None, float(timeout))  # under mpirun: the process still ends (see guard.py)
-            raise MoonepError(f"rank {rank}: QuantileBalancer.step #{int(self.num_steps) + 1}: the all_reduce of "
-                              f"the score histograms failed (group timeout, MOONEP_TIMEOUT={timeout}s by "
-                              f"default; a peer is dead, stalled or called a different collective): "
-                              f"{str(exc).strip()[:500]}") from exc
+    def _all_reduce(self, t: torch.Tensor, what: str) -> None:
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        except RuntimeError as exc:
+            self._failed_collective(what, exc)
+
+    def _failed_collective(self, what: str, exc: Exception):
+        from .guard import mark_failed
+        from .runtime import default_timeout_s
+
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        try:
+            timeout = default_timeout_s()
+        except ValueError:  # a bad MOONEP_TIMEOUT: moonep.init refused it, so the group did not use it
+            timeout = 60.0
+        mark_failed(None, timeout)  # under mpirun: the process still ends (see guard.py)
+        raise MoonepError(f"rank {rank}: QuantileBalancer.step #{int(self.num_steps) + 1}: {what} failed "
+                          f"(group timeout, MOONEP_TIMEOUT={timeout:g}s by default; a peer is dead, stalled "
+                          f"or called a different collective): {str(exc).strip()[:500]}") from exc
+
+    _VALIDATE_CODES = {False: 0, True: 1, "eager": 2, "deferred": 3}
+    _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+    def _config_fields(self):
+        """``[(argument, int code), ...]``: the settings every rank of the group must share."""
+        ema_bits = struct.unpack("<q", struct.pack("<d", self.ema))[0]
+        dtype = self._DTYPES.index(self.bias.dtype) if self.bias.dtype in self._DTYPES else -1
+        return [("num_experts", self.num_experts), ("topk", self.topk), ("bins", self.bins), ("ema", ema_bits),
+                ("validate", self._VALIDATE_CODES[self.validate]), ("dtype", dtype)]
+
+    def _readable(self, name: str, code: int) -> str:
+        if name == "ema":
+            return repr(struct.unpack("<d", struct.pack("<q", code))[0])
+        if name == "validate":
+            return repr({v: k for k, v in self._VALIDATE_CODES.items()}.get(code, code))
+        if name == "dtype":
+            return str(self._DTYPES[code]) if 0 <= code < len(self._DTYPES) else f"dtype #{code}"
+        return str(code)
+
+    def _check_config(self) -> None:
+        """Every rank's settings, through the process group's key-value store (host only: no device work
+        and no device-to-host sync, on NCCL as on gloo, also under CUDA-graph capture); raises
+        ``ValueError`` on every rank when they differ.  Each rank of the group publishes its settings under
+        ``moonep/QuantileBalancer/<global ranks>/<n>/<rank>``, where ``n`` counts the balancers checked
+        on this group so far (the same on every rank: first steps are collective), and reads everyone's.
+        The store's reads wait at most its timeout (``moonep.init``'s)."""
+        R, rank = self._world(), dist.get_rank(self.group)
+        if self._config_key is None:
+            ranks = tuple(dist.get_process_group_ranks(self.group if self.group is not None else dist.group.WORLD))
+            n = _CHECKED.get(ranks, 0)
+            _CHECKED[ranks] = n + 1
+            self._config_key = f"moonep/QuantileBalancer/{'-'.join(map(str, ranks))}/{n}/"
+        fields = self._config_fields()
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(self._config_key + str(rank), json.dumps([code for _, code in fields]))
+            rows = [json.loads(store.get(self._config_key + str(r))) for r in range(R)]
+        except Exception as exc:  # noqa: BLE001 (the store's timeout: a rank that never steps, or died)
+            self._failed_collective("the settings check (through the process group's store)", exc)
+        for i, (name, _) in enumerate(fields):
+            col = [row[i] for row in rows]
+            if any(c != col[0] for c in col):
+                raise ValueError(f"{name}: expected the same value on every rank, got "
+                                 + "; ".join(f"rank {r}: {self._readable(name, c)}" for r, c in enumerate(col)))
+        self._config_checked = True
 
     def _reset_counts(self) -> None:
         self._counts.zero_()

@@ -3,9 +3,15 @@
 Tuning lives in :class:`Tuning`, passed to ``ExpertParallel(..., tuning=...)``.  Environment variables are
 not configuration: each one below is an override for profiling, benchmarking or tests, and ``ENV`` is the
 one place that lists them (a unit test checks that the code reads no other ``MOONEP_*`` variable).
+
+Every variable is read through :func:`env_float`, :func:`env_int` or :func:`env_flag` when it is used, not
+when ``moonep`` is imported (``MOONEP_BOARD_CHECK`` is the exception: read when the order board's module is
+imported).  A bad value raises ``ValueError("NAME: expected <accepted values>, got 'raw'")``; an empty value
+counts as unset.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -47,15 +53,18 @@ class Tuning:
         object.__setattr__(self, "fused", tuple(s for s in FUSED_STAGES if s in set(self.fused)))
 
     def with_env(self) -> "Tuning":
-        """This tuning with the profiling overrides ``MOONEP_NVLINK_*`` applied (see ``ENV``)."""
+        """This tuning with the profiling overrides ``MOONEP_NVLINK_*`` applied (see ``ENV``); a bad value
+        raises ``ValueError`` naming the variable."""
         kw = {}
         spec = os.environ.get("MOONEP_NVLINK_FUSED")
         if spec is not None:
             kw["fused"] = parse_fused(spec, "MOONEP_NVLINK_FUSED")
-        if os.environ.get("MOONEP_NVLINK_CHUNKS"):
-            kw["chunks"] = max(1, min(int(os.environ["MOONEP_NVLINK_CHUNKS"]), 8))
-        if os.environ.get("MOONEP_NVLINK_COMBINE_SMS", "0") not in ("", "0"):
-            kw["combine_sms"] = int(os.environ["MOONEP_NVLINK_COMBINE_SMS"])
+        chunks = env_int("MOONEP_NVLINK_CHUNKS", None, lo=1, hi=8)
+        if chunks is not None:
+            kw["chunks"] = chunks
+        combine_sms = env_int("MOONEP_NVLINK_COMBINE_SMS", 0, lo=0)  # 0: the default, 2 * num_sms
+        if combine_sms:
+            kw["combine_sms"] = combine_sms
         return replace(self, **kw) if kw else self
 
 
@@ -64,6 +73,58 @@ def parse_fused(spec: str, name: str = "fused") -> tuple:
     stages = {"0": set(), "1": set(FUSED_STAGES)}.get(spec.strip(), {t.strip() for t in spec.split(",") if t.strip()})
     expect(stages <= set(FUSED_STAGES), name, '"0", "1" or a comma list of route, dispatch, combine', repr(spec))
     return tuple(s for s in FUSED_STAGES if s in stages)
+
+
+def _env_raw(name: str):
+    """The variable's text, or ``None`` when it is unset or empty (whitespace only)."""
+    raw = os.environ.get(name)
+    return None if raw is None or not raw.strip() else raw
+
+
+def env_float(name: str, default, *, lo_exclusive: float = 0.0):
+    """A finite float ``> lo_exclusive`` from the environment, or ``default`` when unset or empty."""
+    raw = _env_raw(name)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > lo_exclusive):
+        raise ValueError(f"{name}: expected a finite number > {lo_exclusive:g}, got {raw!r}")
+    return v
+
+
+def env_int(name: str, default, lo: int | None = None, hi: int | None = None):
+    """An int in ``[lo, hi]`` (either bound may be ``None``) from the environment, or ``default`` when unset
+    or empty.  Only plain decimal integers are accepted (no ``1.5``, ``1e3`` or ``inf``)."""
+    raw = _env_raw(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw.strip(), 10)
+    except ValueError:
+        v = None
+    if v is None or (lo is not None and v < lo) or (hi is not None and v > hi):
+        want = ("an int" + (f" in [{lo}, {hi}]" if lo is not None and hi is not None else
+                            f" >= {lo}" if lo is not None else f" <= {hi}" if hi is not None else ""))
+        raise ValueError(f"{name}: expected {want}, got {raw!r}")
+    return v
+
+
+_FLAGS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """A boolean from the environment: 1/true/yes/on or 0/false/no/off (any case), ``default`` when unset
+    or empty."""
+    raw = _env_raw(name)
+    if raw is None:
+        return default
+    v = _FLAGS.get(raw.strip().lower())
+    if v is None:
+        raise ValueError(f"{name}: expected one of 0, 1, true, false, yes, no, on, off, got {raw!r}")
+    return v
 
 
 @dataclass(frozen=True)
@@ -77,20 +138,20 @@ class EnvVar:
 # Every MOONEP_* variable read anywhere in the package, its tests, tools and benchmarks:
 # name | default | group | what it does
 _TABLE = """
-MOONEP_TIMEOUT | 60 | runtime | seconds a collective waits for a peer before MoonepError (moonep.init's default)
-MOONEP_NVLINK_TIMEOUT | the runtime's timeout | runtime | seconds the nvlink kernels wait for a peer's signal
-MOONEP_CHECK_ORDER | 1 | runtime | 0 skips the per-call header exchange that checks all ranks make the same call
+MOONEP_TIMEOUT | 60 | runtime | seconds a collective waits for a peer before MoonepError (moonep.init's default; a finite number > 0)
+MOONEP_NVLINK_TIMEOUT | the runtime's timeout | runtime | seconds the nvlink kernels wait for a peer's signal (a finite number > 0)
+MOONEP_CHECK_ORDER | 1 | runtime | 0 skips the per-call header exchange that checks all ranks make the same call with agreeing arguments: mismatches then go undetected (0/1/true/false/yes/no)
 MOONEP_MASTER_ADDR | loopback, or rank 0's address | runtime | address of rank 0's TCPStore under mpirun
 MOONEP_NVLINK_FUSED | route,dispatch | profiling | overrides Tuning.fused: 0, 1 or a comma list of stages
-MOONEP_NVLINK_CHUNKS | 4 | profiling | overrides Tuning.chunks
-MOONEP_NVLINK_COMBINE_SMS | 0 (2 * num_sms) | profiling | overrides Tuning.combine_sms
-MOONEP_LAY_TILES | 48 | profiling | tile blocks the layout kernel aims at
-MOONEP_NVLINK_DIAG | 0 | profiling | bit mask: timing variants of the nvlink kernels that leave a stage out (wrong results by design; tools/diag_nvlink.sh)
+MOONEP_NVLINK_CHUNKS | 4 | profiling | overrides Tuning.chunks (an int in 1..8)
+MOONEP_NVLINK_COMBINE_SMS | 0 (2 * num_sms) | profiling | overrides Tuning.combine_sms (an int >= 0; 0 keeps the default)
+MOONEP_LAY_TILES | 48 | profiling | tile blocks the layout kernel aims at (an int >= 1)
+MOONEP_NVLINK_DIAG | 0 | profiling | bit mask (an int >= 0): timing variants of the nvlink kernels that leave a stage out (wrong results by design; tools/diag_nvlink.sh)
 MOONEP_LINEINFO | unset | profiling | 1 compiles the kernels with -lineinfo (source lines in ncu)
 MOONEP_PLAN_CLOCKS | unset | profiling | 1 compiles cycle counters per planner phase (tools/profile_planner.py)
 MOONEP_PLAN_STAMPS | unset | profiling | 1 compiles phase stamps of the fused planner launch
-MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels
-MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum
+MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels (0/1/true/false/yes/no)
+MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum (0/1/true/false/yes/no)
 MOONEP_MPIEXEC | the venv's mpiexec | tests | launcher of the multi-rank tests
 MOONEP_LAUNCH_ID | set by the harness | tests | marks the processes of one test launch
 MOONEP_TEST_DEVICE | cpu | tests | device of the multi-rank test cases

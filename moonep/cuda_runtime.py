@@ -34,6 +34,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .config import env_flag, env_int
+
 __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
            "kernels", "loaded", "stream", "num_sms", "ptr", "launch_form", "STATIC_SMEM"]
 
@@ -45,7 +47,7 @@ def _flag(name: str) -> tuple[str, ...]:
 
 def _diag() -> tuple[str, ...]:
     # MOONEP_NVLINK_DIAG: timing variants for tools/diag_nvlink.sh only (see csrc/common.cuh)
-    diag = int(os.environ.get("MOONEP_NVLINK_DIAG", "0") or 0)
+    diag = env_int("MOONEP_NVLINK_DIAG", 0, lo=0)
     return (f"-DMOONEP_DIAG={diag}",) if diag else ()
 
 
@@ -98,7 +100,7 @@ def available() -> bool:
     """CuPy importable (checked once); ``MOONEP_NO_CUPY=1`` forces the pure-torch fallbacks."""
     global _AVAILABLE
     if _AVAILABLE is None:
-        if os.environ.get("MOONEP_NO_CUPY", "") not in ("", "0"):
+        if env_flag("MOONEP_NO_CUPY", False):
             _AVAILABLE = False
         else:
             try:

@@ -25,7 +25,7 @@ from . import layout
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype
 from .config import Tuning
-from .errors import MoonepError, expect, expect_device, expect_slack, expect_tensor
+from .errors import MoonepError, expect, expect_device, expect_int, expect_slack, expect_tensor, fail
 from .guard import CollectiveGuard, mark_failed
 from .handles import Dispatched
 from .replicas import home_is_view
@@ -34,6 +34,29 @@ from .transport import make_transport
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 TRANSPORTS = ("auto", "mpi", "torch", "nvlink", "local")
+_DTYPES = _FLOAT + (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _dt(t) -> int:
+    """A small code of a tensor's dtype for the call signature (99: any other)."""
+    try:
+        return _DTYPES.index(t.dtype)
+    except ValueError:
+        return 99
+
+
+def _shape_key(shape) -> int:
+    """63 bits that differ between trailing shapes (tuple hashes of ints are the same in every process)."""
+    return hash(tuple(shape)) & ((1 << 62) - 1)
+
+
+def _local_error(check, *args):
+    """Run a check that raises ``ValueError``; return its message, or ``None``."""
+    try:
+        check(*args)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -167,7 +190,11 @@ class ExpertParallel:
         self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
         expect(transport != "local" or self.rt.group is None, "transport",
                '"local" only in a process without a process group', f"a group of {R} rank(s)")
-        self.transport = make_transport("auto" if transport in ("nvlink", "local") else transport, self.rt)
+        # the transport waits at most `timeout` from the first exchange on (construction included); a bad
+        # value is refused below, on every rank, and the default is used until then
+        ok_timeout = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
+        self.transport = make_transport("auto" if transport in ("nvlink", "local") else transport, self.rt,
+                                        timeout=timeout if ok_timeout else None)
         kind = choose_backend(transport, self.rt, self.transport, self.device, dtype)
         config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
                       dtype=str(dtype), align=align, apply_weights=apply_weights,
@@ -210,19 +237,50 @@ class ExpertParallel:
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
 
     @contextmanager
-    def _collective(self, op: str, backward: bool = False):
-        """Run one collective call: refuse a closed instance, check the call order with the peers (backward
-        passes only where the backend checks them), and remember a failure so shutdown does not wait for a
-        dead peer."""
+    def _collective(self, op: str, *, error=None, sig=(), describe=None, backward: bool = False):
+        """Run one collective call: refuse a closed instance, exchange the call's header with the peers
+        (backward passes only where the backend checks them) and remember a failure so shutdown does not
+        wait for a dead peer.
+
+        The header carries the call order, whether this rank's arguments failed a local check (``error``)
+        and the call's signature (``sig``: ints that must agree across ranks; ``describe()`` gives
+        ``[(argument, readable value), ...]`` in the same order, built only when they disagree).  Every
+        rank then refuses the call together, with a ``ValueError``, before any data moves, and the
+        instance stays usable."""
         expect(not self._closed, "ExpertParallel", "an open instance", f"{op} called after close()")
-        if not backward or self._backend.checks_backward_order:
-            self._guard.enter(op, exchange=self._backend.order_exchange)
-            self._backend.label(f"{op} #{self._guard.seq}")
         try:
+            if not backward or self._backend.checks_backward_order:
+                got = self._guard.enter(op, exchange=self._backend.order_exchange, refused=error is not None,
+                                        sig=sig)
+                self._backend.label(f"{op} #{self._guard.seq}")
+                if got is not None:
+                    self._agree(got, error, describe)
+            if error is not None:  # nothing was exchanged (one rank, or MOONEP_CHECK_ORDER=0)
+                raise ValueError(error)
             yield
         except MoonepError:
             self._record_failure()
             raise
+
+    def _agree(self, headers, error, describe) -> None:
+        """Raise the same ``ValueError`` on every rank when a rank refused its arguments or the signatures
+        differ.  The messages travel only then (one small gather, on every rank alike)."""
+        if any(h[4] for h in headers):
+            msgs = self.transport.all_gather_object(error)
+            if error is not None:
+                raise ValueError(error)
+            r = next(i for i, m in enumerate(msgs) if m)
+            raise ValueError(f"{msgs[r]} (on rank {r})")
+        first = list(headers[0][5:])
+        if all(list(h[5:]) == first for h in headers):
+            return
+        values = self.transport.all_gather_object(describe() if describe is not None else [])
+        for i, (name, _) in enumerate(values[0]):
+            col = [v[i][1] for v in values]
+            if any(c != col[0] for c in col):
+                raise ValueError(f"{name}: expected the same value on every rank, got "
+                                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(col)))
+        raise ValueError("the arguments of this call disagree across ranks")  # describe() missed a field
 
     def _record_failure(self) -> None:
         """A collective of this instance raised MoonepError: close() must not wait for peers, and the
@@ -249,8 +307,12 @@ class ExpertParallel:
         if self._closed:
             return
         self._closed = True
-        if self._backend is not None:
-            self._backend.close(peers_ok=not self._failed, check=check)
+        try:
+            if self._backend is not None:
+                self._backend.close(peers_ok=not self._failed, check=check)
+        finally:
+            if hasattr(self.transport, "close"):  # the MPI transport drops this instance's late headers
+                self.transport.close()
 
     def __enter__(self):
         return self
@@ -260,6 +322,21 @@ class ExpertParallel:
         return False
 
     # -- the data path ------------------------------------------------------------------------------
+    def _check_handle(self, h) -> None:
+        """``h`` must be a Dispatched of this instance (raises ``ValueError``)."""
+        if type(h) is not Dispatched and not isinstance(h, Dispatched):
+            fail("h", "the Dispatched returned by dispatch", type(h).__name__)
+        st = h.routing
+        if not (isinstance(st, self._backend.step_type) and st.instance == self._guard.instance):
+            fail("h", f"a Dispatched of this ExpertParallel (#{self._guard.instance}, {self._backend.name} backend)",
+                 f"{type(st).__name__} of ExpertParallel #{getattr(st, 'instance', '?')}")
+
+    def _check_combine(self, expert_out, h) -> None:
+        expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
+                      shape=(self.capacity, None))
+        self._check_handle(h)
+        self._backend.check_rows(expert_out, h.routing)
+
     def _routing_error(self, x, topk_idx, topk_weights):
         """The first failed shape/dtype/device check of dispatch's arguments, or ``None``.  (The backend
         checks the values and decides how a failure surfaces: see ``Backend.plan_step``.)"""
@@ -289,10 +366,23 @@ class ExpertParallel:
         Returns:
             :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.
         """
-        with self._collective("dispatch"):
+        err = self._routing_error(x, topk_idx, topk_weights)
+        if err is None and num_global_tokens is not None:
+            err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0)
+        sig, describe = (), None
+        if err is None:
+            ge = torch.is_grad_enabled()
+            tx, tw = ge and x.requires_grad, ge and topk_weights.requires_grad
+            ngt = -1 if num_global_tokens is None else int(num_global_tokens)
+            # the weights' dtype, and which backward collectives will run (rank-local otherwise)
+            sig = (_dt(topk_weights), tx, tw, ngt)
+            describe = lambda: [("topk_weights", f"dtype {topk_weights.dtype}"),  # noqa: E731
+                                ("x", f"requires_grad={tx}"), ("topk_weights", f"requires_grad={tw}"),
+                                ("num_global_tokens", repr(num_global_tokens))]
+        with self._collective("dispatch", error=err, sig=sig, describe=describe):
             backend = self._backend
-            err = self._routing_error(x, topk_idx, topk_weights)
-            plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens, err)
+            plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens)
+            st.step, st.instance = self._guard.seq, self._guard.instance
             if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
                 tokens, weights = _DispatchFn.apply(x, topk_weights, self, st)
             else:
@@ -305,6 +395,16 @@ class ExpertParallel:
             backend.after_call()
             return out
 
+    def refuse(self, op: str, message: str) -> None:
+        """Refuse this rank's part of collective ``op`` (``"dispatch"``, ``"combine"``, ``"prefetch"`` or
+        ``"reduce_grad"``) while the peers make that call with their own arguments: every rank raises
+        ``ValueError`` (``message`` here, ``"message (on rank r)"`` on the peers) and the instance stays
+        usable.  For layers whose own input checks run before the collective (``LatentMoE``)."""
+        expect(op in ("dispatch", "combine", "prefetch", "reduce_grad"), "op",
+               '"dispatch", "combine", "prefetch" or "reduce_grad"', repr(op))
+        with self._collective(op, error=str(message)):
+            pass
+
     def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
         """Return each token's weighted sum of its experts' outputs. Collective.
 
@@ -315,15 +415,20 @@ class ExpertParallel:
             ``[s, H]`` in ``expert_out``'s dtype; ``sum_k w_k * out_k`` (or the plain sum with
             ``apply_weights="dispatch"``). Rows of tokens whose choices are all masked are zero.
         """
-        expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
-                      shape=(self.capacity, None))
-        expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
-        with self._collective("combine"):
-            backend, st = self._backend, h.routing
-            expect(isinstance(st, backend.step_type), "h",
-                   f"a Dispatched of this ExpertParallel ({backend.name} backend)", type(st).__name__)
+        err = _local_error(self._check_combine, expert_out, h)
+        sig, describe = (), None
+        if err is None:
+            st = h.routing
             weights = h.weights if self.apply_weights == "combine" else None
-            if torch.is_grad_enabled() and (expert_out.requires_grad or (weights is not None and weights.requires_grad)):
+            ge = torch.is_grad_enabled()
+            to, tw = ge and expert_out.requires_grad, ge and weights is not None and weights.requires_grad
+            sig = (_dt(expert_out), expert_out.shape[1], st.step, to, tw)
+            describe = lambda: [("expert_out", f"dtype {expert_out.dtype}"),  # noqa: E731
+                                ("expert_out", f"shape {list(expert_out.shape)}"), ("h", f"dispatch #{st.step}"),
+                                ("expert_out", f"requires_grad={to}"), ("h.weights", f"requires_grad={tw}")]
+        with self._collective("combine", error=err, sig=sig, describe=describe):
+            backend = self._backend
+            if to or tw:
                 y = _CombineFn.apply(expert_out, weights, self, st, expert_out.dtype)
             else:
                 y = backend.combine(expert_out, weights, st, expert_out.dtype)
@@ -366,16 +471,27 @@ class ExpertParallel:
             of ops that saved the first result makes that backward raise torch's in-place error instead of
             using overwritten weights.
         """
-        expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
+        err = _local_error(self._check_prefetch, h, local_weight, out)
+        sig, describe, tracked = (), None, False
+        if err is None:
+            step, tracked = h.routing.step, torch.is_grad_enabled() and local_weight.requires_grad
+            sig = (_dt(local_weight), _shape_key(local_weight.shape), step, out is not None, tracked)
+            describe = lambda: [("local_weight", f"dtype {local_weight.dtype}"),  # noqa: E731
+                                ("local_weight", f"shape {list(local_weight.shape)}"), ("h", f"dispatch #{step}"),
+                                ("out", "a pool" if out is not None else "None"),
+                                ("local_weight", f"requires_grad={tracked}")]
+        with self._collective("prefetch", error=err, sig=sig, describe=describe):
+            if tracked:
+                return _PrefetchFn.apply(local_weight, self, h.plan, (out,))
+            return self._backend.prefetch(h.plan, local_weight, out=out)
+
+    def _check_prefetch(self, h, local_weight, out) -> None:
+        self._check_handle(h)
         expect_tensor(local_weight, "local_weight", device=self.device)
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
         if out is not None:
             self._check_pool(local_weight, out)
-        with self._collective("prefetch"):
-            if torch.is_grad_enabled() and local_weight.requires_grad:
-                return _PrefetchFn.apply(local_weight, self, h.plan, (out,))
-            return self._backend.prefetch(h.plan, local_weight, out=out)
 
     def _check_pool(self, local_weight: torch.Tensor, out) -> None:
         """Validate ``prefetch``'s ``out`` pool against ``local_weight`` (raises ``ValueError``)."""
@@ -397,9 +513,18 @@ class ExpertParallel:
 
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
         """
-        expect(isinstance(h, Dispatched), "h", "the Dispatched returned by dispatch", type(h).__name__)
+        err = _local_error(self._check_reduce_grad, h, grad_view)
+        sig, describe = (), None
+        if err is None:
+            step = h.routing.step
+            sig = (_dt(grad_view), _shape_key(grad_view.shape), step)
+            describe = lambda: [("grad_view", f"dtype {grad_view.dtype}"),  # noqa: E731
+                                ("grad_view", f"shape {list(grad_view.shape)}"), ("h", f"dispatch #{step}")]
+        with self._collective("reduce_grad", error=err, sig=sig, describe=describe):
+            return self._backend.reduce_grad(h.plan, grad_view)
+
+    def _check_reduce_grad(self, h, grad_view) -> None:
+        self._check_handle(h)
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
-        with self._collective("reduce_grad"):
-            return self._backend.reduce_grad(h.plan, grad_view)

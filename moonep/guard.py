@@ -8,13 +8,17 @@ differently) every rank sees all headers and raises the same :class:`moonep.Moon
 feeding mismatched collectives to MPI/gloo (a hang at best, silently wrong data at worst).  A peer that
 never sends its header (dead or stalled) makes the exchange time out with an error naming the op.
 
+The same header carries whether a rank's arguments failed its local checks, and the call's signature
+(dtypes, trailing shapes, the step of a handle, which inputs require grad), so ``ExpertParallel`` refuses
+a call on every rank together when they disagree.
+
 Set ``MOONEP_CHECK_ORDER=0`` to skip the header exchange (one tiny collective per call); timeouts still
-name the op then, but a mismatched order is no longer detected before the data moves.
+name the op then, but a mismatched order or arguments that disagree across ranks are no longer detected
+before the data moves (wrong values or a crash), and a local argument error raises on its rank only.
 """
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import sys
 
@@ -24,15 +28,21 @@ MAGIC = 0x6D6F6F6E  # "moon": a header from anything else is reported as such
 OPS = ("dispatch", "combine", "prefetch", "reduce_grad", "dispatch.backward", "combine.backward",
        "prefetch.backward")
 _CODE = {name: i + 1 for i, name in enumerate(OPS)}
+SIG_WORDS = 8  # the call's signature: what must agree across ranks (dtypes, shapes, step, autograd pattern)
+HEADER_WORDS = 5 + SIG_WORDS  # magic, instance, op, seq, refused, signature
 
 
 def check_order_enabled() -> bool:
-    return os.environ.get("MOONEP_CHECK_ORDER", "1") not in ("0", "false", "False", "")
+    """``MOONEP_CHECK_ORDER`` (default on); a value other than 0/1/true/false/yes/no/on/off raises
+    ``ValueError`` naming the variable."""
+    from .config import env_flag
+
+    return env_flag("MOONEP_CHECK_ORDER", True)
 
 
 def describe(header) -> str:
-    """``"combine #5"`` (plus the instance when it is not the first) for a header ``[magic, inst, op, seq]``."""
-    magic, inst, code, seq = (int(v) for v in header)
+    """``"combine #5"`` (plus the instance when it is not the first) for a header ``[magic, inst, op, seq, ...]``."""
+    magic, inst, code, seq = (int(v) for v in header[:4])
     if magic != MAGIC or not 1 <= code <= len(OPS):
         return f"an unknown collective (header {[magic, inst, code, seq]})"
     suffix = f" of ExpertParallel #{inst}" if inst else ""
@@ -51,28 +61,34 @@ class CollectiveGuard:
         self.seq = 0
         self.enabled = check_order_enabled()
 
-    def enter(self, op: str, exchange=None) -> None:
+    def enter(self, op: str, exchange=None, refused: bool = False, sig=()):
         """Start collective ``op``: label the transport's errors with it and check the order. Collective.
 
-        ``exchange``: header all-gather to use instead of the transport's (the NVLink engine's host
-        shared-memory board)."""
+        ``exchange``: header all-gather to use instead of the transport's (the nvlink backend's host
+        shared-memory board).  ``refused``: this rank's arguments failed a local check; ``sig``: up to
+        ``SIG_WORDS`` ints that must be equal on every rank.  Both travel in the header, so the caller can
+        refuse the call on every rank together.  Returns every rank's header (lists of ``HEADER_WORDS``
+        ints, rank order), or ``None`` when nothing was exchanged (one rank, or ``MOONEP_CHECK_ORDER=0``).
+        """
         self.seq += 1
-        header = [MAGIC, self.instance, _CODE[op], self.seq]
+        header = [MAGIC, self.instance, _CODE[op], self.seq, int(refused), *sig]
+        header += [0] * (HEADER_WORDS - len(header))
         self.transport.current_op = describe(header)
         if not self.enabled or self.transport.world_size == 1:
-            return
+            return None
         try:
             got = (exchange or self.transport.exchange_header)(header)
         except MoonepError:
             mark_failed(self.rt, self.transport.timeout_s())
             raise
-        ref = [int(v) for v in got[0]]
+        ref = [int(v) for v in got[0][:4]]
         for r, h in enumerate(got):
-            if [int(v) for v in h] != ref:
+            if [int(v) for v in h[:4]] != ref:
                 # Every rank completed the exchange and raises here: the runtime itself stays usable.
                 raise MoonepError(f"collective order mismatch: rank {r} called {describe(h)} while rank 0 called "
                                   f"{describe(ref)} (seen on rank {self.transport.rank}); every rank must make "
                                   "the same collective calls in the same order")
+        return got
 
 
 _WATCHDOG = {"armed": False, "seconds": 0.0}

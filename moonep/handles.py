@@ -18,7 +18,14 @@ import torch
 
 
 class StepState:
-    """Base of the per-step states; a backend only accepts the kind it made (see ``Backend.step_type``)."""
+    """Base of the per-step states; a backend only accepts the kind it made (see ``Backend.step_type``).
+
+    ``step`` is the sequence number of the dispatch that made it and ``instance`` the index of its
+    ExpertParallel (both set by ``ExpertParallel.dispatch``): every rank must pass the same step.
+    """
+
+    step: int = -1
+    instance: int = -1
 
 
 @dataclass

@@ -8,17 +8,62 @@ and broadcasts it over MPI, so two jobs on one machine never collide.
 from __future__ import annotations
 
 import datetime
+import math
+import numbers
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import expect
+from .config import env_float
+from .errors import MoonepError, expect
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("MOONEP_TIMEOUT", "60"))
+_DEFAULT_TIMEOUT_S = 60.0
+# MPI requests given up on after a timeout (rendezvous, shutdown barrier): MPI may still complete them later
+# and write into their buffers, so both stay alive.
+_ABANDONED: list = []
+
+
+def default_timeout_s() -> float:
+    """``MOONEP_TIMEOUT`` (a finite number of seconds > 0), else 60; read at each call, so a bad value
+    fails ``moonep.init()`` with a ``ValueError`` naming the variable, never ``import moonep``."""
+    return env_float("MOONEP_TIMEOUT", _DEFAULT_TIMEOUT_S)
+
+
+def __getattr__(name):  # the former module constant, now read when asked for
+    if name == "DEFAULT_TIMEOUT_S":
+        return default_timeout_s()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _timeout_delta(timeout) -> datetime.timedelta:
+    """``timeout`` (seconds, or ``None`` for ``MOONEP_TIMEOUT`` / 60) as a checked ``timedelta``."""
+    if timeout is None:
+        return datetime.timedelta(seconds=default_timeout_s())
+    ok = (isinstance(timeout, numbers.Real) and not isinstance(timeout, bool) and math.isfinite(timeout)
+          and timeout > 0)
+    expect(ok, "timeout", "None or a finite number of seconds > 0", repr(timeout))
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def _poll(req, seconds: float, keep=()) -> bool:
+    """Test ``req`` until it completes (True) or ``seconds`` pass (False: ``req`` and ``keep`` stay alive)."""
+    t0 = time.monotonic()
+    deadline = t0 + seconds
+    spins = 0
+    while not req.Test():
+        spins += 1
+        if spins > 1000:  # spin briefly, then yield the core (ranks may share cores)
+            time.sleep(1e-3 if time.monotonic() - t0 > 1.0 else 1e-4)
+        if time.monotonic() > deadline:
+            _ABANDONED.append((req, keep))
+            return False
+    return True
 
 
 @dataclass
@@ -40,6 +85,13 @@ class Runtime:
     failed: bool = field(default=False, repr=False)  # a collective raised MoonepError (peer dead/stalled)
     _instances: int = field(default=0, repr=False)  # ExpertParallel objects built here (order-check ids)
 
+    def _give_up(self) -> None:
+        """A shutdown barrier failed or expired: remember it, and under mpirun make sure the process ends
+        (``MPI_Finalize`` would wait for the missing peer; see :func:`moonep.guard.mark_failed`)."""
+        from .guard import mark_failed
+
+        mark_failed(self, self.timeout.total_seconds())
+
     def next_instance(self) -> int:
         """Index of the next ExpertParallel on this runtime (construction is collective: same everywhere)."""
         self._instances += 1
@@ -58,7 +110,9 @@ class Runtime:
 
         Under MPI, rank 0 hosts the TCPStore: a final MPI barrier keeps it alive until every rank has torn
         its process group down (a rank whose store vanished mid-teardown aborts in C++).  After a failed
-        collective (``failed``) no barrier is attempted: a dead peer would never arrive.
+        collective (``failed``) no barrier is attempted: a dead peer would never arrive.  Every barrier
+        here waits at most the runtime's timeout; one that expires is given up quietly (this is shutdown)
+        and marks the runtime failed.
         """
         if self.failed and self._owns_pg and dist.is_initialized():
             self._owns_pg = False
@@ -73,13 +127,26 @@ class Runtime:
                 store = dist.distributed_c10d._get_default_store()
             except Exception:  # noqa: BLE001 (private API; the MPI barrier below covers mpirun anyway)
                 store = None
-            dist.barrier(group=self.cpu_group)
-            dist.destroy_process_group()
+            try:
+                dist.barrier(group=self.cpu_group)  # gloo: bounded by the group's timeout
+            except Exception:  # noqa: BLE001 (a peer is dead or stalled: give the barriers up)
+                self._give_up()
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                self._give_up()
             self._owns_pg = False
             # Drop our handles now: groups torn down later, at interpreter exit, can abort in C++.
             self.group = self.cpu_group = None
+            if self.failed:
+                return
             if self.comm is not None:
-                self.comm.Barrier()
+                try:
+                    ok = _poll(self.comm.Ibarrier(), self.timeout.total_seconds())
+                except Exception:  # noqa: BLE001 (mpi4py.MPI.Exception: a failed peer)
+                    ok = False
+                if not ok:
+                    self._give_up()
             elif store is not None and self.world_size > 1:
                 key = "moonep/shutdown"
                 if self.rank != 0:
@@ -99,7 +166,7 @@ def local_runtime(device=None, timeout: float | None = None) -> Runtime:
     dev = expect_device(device) if device is not None else _pick_device(0, None)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    td = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else float(timeout))
+    td = _timeout_delta(timeout)
     return Runtime(0, 1, 0, 1, dev, None, None, "none", "local", td)
 
 
@@ -112,16 +179,42 @@ def detect_launcher(env=os.environ) -> str:
     return "single"
 
 
+_HOST_BYTES = 256  # a host name's slot in the rendezvous gather (Linux names are at most 64 bytes)
+_INFO_BYTES = 4096  # rank 0's pickled (address, port, error) in the rendezvous broadcast
+
+
+def _rendezvous_wait(req, seconds: float, rank: int, what: str, keep) -> None:
+    try:
+        ok = _poll(req, seconds, keep)
+    except Exception as exc:  # noqa: BLE001 (mpi4py.MPI.Exception)
+        raise MoonepError(f"moonep.init: rank {rank}: {what} failed: {exc}") from exc
+    if not ok:
+        from .guard import mark_failed
+
+        mark_failed(None, seconds)  # under mpirun: the process still ends (MPI_Finalize would wait)
+        raise MoonepError(f"moonep.init: rank {rank}: {what} did not complete within the timeout of "
+                          f"{seconds:g}s (a rank is dead, stalled or not calling moonep.init)")
+
+
 def _mpi_rendezvous(timeout):
+    """Local ranks from the ranks' host names, and rank 0's TCPStore address, over MPI: non-blocking
+    collectives polled against ``timeout``, so a rank that never arrives (or a rank 0 that died before its
+    broadcast) raises :class:`moonep.MoonepError` instead of blocking."""
     from mpi4py import MPI  # imported only under mpirun: importing it initialises MPI
 
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
-    local_rank, local_size = node.Get_rank(), node.Get_size()
-    node.Free()
-    hosts = comm.allgather(socket.gethostname())
+    seconds = timeout.total_seconds()
+    mine = np.zeros(_HOST_BYTES, dtype=np.uint8)
+    name = socket.gethostname().encode()[:_HOST_BYTES - 1]
+    mine[:len(name)] = np.frombuffer(name, dtype=np.uint8)
+    table = np.zeros((size, _HOST_BYTES), dtype=np.uint8)
+    _rendezvous_wait(comm.Iallgather(mine, table), seconds, rank, "the host-name gather", (mine, table))
+    hosts = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in table]
+    # Ranks on one host (what MPI_COMM_TYPE_SHARED groups), numbered in rank order.
+    local_rank, local_size = hosts[:rank].count(hosts[rank]), hosts.count(hosts[rank])
     store = None
+    buf = np.zeros(_INFO_BYTES, dtype=np.uint8)
     if rank == 0:
         # One node: loopback. Several: rank 0's address (override with MOONEP_MASTER_ADDR).
         addr = os.environ.get("MOONEP_MASTER_ADDR") or (
@@ -129,11 +222,14 @@ def _mpi_rendezvous(timeout):
         try:
             store = dist.TCPStore(addr, 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
             info = (addr, store.port, None)
-        except Exception as exc:  # broadcast the failure instead of leaving peers in bcast forever
-            info = (None, None, repr(exc))
-    else:
-        info = None
-    addr, port, err = comm.bcast(info, root=0)
+        except Exception as exc:  # broadcast the failure instead of leaving peers waiting for the address
+            info = (None, None, repr(exc)[:2000])
+        data = pickle.dumps(info)
+        buf[:8] = np.frombuffer(np.int64(len(data)).tobytes(), dtype=np.uint8)
+        buf[8:8 + len(data)] = np.frombuffer(data, dtype=np.uint8)
+    _rendezvous_wait(comm.Ibcast(buf, root=0), seconds, rank, "the broadcast of rank 0's store address", buf)
+    n = int(np.frombuffer(buf[:8].tobytes(), dtype=np.int64)[0])
+    addr, port, err = pickle.loads(buf[8:8 + n].tobytes())
     if err is not None:
         raise RuntimeError(f"moonep.init: rank 0 could not open its TCPStore: {err}")
     if rank != 0:
@@ -161,12 +257,13 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         backend: "gloo" or "nccl"; default NCCL when the device is CUDA, else gloo.
         device: "cpu" or "cuda"; default CUDA when available.
         timeout: seconds before a collective that waits on a dead or stalled peer raises (default 60,
-            or ``MOONEP_TIMEOUT``).
+            or ``MOONEP_TIMEOUT``); also bounds the MPI rendezvous here and the barriers of
+            :meth:`Runtime.shutdown`.
 
     Returns:
         A :class:`Runtime`. Calling ``init`` twice returns a runtime over the existing default group.
     """
-    td = datetime.timedelta(seconds=DEFAULT_TIMEOUT_S if timeout is None else float(timeout))
+    td = _timeout_delta(timeout)  # first: a bad MOONEP_TIMEOUT or timeout fails before anything is built
     want_cuda = None if device is None else torch.device(device).type == "cuda"
     if backend is not None:
         expect(backend in ("gloo", "nccl"), "backend", '"gloo" or "nccl"', repr(backend))

@@ -29,11 +29,11 @@ class Backend:
     # header all-gather for the call-order check, or None for the transport's own
     order_exchange = None
 
-    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None, error=None):
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
         """Validate values, all-gather the routing counts, plan and lay out. Collective.
 
-        ``error``: the message of a shape/dtype check that failed on this rank (``ExpertParallel`` checks
-        those), or ``None``.  Returns ``(plan, st)``.
+        Shapes, dtypes and devices were checked by ``ExpertParallel`` (and agreed on by every rank); value
+        errors are the backend's to surface on every rank.  Returns ``(plan, st)``.
         """
         raise NotImplementedError
 
@@ -50,6 +50,10 @@ class Backend:
     def combine(self, rows, weights, st, out_dtype):
         """``rows [cap, H]``, ``weights [cap]`` or ``None`` (plain sum) -> ``y [s, H]`` in ``out_dtype``."""
         raise NotImplementedError
+
+    def check_rows(self, rows, st) -> None:
+        """Raise ``ValueError`` if ``rows`` cannot be combined for step ``st`` (checked before the call's
+        header, so every rank refuses together)."""
 
     def dispatch_backward(self, g_tokens, g_weights, st, want_x: bool, want_w: bool, x_dtype, w_dtype):
         """Backward of dispatch: ``(gx [s, H] or None, gw [s, K] or None)`` from the rows' gradients."""

@@ -56,18 +56,17 @@ class HostBackend(Backend):
             raise ValueError(f"topk_weights: expected finite values, got {topk_weights[i].tolist()} "
                              f"for token {i}")
 
-    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None, error=None):
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
         E = self.num_experts
-        err = error
-        if err is None:
-            try:
-                if x.shape[0]:
-                    self._check_values(topk_idx, topk_weights)
-                idx = topk_idx.to(torch.int64)
-                counts = torch.bincount(idx[idx >= 0], minlength=E).to(torch.int64)
-                s = x.shape[0]
-            except ValueError as exc:
-                err = str(exc)
+        err = None
+        try:
+            if x.shape[0]:
+                self._check_values(topk_idx, topk_weights)
+            idx = topk_idx.to(torch.int64)
+            counts = torch.bincount(idx[idx >= 0], minlength=E).to(torch.int64)
+            s = x.shape[0]
+        except ValueError as exc:
+            err = str(exc)
         if err is not None:
             counts, s = torch.zeros(E, dtype=torch.int64, device=self.device), 0
         # One gather carries the counts, s and an error flag, so bad input on one rank fails every rank.

@@ -71,7 +71,6 @@ layers may share one ``ExpertParallel``).  Both modes give bitwise identical res
 """
 from __future__ import annotations
 
-import os
 import weakref
 
 import numpy as np
@@ -80,7 +79,7 @@ import torch
 from .. import cuda_runtime, layout
 from ..config import Tuning, parse_fused
 from ..errors import MoonepError, expect
-from ..guard import check_order_enabled
+from ..guard import HEADER_WORDS, check_order_enabled
 from ..handles import NVLinkStep
 from ..replicas import home_is_view
 from ..transport.ipc import HostWords, SymmetricBuffer
@@ -175,7 +174,8 @@ class NVLinkBackend(Backend):
         self._gather_obj = ep.transport.all_gather_object
         self._barrier = lambda: self._gather_obj(None)
         # Collective-order headers through host shared memory (the kernels cannot tell ops apart).
-        self.board = OrderBoard(self.rank, R, self._gather_obj, timeout) if check_order_enabled() and R > 1 else None
+        self.board = (OrderBoard(self.rank, R, self._gather_obj, timeout, HEADER_WORDS)
+                      if check_order_enabled() and R > 1 else None)
         self.order_exchange = self.exchange_header
         self.es = torch.empty((), dtype=ep.dtype).element_size()
         self.E2 = self.E + 2
@@ -340,16 +340,12 @@ class NVLinkBackend(Backend):
         self.recv = self.wbuf = None
 
     # -- plan ------------------------------------------------------------------------------------------
-    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None, error=None):
+    def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
         """Value checks on device; all-gather counts through peer stores; plan; destinations.  No host sync.
-
-        A shape/dtype ``error`` (checked by ExpertParallel) is raised here, on this rank only, before any
-        launch.  Bad values are flagged on device and raised by a later call (see the module docstring)."""
+        Bad values are flagged on device and raised by a later call (see the module docstring)."""
         ep, E, K, dev = self.ep, self.E, self.K, self.device
         self.check(inputs=False)
         self.mark("gap")
-        if error is not None:
-            raise ValueError(error)
         s = x.shape[0]
         total = -1 if num_global_tokens is None else int(num_global_tokens)
         if self.fused_route:
@@ -503,12 +499,14 @@ class NVLinkBackend(Backend):
         return out
 
     # -- combine ---------------------------------------------------------------------------------------
-    def combine(self, rows, weights, st, out_dtype):
+    def check_rows(self, rows, st) -> None:
         base = self.recv.data_ptr()
         in_recv = base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
         expect(not (in_recv and st.generation != self.generation), "expert_out",
                "not a view of a receive buffer that a later dispatch has overwritten (zero-copy views are valid "
                "until the next dispatch)", f"output of dispatch #{st.generation}, buffer now holds #{self.generation}")
+
+    def combine(self, rows, weights, st, out_dtype):
         w32 = weights.to(torch.float32).contiguous() if weights is not None else None
         return self._combine_rows(rows, w32, None, st, out_dtype)[0]
 
@@ -659,4 +657,7 @@ class NVLinkBackend(Backend):
 
 
 def default_timeout(rt) -> float:
-    return float(os.environ.get("MOONEP_NVLINK_TIMEOUT", rt.timeout.total_seconds()))
+    """``MOONEP_NVLINK_TIMEOUT`` (a finite number of seconds > 0), else the runtime's timeout."""
+    from ..config import env_float
+
+    return env_float("MOONEP_NVLINK_TIMEOUT", rt.timeout.total_seconds())

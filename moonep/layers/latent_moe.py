@@ -144,16 +144,21 @@ class LatentMoE(ShardedExperts, nn.Module):
 
         Collective under EP: every rank calls it (with any number of tokens, 0 included).
         """
-        dt = self.expert_w_in.dtype
-        expect_tensor(x, "x")
-        expect(x.dim() >= 1 and x.shape[-1] == self.d_model, "x", f"shape [..., d_model={self.d_model}]",
-               list(x.shape))
-        expect(x.dtype == dt, "x", f"dtype {dt} (the layer's parameters)", x.dtype)
-        shape = x.shape
-        x = x.reshape(-1, self.d_model)
-        idx, w = self.route(x)
+        dt, dev = self.expert_w_in.dtype, self.expert_w_in.device
+        try:  # a bad input on one rank is refused by every rank together, in the dispatch's header
+            expect_tensor(x, "x")
+            expect(x.dim() >= 1 and x.shape[-1] == self.d_model, "x", f"shape [..., d_model={self.d_model}]",
+                   list(x.shape))
+            expect(x.dtype == dt, "x", f"dtype {dt} (the layer's parameters)", x.dtype)
+            expect(x.device.type == dev.type, "x", f"device {dev} (the layer's parameters)", x.device)
+            shape = x.shape
+            x = x.reshape(-1, self.d_model)
+            idx, w = self.route(x)
+        except ValueError as exc:
+            self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
+            raise  # refuse() raised already; this is not reached
         z = self.down(x)                                                   # [s, l]
-        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, x.device)
+        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, dev)
         h = ep.dispatch(z, idx, w)
         w_in, w_out = ep.prefetch(h, self.expert_w_in), ep.prefetch(h, self.expert_w_out)  # [2*epn, ...]
         a = situ_glu_fused(slot_matmul(h.tokens, h.cu_seqlens, w_in, self.matmul))      # [cap, F]

@@ -29,6 +29,7 @@ import struct
 import torch
 
 from .. import cuda_runtime
+from ..config import env_int
 from ..cuda_runtime import _cur_dev, _cur_stream
 
 FLAG_INTS = 256       # csrc/planner.cu
@@ -42,12 +43,19 @@ LAY_C32 = 1 << 33     # moonep_plan_layout: counts are int32
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
 LAY_PRE = 1 << 35     # moonep_plan_layout cfg: also the rank's slot experts and cu_seqlens after dst row
 LAY_NW_SHIFT = 40     # bits 40-47: warps that own copies (0: all of the block's)
-LAY_TILES = max(1, int(os.environ.get("MOONEP_LAY_TILES", "48")))  # tile blocks aimed at (48 beat 16: h200x1_planner_prof_layout_tiles{16,48}_24349bb.json)
+LAY_TILES = 48        # tile blocks aimed at (48 beat 16: h200x1_planner_prof_layout_tiles{16,48}_24349bb.json); MOONEP_LAY_TILES overrides
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 # The kernels' static shared memory (272 B in moonep_plan / moonep_plan_layout, more in profiling builds) counts
 # against the same per-block limits as the dynamic bytes: the runtime keeps cuda_runtime.STATIC_SMEM below both
 # (Kernels.smem_max, the opt-in threshold).
 _GEO: dict = {}
+
+
+def lay_tiles() -> int:
+    """``MOONEP_LAY_TILES`` (an int >= 1), else ``LAY_TILES``; read once per layout geometry (cached there)."""
+    return env_int("MOONEP_LAY_TILES", LAY_TILES, lo=1)
+
+
 _i64 = torch.int64
 _i32 = torch.int32
 _empty = torch.empty
@@ -127,7 +135,7 @@ class _Geo:
         v = self.lay.get(key)
         if v is None:
             nw = self.lay_nw
-            per_warp = -(-n // (nw * LAY_TILES))   # aim at ~LAY_TILES tile blocks
+            per_warp = -(-n // (nw * lay_tiles()))   # aim at ~LAY_TILES tile blocks
             sub = max(32, (per_warp + 31) // 32 * 32)
             if nw * sub > 32768:
                 sub = 32768 // nw

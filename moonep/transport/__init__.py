@@ -20,15 +20,21 @@ __all__ = ["Transport", "make_transport"]
 def make_transport(kind: str, rt, timeout: float | None = None) -> Transport:
     """``kind``: "mpi", "torch" or "auto" (MPI for CPU tensors under mpirun, else torch.distributed).
 
-    ``timeout``: seconds the MPI transport waits for peers (default: the runtime's); the torch transport
-    uses its process group's timeout (``moonep.init(timeout=...)``)."""
+    ``timeout``: seconds the transport's own polled waits last (default: the runtime's), from its first
+    call on: every wait of the MPI transport; the torch transport's collectives keep its process group's
+    timeout (``moonep.init(timeout=...)``), which it reports in errors."""
     expect(kind in ("auto", "mpi", "torch"), "transport", '"auto", "mpi" or "torch"', repr(kind))
+    group_timeout = rt.timeout.total_seconds()
+    timeout = group_timeout if timeout is None else float(timeout)
     if rt.group is None:  # moonep.runtime.local_runtime: one process, no process group
-        return SelfTransport(timeout=rt.timeout.total_seconds() if timeout is None else timeout)
+        return SelfTransport(timeout=timeout)
     if kind == "auto":
         kind = "mpi" if rt.comm is not None and rt.device.type == "cpu" else "torch"
     if kind == "mpi":
         expect(rt.comm is not None, "transport", "a job launched by mpirun/mpiexec for the MPI transport",
                f"launcher {rt.launcher!r}")
-        return MPITransport(rt.comm, timeout=rt.timeout.total_seconds() if timeout is None else timeout)
-    return TorchDistTransport(rt.group, rt.cpu_group, timeout=rt.timeout.total_seconds())
+        t = MPITransport(rt.comm, timeout=timeout)
+    else:
+        t = TorchDistTransport(rt.group, rt.cpu_group, timeout=timeout, group_timeout=group_timeout)
+    t.current_op = "ExpertParallel construction"  # until the first collective call names itself
+    return t

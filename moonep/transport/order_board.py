@@ -3,7 +3,7 @@
 The NVLink path moves data with kernels that only count signals: if one rank calls ``combine`` while its
 peers call ``dispatch``, the kernels can satisfy each other's waits and return wrong data without any
 error.  :class:`OrderBoard` is the NVLink transport's ``exchange_header`` for
-:class:`moonep.guard.CollectiveGuard`: every rank writes its ``[magic, instance, op, seq]``
+:class:`moonep.guard.CollectiveGuard`: every rank writes its ``[magic, instance, op, seq, ...]``
 header into its own slot of a small POSIX shared-memory table and waits (on the host, a few µs when the
 ranks are in step) until every peer wrote the header of the same generation.  No device work and no host
 sync with the GPU: only the hosts go in step, as the kernels would anyway.
@@ -19,7 +19,6 @@ On x86 (stores stay in order) readers skip the check; ``MOONEP_BOARD_CHECK=1`` f
 """
 from __future__ import annotations
 
-import os
 import platform
 import time
 import weakref
@@ -29,14 +28,14 @@ import numpy as np
 
 from ..errors import MoonepError
 
-WORDS = 6  # generation, the 4-word header, the check word
 _M64 = (1 << 64) - 1
-_MUL = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93, 0xA0761D6478BD642F)
+_MUL0 = 0x9E3779B97F4A7C15  # odd 64-bit multipliers of the check word, one per slot word
 
 
 # Readers verify the check word where stores may become visible out of order. x86 keeps store order
 # (TSO), so there the generation written last is enough and the check is skipped (~1 µs per peer).
-VERIFY = os.environ.get("MOONEP_BOARD_CHECK", "") == "1" or platform.machine().lower() not in (
+from ..config import env_flag  # noqa: E402 (kept next to its one use: MOONEP_BOARD_CHECK, validated)
+VERIFY = env_flag("MOONEP_BOARD_CHECK", False) or platform.machine().lower() not in (
     "x86_64", "amd64", "i386", "i686")
 
 
@@ -47,12 +46,15 @@ def _unlink(shm) -> None:
         pass
 
 
-def _check(w) -> int:
-    """Check word (signed int64) of [generation, h0..h3]: a sum with odd 64-bit multipliers, so any
-    stale word (one that differs from the fresh one) changes it."""
-    m = _MUL
-    v = ((w[0] & _M64) * m[0] + (w[1] & _M64) * m[1] + (w[2] & _M64) * m[2] + (w[3] & _M64) * m[3]
-         + (w[4] & _M64) * m[4]) & _M64
+def _check(w, n: int | None = None) -> int:
+    """Check word (signed int64) of the slot words ``w[:n]`` (generation, then the header; all of ``w`` by
+    default): a sum with a distinct odd 64-bit multiplier per word, so any stale word (one that differs
+    from the fresh one) changes it."""
+    n = len(w) if n is None else n
+    v = 0
+    for i in range(n):
+        v += (w[i] & _M64) * ((_MUL0 + 2 * i * 0x632BE59BD9B4E019) | 1)
+    v &= _M64
     return v - (1 << 64) if v >> 63 else v
 
 
@@ -63,11 +65,14 @@ class OrderBoard:
         rank, world_size: this rank and the number of ranks (all on this node).
         gather_obj: collective ``all_gather_object`` used once, to share the segment's name.
         timeout: seconds to wait for a peer's header before raising :class:`moonep.MoonepError`.
+        header_words: ints in a header (:data:`moonep.guard.HEADER_WORDS`).
     """
 
-    def __init__(self, rank: int, world_size: int, gather_obj, timeout: float):
+    def __init__(self, rank: int, world_size: int, gather_obj, timeout: float, header_words: int = 4):
         self.rank, self.R, self.timeout = rank, world_size, float(timeout)
-        nbytes = 2 * world_size * WORDS * 8
+        self.n = int(header_words)
+        words = self.n + 2  # generation, the header, the check word
+        nbytes = 2 * world_size * words * 8
         self._shm = shared_memory.SharedMemory(create=True, size=nbytes) if rank == 0 else None
         # The creator unlinks the segment when the board is closed, collected, or the process exits
         # without closing it (a script that drops its ExpertParallel): not left to the resource tracker,
@@ -79,7 +84,7 @@ class OrderBoard:
             # Only the creator owns the segment: otherwise this process's resource tracker would unlink
             # it (and warn) at exit while peers may still use it.
             resource_tracker.unregister(self._shm._name, "shared_memory")
-        self.table = np.ndarray((2, world_size, WORDS), dtype=np.int64, buffer=self._shm.buf)
+        self.table = np.ndarray((2, world_size, words), dtype=np.int64, buffer=self._shm.buf)
         if rank == 0:
             self.table[:] = 0
         gather_obj(None)  # nobody writes before rank 0 zeroed the table
@@ -87,15 +92,17 @@ class OrderBoard:
         self.broken = False
 
     def exchange(self, header, what: str = "a collective") -> list[list[int]]:
-        """Publish ``header`` (4 ints) and return every rank's header of this generation, rank order."""
+        """Publish ``header`` (``header_words`` ints) and return every rank's header of this generation, in
+        rank order."""
         if self.broken:
             raise MoonepError(f"rank {self.rank}: {what}: an earlier collective timed out; this ExpertParallel "
                               "cannot be used any more")
         self.gen += 1
         half = self.table[self.gen & 1]
+        n = self.n
         header = [int(v) for v in header]
-        half[self.rank, 1:5] = header
-        half[self.rank, 5] = _check([self.gen] + header)
+        half[self.rank, 1:n + 1] = header
+        half[self.rank, n + 1] = _check([self.gen] + header, n + 1)
         half[self.rank, 0] = self.gen  # last; a reader still checks the whole slot (module docstring)
         t0 = time.monotonic()
         spins = 0
@@ -104,8 +111,8 @@ class OrderBoard:
             while True:
                 if int(half[p, 0]) >= self.gen:
                     row = half[p].tolist()
-                    if not VERIFY or (row[0] == self.gen and row[5] == _check(row)):
-                        got.append(row[1:5])
+                    if not VERIFY or (row[0] == self.gen and row[n + 1] == _check(row, n + 1)):
+                        got.append(row[1:n + 1])
                         break
                 spins += 1
                 if spins & 63 == 0:

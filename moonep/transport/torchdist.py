@@ -1,8 +1,12 @@
 """torch.distributed transport: ``all_to_all_single`` on gloo (CPU) or NCCL (CUDA).
 
-Timeouts come from the process group (``moonep.init(timeout=...)`` / ``MOONEP_TIMEOUT``).  gloo reports a
-dead or stalled peer as a ``RuntimeError``; it is re-raised as :class:`moonep.MoonepError` naming the
-op.  (NCCL reports asynchronously: its watchdog ends the process after the timeout.)
+Every collective here waits at most its process group's timeout (``moonep.init(timeout=...)`` /
+``MOONEP_TIMEOUT``); this transport polls nothing itself (its ``timeout``, ``ExpertParallel(timeout=)``,
+would bound such waits).  gloo reports a dead or stalled peer as a ``RuntimeError``; it is re-raised as
+:class:`moonep.MoonepError` naming the op.  After a gloo timeout the group's connections are closed: every
+later collective on that group, on every rank, raises at once ("Connection closed by peer"), so the
+instance and every other user of the group need a new group.  (NCCL reports asynchronously: its watchdog
+ends the process after the timeout.)
 """
 from __future__ import annotations
 
@@ -28,9 +32,9 @@ def _named(what: str):
             except MoonepError:
                 raise
             except RuntimeError as exc:  # gloo: "Timed out waiting ...", "Connection closed by peer ..."
-                raise MoonepError(f"rank {self.rank}: {self.current_op}: {what} failed (timeout "
-                                  f"{self.timeout:g}s; a peer is dead, stalled or called a different "
-                                  f"collective): {str(exc).strip()[:500]}") from exc
+                raise MoonepError(f"rank {self.rank}: {self.current_op}: {what} failed (the process group's "
+                                  f"timeout {self.group_timeout:g}s; a peer is dead, stalled or called a "
+                                  f"different collective): {str(exc).strip()[:500]}") from exc
         return inner
     return wrap
 
@@ -38,15 +42,19 @@ def _named(what: str):
 class TorchDistTransport(Transport):
     name = "torch"
 
-    def __init__(self, group, cpu_group=None, timeout: float = 60.0):
+    def __init__(self, group, cpu_group=None, timeout: float = 60.0, group_timeout: float | None = None):
+        """``group_timeout``: what the group's collectives wait (the runtime's timeout; default ``timeout``);
+        ``timeout``: for waits this transport would poll itself (none today)."""
         self.group = group
         self.cpu_group = cpu_group if cpu_group is not None else group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.backend = dist.get_backend(group)
         self.timeout = float(timeout)
+        self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
 
     def timeout_s(self) -> float:
-        return self.timeout
+        """What a collective of this transport waits at most: the process group's timeout."""
+        return self.group_timeout
 
     @_named("all_to_all")
     def all_to_all(self, send, send_splits, recv_splits):

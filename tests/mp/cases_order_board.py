@@ -5,7 +5,7 @@ import os
 import time
 
 from moonep.errors import MoonepError
-from moonep.guard import CollectiveGuard
+from moonep.guard import HEADER_WORDS, CollectiveGuard
 from moonep.transport.order_board import OrderBoard
 
 
@@ -22,8 +22,8 @@ class _Named:
         raise AssertionError("the board's exchange must be used")
 
 
-def _board(rt, timeout=10.0):
-    return OrderBoard(rt.rank, rt.world_size, rt.comm.allgather, timeout)
+def _board(rt, timeout=10.0, words=4):
+    return OrderBoard(rt.rank, rt.world_size, rt.comm.allgather, timeout, words)
 
 
 def case_board_returns_every_header_in_order(rt):
@@ -37,7 +37,7 @@ def case_board_returns_every_header_in_order(rt):
 
 
 def case_board_mismatch_raises_on_every_rank(rt):
-    b = _board(rt)
+    b = _board(rt, words=HEADER_WORDS)
     guard = CollectiveGuard(_Named(rt.rank, rt.world_size), None, instance=0)
     try:
         guard.enter("dispatch", exchange=b.exchange)
