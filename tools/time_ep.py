@@ -6,9 +6,9 @@
 Defaults: 4096 tokens, hidden 7168, bf16, top-8 of 256 experts (DeepEP's intranode shape), the nvlink
 backend on one GPU (rows stay local).  Reported per call, in microseconds: back-to-back eager calls timed
 with CUDA events (host launch time included when the host is the slower side) and the same calls replayed
-from a CUDA graph (device time only).  Only public API is used, so older versions run it unchanged; run
-the versions alternately in one session (A B A B) so drift of the machine shows up as spread, not as a
-difference.
+from a CUDA graph (device time only), with the helpers of benchmarks/bench_planner.py.  Only public API is
+used, so older versions run it unchanged; run the versions alternately in one device call (A B A B) so
+that drift of the machine shows up as spread, not as a difference.
 """
 from __future__ import annotations
 
@@ -17,36 +17,15 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
-def _events(fn, iters):
-    import torch
+def _bench_helpers():
+    """CUDA-event timing helpers of benchmarks/bench_planner.py (the timing every benchmark here shares)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_planner import _events, graph_time
 
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) * 1e3 / iters
-
-
-def _graph(fn, n, reps):
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    return statistics.median(_events(g.replay, 1) / n for _ in range(reps))
+    return _events, graph_time
 
 
 def measure(args) -> dict:
@@ -54,6 +33,7 @@ def measure(args) -> dict:
 
     import moonep
 
+    _events, graph_time = _bench_helpers()
     rt = moonep.init(device="cuda")
     s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     g = torch.Generator().manual_seed(1234)
@@ -74,9 +54,9 @@ def measure(args) -> dict:
         h = ep.dispatch(x, idx, w)
         res["combine_us"] = statistics.median(_events(lambda: ep.combine(h.tokens, h), args.iters)
                                               for _ in range(args.reps))
-        res["dispatch_graph_us"] = _graph(lambda: ep.dispatch(x, idx, w), 10, args.reps)
+        res["dispatch_graph_us"] = graph_time(lambda: ep.dispatch(x, idx, w), n=10, reps=args.reps)
         h = ep.dispatch(x, idx, w)
-        res["combine_graph_us"] = _graph(lambda: ep.combine(h.tokens, h), 10, args.reps)
+        res["combine_graph_us"] = graph_time(lambda: ep.combine(h.tokens, h), n=10, reps=args.reps)
         ep.synchronize()
     ep.close()
     rt.shutdown()
