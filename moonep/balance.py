@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_runtime
-from .errors import MoonepError, expect, expect_device, expect_tensor
+from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
 
@@ -408,10 +408,7 @@ class QuantileBalancer(torch.nn.Module):
         except Exception as exc:  # noqa: BLE001 (the store's timeout: a rank that never steps, or died)
             self._failed_collective("the settings check (through the process group's store)", exc)
         for i, (name, _) in enumerate(fields):
-            col = [row[i] for row in rows]
-            if any(c != col[0] for c in col):
-                raise ValueError(f"{name}: expected the same value on every rank, got "
-                                 + "; ".join(f"rank {r}: {self._readable(name, c)}" for r, c in enumerate(col)))
+            expect_same(name, [row[i] for row in rows], lambda c, name=name: self._readable(name, c))
         self._config_checked = True
 
     def _reset_counts(self) -> None:

@@ -25,7 +25,8 @@ from . import layout
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype
 from .config import Tuning
-from .errors import MoonepError, expect, expect_device, expect_int, expect_slack, expect_tensor, fail
+from .errors import (MoonepError, expect, expect_device, expect_int, expect_same, expect_slack, expect_tensor, fail,
+                     raise_together, valid_timeout)
 from .guard import CollectiveGuard, mark_failed
 from .handles import Dispatched
 from .replicas import home_is_view
@@ -192,9 +193,8 @@ class ExpertParallel:
                '"local" only in a process without a process group', f"a group of {R} rank(s)")
         # the transport waits at most `timeout` from the first exchange on (construction included); a bad
         # value is refused below, on every rank, and the default is used until then
-        ok_timeout = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
         self.transport = make_transport("auto" if transport in ("nvlink", "local") else transport, self.rt,
-                                        timeout=timeout if ok_timeout else None)
+                                        timeout=timeout if valid_timeout(timeout) else None)
         kind = choose_backend(transport, self.rt, self.transport, self.device, dtype)
         config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
                       dtype=str(dtype), align=align, apply_weights=apply_weights,
@@ -210,8 +210,7 @@ class ExpertParallel:
             expect(dtype in _FLOAT, "dtype", "float32, float64, bfloat16 or float16", dtype)
             expect_slack(slack)
             expect(zero_copy in (True, False, "auto"), "zero_copy", 'True, False or "auto"', repr(zero_copy))
-            expect(timeout is None or (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")),
-                   "timeout", "None or a finite number of seconds > 0", repr(timeout))
+            expect(valid_timeout(timeout), "timeout", "None or a finite number of seconds > 0", repr(timeout))
             expect(tuning is None or isinstance(tuning, Tuning), "tuning", "None or a moonep.Tuning",
                    type(tuning).__name__)
             expect(apply_weights in ("combine", "dispatch"), "apply_weights", '"combine" or "dispatch"',
@@ -224,16 +223,12 @@ class ExpertParallel:
             if errs:
                 raise ValueError(f"{errs[0]} (on rank {r})")
         for key in config:
-            values = [cfg[key] for cfg, _ in configs]
-            expect(len(set(values)) == 1, key, "the same value on every rank",
-                   "; ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+            expect_same(key, [cfg[key] for cfg, _ in configs], repr)
         self.num_experts, self.topk, self.hidden, self.max_tokens = num_experts, topk, hidden, max_tokens
         self.epn = num_experts // R
         self.dtype, self.align, self.slack, self.apply_weights = dtype, align, float(slack), apply_weights
         self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
         self._backend = make_backend(self, kind, timeout=timeout, zero_copy=zero_copy, tuning=tuning or Tuning())
-        if timeout is not None and hasattr(self.transport, "timeout"):
-            self.transport.timeout = float(timeout)  # the gloo/NCCL group keeps its own (see docstring)
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
 
     @contextmanager
@@ -266,20 +261,13 @@ class ExpertParallel:
         """Raise the same ``ValueError`` on every rank when a rank refused its arguments or the signatures
         differ.  The messages travel only then (one small gather, on every rank alike)."""
         if any(h[4] for h in headers):
-            msgs = self.transport.all_gather_object(error)
-            if error is not None:
-                raise ValueError(error)
-            r = next(i for i, m in enumerate(msgs) if m)
-            raise ValueError(f"{msgs[r]} (on rank {r})")
+            raise_together(error, self.transport.all_gather_object)
         first = list(headers[0][5:])
         if all(list(h[5:]) == first for h in headers):
             return
         values = self.transport.all_gather_object(describe() if describe is not None else [])
         for i, (name, _) in enumerate(values[0]):
-            col = [v[i][1] for v in values]
-            if any(c != col[0] for c in col):
-                raise ValueError(f"{name}: expected the same value on every rank, got "
-                                 + "; ".join(f"rank {r}: {c}" for r, c in enumerate(col)))
+            expect_same(name, [v[i][1] for v in values])
         raise ValueError("the arguments of this call disagree across ranks")  # describe() missed a field
 
     def _record_failure(self) -> None:

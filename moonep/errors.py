@@ -45,6 +45,29 @@ def expect_tensor(t, name: str, *, dim: int | None = None, dtypes=None, device=N
             fail(name, "shape [" + ", ".join("*" if a is None else str(a) for a in shape) + "]", list(got))
 
 
+def expect_same(name: str, values, show=str) -> None:
+    """Raise ``ValueError`` naming ``name`` and every rank's value unless ``values`` (one per rank, in rank
+    order) are all equal: ``"{name}: expected the same value on every rank, got rank 0: ..; rank 1: .."``."""
+    if any(v != values[0] for v in values):
+        fail(name, "the same value on every rank", "; ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values)))
+
+
+def raise_together(error, gather_object) -> NoReturn:
+    """Some rank's check failed (``error`` here, or ``None`` if it failed elsewhere): gather the messages
+    (collective: every rank calls this) and raise ``ValueError`` on every rank, with this rank's own message,
+    else the first failing rank's followed by ``(on rank r)``."""
+    msgs = gather_object(error)
+    if error is not None:
+        raise ValueError(error)
+    r = next(i for i, m in enumerate(msgs) if m)
+    raise ValueError(f"{msgs[r]} (on rank {r})")
+
+
+def valid_timeout(t) -> bool:
+    """``None`` or a finite number of seconds > 0 (what every ``timeout`` argument accepts)."""
+    return t is None or (isinstance(t, (int, float)) and 0 < t < float("inf"))
+
+
 def expect_int(v, name: str, lo: int | None = None) -> None:
     """Raise ``ValueError`` unless ``v`` is an integer (``int`` or a numpy integer, not a bool) ``>= lo``."""
     import operator

@@ -14,7 +14,7 @@ import torch
 from .. import cpu_kernels, layout
 from ..combine import combine_rows, gather_choices, sum_choices_by_rank
 from ..dispatch import build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
-from ..errors import expect, expect_int
+from ..errors import expect, expect_int, raise_together
 from ..handles import HostStep
 from ..planner import plan_balanced
 from ..replicas import prefetch_weights, prefetch_weights_into, reduce_replica_grads
@@ -73,9 +73,7 @@ class HostBackend(Backend):
         flag = torch.tensor([s, err is not None], dtype=torch.int64, device=counts.device)
         meta = self.transport.all_gather(torch.cat([counts, flag]))
         if bool(meta[:, -1].any()):
-            msgs = self.transport.all_gather_object(err)
-            r = next(i for i, m in enumerate(msgs) if m)
-            raise ValueError(err if err else f"{msgs[r]} (on rank {r})")
+            raise_together(err, self.transport.all_gather_object)
         if num_global_tokens is not None:
             expect_int(num_global_tokens, "num_global_tokens", 0)
             total = int(meta[:, E].sum())
