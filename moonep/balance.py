@@ -31,6 +31,7 @@ from .errors import MoonepError, expect, expect_device, expect_same, expect_tens
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
 
 _CHECKED: dict = {}  # a group's global ranks -> balancers whose settings were checked on it so far
+_TORCH_BALANCE = "torch ops for Quantile Balancing's histograms and step"  # the fallback, in CuPy's warning
 
 
 def histogram_quantiles(counts: torch.Tensor, topk: int, lo: torch.Tensor, width: torch.Tensor):
@@ -178,10 +179,10 @@ class QuantileBalancer(torch.nn.Module):
     _RECORD_SMEM = 96 * 1024  # per block: two blocks of 512 threads per SM
 
     def _use_kernels(self, t: torch.Tensor) -> bool:
-        return t.is_cuda and t.dtype in self._KERNEL_DTYPES and cuda_runtime.available()
+        return t.is_cuda and t.dtype in self._KERNEL_DTYPES and cuda_runtime.available_for(_TORCH_BALANCE)
 
     def _kernel_step(self) -> bool:
-        return self._counts.is_cuda and cuda_runtime.available()
+        return self._counts.is_cuda and cuda_runtime.available_for(_TORCH_BALANCE)
 
     def _record_layout(self):
         """(experts per tile, tiles, shared bytes, privatise): shared-memory histograms of a tile of experts."""

@@ -12,7 +12,8 @@ same program are dropped, so NVRTC needs no include path; each file still compil
   a program recompiles it.
 * **Why CuPy/NVRTC**: no build step, and CPU installs need neither CuPy nor a compiler: CuPy is imported
   lazily, only when a CUDA tensor needs a kernel. ``MOONEP_NO_CUPY=1`` makes :func:`available` false, so
-  callers take their pure-torch fallbacks.
+  callers take their pure-torch fallbacks. A CUDA caller that falls back because CuPy cannot be imported
+  says so once per process (:func:`available_for`, a :class:`CuPyMissingWarning` naming the extra).
 * **Stream**: every launch goes to torch's current stream of the device (``_cuda_getCurrentRawStream``),
   wrapped once per (device, stream) in a CuPy stream object (:func:`stream`, one cache for all programs).
   No DLPack hand-off, no device context switch, no host sync, so launches are CUDA-graph capturable.
@@ -78,6 +79,9 @@ PROGRAMS: dict[str, Program] = {
     "balance": Program(("balance.cu",),
                        ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",
                         "qb_finalize")),
+    # FP8 (e4m3) quantiser, launched by moonep/quant.py; MOONEP_QUANT_SOFT_CVT: portable e4m3 conversion
+    "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16"),
+                     lambda: _flag("MOONEP_QUANT_SOFT_CVT")),
 }
 
 # Dynamic shared memory a kernel may use without the opt-in is 48 KiB minus its static shared memory; the
@@ -89,6 +93,8 @@ _cur_dev = getattr(torch._C, "_cuda_getDevice", None)                # absent in
 _cur_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 _AVAILABLE = None
+_IMPORT_ERROR = None  # why ``import cupy`` failed (set by available())
+_WARNED = False       # the CuPy-missing warning was given in this process
 _CSRC = None
 _LOADED: dict = {name: {} for name in PROGRAMS}   # program -> {device index: Kernels}
 _STREAMS: dict = {}   # device index -> {raw stream pointer: CuPy stream}
@@ -98,7 +104,7 @@ _FORM = None          # (argument type, positional stream) this CuPy accepts
 
 def available() -> bool:
     """CuPy importable (checked once); ``MOONEP_NO_CUPY=1`` forces the pure-torch fallbacks."""
-    global _AVAILABLE
+    global _AVAILABLE, _IMPORT_ERROR
     if _AVAILABLE is None:
         if env_flag("MOONEP_NO_CUPY", False):
             _AVAILABLE = False
@@ -106,9 +112,47 @@ def available() -> bool:
             try:
                 import cupy  # noqa: F401
                 _AVAILABLE = True
-            except Exception:  # ImportError, or a CuPy that cannot find its CUDA libraries
-                _AVAILABLE = False
+            except Exception as exc:  # ImportError, or a CuPy that cannot find its CUDA libraries
+                _AVAILABLE, _IMPORT_ERROR = False, exc
     return _AVAILABLE
+
+
+class CuPyMissingWarning(UserWarning):
+    """A CUDA run takes a pure-torch fallback because CuPy cannot be imported."""
+
+
+def cupy_install_hint() -> str:
+    """The pip command that brings CuPy for this torch's CUDA (both extras when the version is unknown)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    if major in ("12", "13"):
+        return f"pip install 'moonep[cuda{major}]'"
+    return "pip install 'moonep[cuda12]' (CUDA 12) or 'moonep[cuda13]' (CUDA 13)"
+
+
+def warn_cupy_missing(fallback: str) -> None:
+    """Warn, once per process, that a CUDA run takes ``fallback`` because CuPy cannot be imported.
+
+    Silent when CuPy imports, and when the import was never tried: ``MOONEP_NO_CUPY=1`` (the fallbacks
+    were asked for) or a test that switched the kernels off. Once per process, not per call site: one
+    missing package is one thing to fix, whatever falls back."""
+    global _WARNED
+    if _WARNED or available() or _IMPORT_ERROR is None:
+        return
+    _WARNED = True
+    why = f"{type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}"
+    warnings.warn(f"moonep: CuPy cannot be imported ({why}), so this CUDA run uses {fallback}, slower than "
+                  f"moonep's CUDA kernels; install CuPy with {cupy_install_hint()} (warned once per process)",
+                  CuPyMissingWarning, stacklevel=3)
+
+
+def available_for(fallback: str) -> bool:
+    """:func:`available`, for a CUDA caller that takes ``fallback`` without CuPy: warns once when it must."""
+    if _AVAILABLE:  # the hot path: one global read
+        return True
+    if available():
+        return True
+    warn_cupy_missing(fallback)
+    return False
 
 
 def csrc_dir() -> Path:
@@ -237,7 +281,11 @@ class Kernels:
     """
 
     def __init__(self, program: str, device_index: int):
-        import cupy
+        try:
+            import cupy
+        except ImportError as exc:  # a bare "No module named 'cupy'" would not say how to get it
+            raise ImportError(f"moonep: the CUDA kernels ({program!r}) need CuPy: {cupy_install_hint()}",
+                              name="cupy") from exc
 
         self.program, self.di = program, device_index
         self.device = torch.device("cuda", device_index)

@@ -86,27 +86,26 @@ def gather(rt, obj) -> list:
 
 
 class Progress:
-    """A one-line progress bar on rank 0's stderr (a line per step when stderr is not a terminal)."""
+    """Rank 0's progress over the sweep's points, a tqdm bar on stderr (nothing on the other ranks)."""
 
     def __init__(self, total: int, enabled: bool):
-        self.total, self.done, self.enabled = max(total, 1), 0, enabled
-        self.t0 = time.monotonic()
-        self.tty = sys.stderr.isatty()
+        from tqdm import tqdm  # the bench extra; the command line checks it before anything runs
+
+        self.bar = tqdm(total=max(total, 1), disable=not enabled, unit="point", file=sys.stderr,
+                        dynamic_ncols=True, desc="moonep-bench")
 
     def step(self, label: str) -> None:
-        self.done += 1
-        if not self.enabled:
-            return
-        el = time.monotonic() - self.t0
-        eta = el / self.done * (self.total - self.done)
-        n = int(30 * self.done / self.total)
-        line = f"[{'#' * n}{'.' * (30 - n)}] {self.done}/{self.total} {label}  {el:.0f}s, ~{eta:.0f}s left"
-        print(("\r" + line + "\033[K") if self.tty else line, end="" if self.tty else "\n", file=sys.stderr,
-              flush=True)
+        self.bar.set_postfix_str(label, refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
-        if self.enabled and self.tty:
-            print(file=sys.stderr, flush=True)
+        self.bar.close()
+
+
+def _shape(cfg) -> str:
+    """A configuration in words, for the progress bar."""
+    s, H, E, K = cfg
+    return f"{s} tokens, hidden {H}, top-{K} of {E}"
 
 
 def pairs_per_peer(h, R: int) -> list[int]:
@@ -224,8 +223,8 @@ class Suite:
             for placement in a.placement:
                 for target in a.maxvio:
                     self.points.append(dict(tokens=s, hidden=H, experts=E, topk=K, placement=placement,
-                                            maxvio_target=target, skipped=f"E={E} is not a multiple of R={R}"))
-                    self.progress.step(f"skip E={E}")
+                                            maxvio_target=target, skipped=f"{E} experts do not divide over {R} ranks"))
+                    self.progress.step(f"skipped: {E} experts on {R} ranks")
             return
         epn = E // R
         x = self.tokens(ci, cfg)
@@ -263,7 +262,7 @@ class Suite:
                     if rt.rank == 0:
                         self.emit(self.doc)
                     mv = pt.get("maxvio", float("nan"))
-                    self.progress.step(f"s={s} H={H} E={E} K={K} {placement} maxvio {target:g} -> {mv:.2f}")
+                    self.progress.step(f"{_shape(cfg)}, {placement}, maxvio {target:g} (got {mv:.2f})")
         finally:
             for ep in eps.values():
                 ep.close()
@@ -438,7 +437,7 @@ class Suite:
             pts = [p for p in self.points if (p["tokens"], p["hidden"], p["experts"], p["topk"]) == cfg]
             if E % R or reason is not None:
                 for p in pts:
-                    p["symm_mem"] = dict(unavailable=reason or f"E={E} is not a multiple of R={R}")
+                    p["symm_mem"] = dict(unavailable=reason or f"{E} experts do not divide over {R} ranks")
                     self.progress.step("symm_mem skipped")
                 continue
             symm, err = None, None
@@ -477,7 +476,7 @@ class Suite:
                 p["symm_mem"] = rec
                 if rt.rank == 0:
                     self.emit(self.doc)
-                self.progress.step(f"symm_mem s={s} H={H} E={E} K={K} {p['placement']} maxvio {p['maxvio_target']:g}")
+                self.progress.step(f"symm_mem, {_shape(cfg)}, {p['placement']}, maxvio {p['maxvio_target']:g}")
             del symm
             gc.collect()
 

@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .cpu import plan_arrays
+from .. import cuda_runtime
 from .cuda import plan_cuda
 from .plan import ERR_NEGATIVE, ERR_ROWSUM, MAX_TOTAL, Plan, _declared, _validate, cap_for  # noqa: F401 (re-exported)
 
@@ -35,8 +36,13 @@ def plan_balanced(counts: torch.Tensor, *, slack: float = 0.0,
     if validate not in (None, True, False):
         raise ValueError(f"validate: expected None, True or False, got {validate!r}")
     if counts.is_cuda:
-        plan = plan_cuda(counts, float(slack), tokens_per_rank, topk)
-        return plan.check() if validate else plan
+        if cuda_runtime.available_for("the CPU planner (the counts copied to the host every step)"):
+            plan = plan_cuda(counts, float(slack), tokens_per_rank, topk)
+            return plan.check() if validate else plan
+        # Without CuPy: the same plan from the CPU planner (it checks values eagerly), moved back.
+        p = plan_balanced(counts.cpu(), slack=slack, tokens_per_rank=tokens_per_rank, topk=topk)
+        return Plan(*(t.to(counts.device) for t in (p.assignment, p.replica_experts, p.replica_source,
+                                                     p.recv_counts, p.expert_counts, p.counts)), p.slack, None)
     if counts.device.type != "cpu":  # e.g. "meta": no values to plan from
         raise ValueError(f"counts: expected a CPU or CUDA tensor, got device {counts.device}")
     R, E = counts.shape

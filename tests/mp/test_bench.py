@@ -1,4 +1,5 @@
-"""``python -m moonep.bench`` end to end: 2 CPU ranks under mpiexec, a tiny sweep, the JSON checked."""
+"""``moonep-bench`` end to end: 2 CPU ranks under mpiexec, a tiny sweep, the JSON and the output checked;
+``--help`` and a missing optional package under mpiexec, shown once and before anything runs."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,12 @@ import pytest
 
 from moonep.testing.mp import REPO_ROOT, mpiexec_cmd
 
+CODES = ("d_logGB", "eff_dp", "xSym_d", "megD_us", "xMeg_d", "rcv_max")  # the old tables' column codes
 
-def _run(cmd, timeout):
+
+def _run(cmd, timeout, expect_rc=0, pythonpath=()):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*pythonpath, str(REPO_ROOT), env.get("PYTHONPATH")]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=REPO_ROOT, start_new_session=True)
     try:
@@ -28,30 +31,41 @@ def _run(cmd, timeout):
             os.killpg(proc.pid, signal.SIGKILL)  # hydra proxies and ranks share the launch's session
         except ProcessLookupError:
             pass
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
     return out, err
 
 
 @pytest.fixture(scope="module")
 def run_tiny(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench") / "tiny.json"
+    out_dir = tmp_path_factory.mktemp("bench") / "results"  # not there yet: --out creates it
     stdout, stderr = _run(mpiexec_cmd(2) + [sys.executable, "-m", "moonep.bench", "--preset", "tiny",
-                                            "--device", "cpu", "--out", str(out), "--plot"], timeout=120)
-    return json.loads(out.read_text()), out, stdout, stderr
+                                            "--device", "cpu", "--out", str(out_dir), "--plot"], timeout=120)
+    files = sorted(out_dir.glob("moonep_bench_cpu_np2_*.json"))
+    assert len(files) == 1, sorted(out_dir.iterdir())
+    return json.loads(files[0].read_text()), files[0], stdout, stderr
 
 
 def test_provenance_and_header(run_tiny):
     doc, out, stdout, stderr = run_tiny
-    assert "-m moonep.bench --preset tiny" in doc["command"] and doc["command"].split()[0].startswith("mpi")
+    launcher, n, ranks, python = doc["command"].split()[:4]
+    assert launcher in ("mpiexec", "mpirun") and (n, ranks) == ("-n", "2")
+    assert f"-m moonep.bench --preset tiny --device cpu --out {out.parent} --plot" in doc["command"]
     assert doc["git_commit"] and doc["git_commit"] != "unknown"
     assert {"host", "cpu", "cores", "torch"} <= set(doc["machine"])
     assert doc["ranks"] == 2 and doc["device"] == "cpu" and doc["dtype"] == "bf16"
     assert doc["transport"] in ("mpi", "torch") and doc["ceiling_kind"] and doc["megatron_backend"]
     assert out.with_suffix(".png").stat().st_size > 10_000
-    assert "2/2" in stderr  # the progress bar
-    assert "# tokens" in stdout and "megD_us" in stdout  # the tables
 
 
+def test_output_once_in_words(run_tiny):
+    """Rank 0 alone prints the progress and the tables; headings are words, each table has a legend."""
+    _, out, stdout, stderr = run_tiny
+    assert "2/2" in stderr and stderr.count("moonep-bench: 100%") >= 1  # tqdm
+    assert stdout.count("# moonep-bench: 2 ranks on cpu") == 1
+    assert stdout.count("# moonep: time per call") == 1 and stdout.count("# -- 32 tokens per rank") == 5
+    assert stdout.count("#  legend:") == 5 and "most rows received (rows)" in stdout
+    assert stdout.count(f"# wrote {out}") == 1
+    assert not [c for c in CODES if c in stdout]
 def test_points(run_tiny):
     doc = run_tiny[0]
     pts = doc["points"]
@@ -87,9 +101,30 @@ def test_points(run_tiny):
 
 
 def test_report_reprints_tables(run_tiny):
-    out = run_tiny[1]
+    out, first = run_tiny[1], run_tiny[2]
     stdout, _ = _run([sys.executable, "-m", "moonep.bench", "--report", str(out)], timeout=60)
-    assert "megD_us" in stdout and "xMeg_d" in stdout
+    assert stdout.strip() == first[:first.index("# wrote")].strip()
+
+
+def test_help_once_under_mpiexec():
+    stdout, stderr = _run(mpiexec_cmd(2) + [sys.executable, "-m", "moonep.bench", "--help"], timeout=60)
+    assert stdout.count("usage:") == 1 and "--out DIR" in stdout and not stderr.strip()
+    assert "issue" not in stdout.lower()
+
+
+def test_missing_matplotlib_reported_before_measuring(tmp_path):
+    """A matplotlib that fails to import (first on PYTHONPATH): --plot is refused at once, by rank 0 only,
+    naming the extra, and nothing is measured or written."""
+    fake = tmp_path / "fake" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('simulated: matplotlib is not installed')\n")
+    out_dir = tmp_path / "results"
+    stdout, stderr = _run(mpiexec_cmd(2) + [sys.executable, "-m", "moonep.bench", "--preset", "tiny", "--device",
+                                            "cpu", "--out", str(out_dir), "--plot"], timeout=60, expect_rc=1,
+                          pythonpath=[str(fake.parent)])
+    assert stderr.count("nothing was measured") == 1 and stderr.count("pip install 'moonep[bench]'") == 1
+    assert "matplotlib (for --plot)" in stderr and "point" not in stderr and not stdout.strip()
+    assert not out_dir.exists()
 
 
 def test_preset_and_flags_parse():
