@@ -25,27 +25,27 @@ extern "C" __global__ void moonep_prefetch_push(const Ctx* c, const char* local,
   finish_send(c, ne, false);
 }
 
-// Replica weight prefetch, receive side: out[2*epn, row_bytes] = home experts, then replica slots
-// (zero where the slot is empty).
-// copy_home: also copy the home rows (0 when `local` is already out[:epn]).  prev (int64 [epn] or null):
-// the replica table of this rank at the previous call into the same persistent `out`; a slot that was
-// empty then is still zero, so it is not written again (a pool of large weights is mostly such slots).
-extern "C" __global__ void moonep_prefetch_finish(const Ctx* c, char* out, const char* local, i64 row_bytes,
-                                                  int vec, int epn, const i64* rep, int copy_home,
+// Replica weight prefetch, receive side: the replica slots rep_out[epn, row_bytes] (zero where the slot is
+// empty) and, when home_out is not null, the home rows home_out[epn, row_bytes] = local (a caller whose home
+// weights stay where they are passes null).  prev (int64 [epn] or null): the replica table of this rank at
+// the previous call into the same persistent rep_out; a slot that was empty then is still zero, so it is not
+// written again (a pool of large weights is mostly such slots).
+extern "C" __global__ void moonep_prefetch_finish(const Ctx* c, char* home_out, char* rep_out, const char* local,
+                                                  i64 row_bytes, int vec, int epn, const i64* rep,
                                                   const i64* prev) {
   bool ok = wait_data(c);
   const int me = (int)c->rank;
-  if (copy_home) grid_copy(out, local, row_bytes * epn, vec);
+  if (home_out != nullptr) grid_copy(home_out, local, row_bytes * epn, vec);
   for (int j = 0; j < epn; ++j) {
-    char* d = out + (i64)(epn + j) * row_bytes;
+    char* d = rep_out + (i64)j * row_bytes;
     if (ok && rep[(i64)me * epn + j] >= 0) grid_copy(d, c->pbase[me] + (i64)j * row_bytes, row_bytes, vec);
     else if (!ok || prev == nullptr || prev[j] >= 0) grid_zero(d, row_bytes, vec);
   }
 }
 
 // Replica gradient reduce, stage: copy this rank's replica slot gradients into its own pool (slot j at
-// j*row_bytes), then signal.  grad: [2*epn, row_bytes].
-extern "C" __global__ void moonep_reduce_stage(const Ctx* c, const char* grad, i64 row_bytes, int vec, int epn,
+// j*row_bytes), then signal.  rep_grad: [epn, row_bytes], the replica slots' gradients.
+extern "C" __global__ void moonep_reduce_stage(const Ctx* c, const char* rep_grad, i64 row_bytes, int vec, int epn,
                                                const i64* rep) {
   u64 ne;
   bool ok = entry_barrier(c, &ne);
@@ -53,15 +53,15 @@ extern "C" __global__ void moonep_reduce_stage(const Ctx* c, const char* grad, i
     const int me = (int)c->rank;
     for (int j = 0; j < epn; ++j)
       if (rep[(i64)me * epn + j] >= 0)
-        grid_copy(c->pbase[me] + (i64)j * row_bytes, grad + (i64)(epn + j) * row_bytes, row_bytes, vec);
+        grid_copy(c->pbase[me] + (i64)j * row_bytes, rep_grad + (i64)j * row_bytes, row_bytes, vec);
   }
   finish_send(c, ne, false);
 }
 
-// Replica gradient reduce, finish: home[e] = grad[e] + sum over ranks u (ascending) whose replicas come
+// Replica gradient reduce, finish: home[e] = home_grad[e] + sum over ranks u (ascending) whose replicas come
 // from here, of u's slot holding expert me*epn+e; each add rounded to the gradient dtype (as torch's
-// in-place add is).  out/grad rows have n elements of dtype dt.
-extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const void* grad, i64 n, int dt, int epn,
+// in-place add is).  out/home_grad: [epn, n] elements of dtype dt.
+extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const void* home_grad, i64 n, int dt, int epn,
                                                 const i64* rep, const i64* rsrc) {
   bool ok = wait_data(c);
   const int R = (int)c->R, me = (int)c->rank;
@@ -70,7 +70,7 @@ extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const v
   for (i64 q = t; q < (i64)epn * n; q += nt) {
     int e = (int)(q / n);
     i64 x = q % n;
-    float a = load_f(grad, q, dt);
+    float a = load_f(home_grad, q, dt);
     if (ok) {
       for (int u = 0; u < R; ++u) {
         if (rsrc[u] != me) continue;

@@ -2,18 +2,19 @@
 
 The data path, one module per stage:
     routing (ep.py checks) -> plan (planner/) -> layout (layout.py) -> transport (backends/, transport/)
-    -> experts (layers/grouped.py: slot_matmul) -> combine (combine.py, backends/)
+    -> experts (experts.py: ReplicaPool, expert_matmul, slot_matmul) -> combine (combine.py, backends/)
 """
 from .balance import QuantileBalancer
 from .config import Tuning
 from .ep import ExpertParallel
 from .errors import MoonepError
+from .experts import ReplicaPool, Replicas, expert_matmul, slot_matmul
 from .handles import Dispatched
 from .layers import LatentMoE
-from .layers.grouped import slot_apply, slot_matmul
+from .layers.grouped import slot_apply
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
 
 __all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched", "Tuning",
-           "slot_matmul", "slot_apply", "QuantileBalancer", "LatentMoE"]
+           "slot_matmul", "slot_apply", "ReplicaPool", "Replicas", "expert_matmul", "QuantileBalancer", "LatentMoE"]
 __version__ = "0.1.0"

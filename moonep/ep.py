@@ -473,6 +473,65 @@ class ExpertParallel:
                 return _PrefetchFn.apply(local_weight, self, h.plan, (out,))
             return self._backend.prefetch(h.plan, local_weight, out=out)
 
+    def prefetch_replicas(self, h: Dispatched, local_weight: torch.Tensor, out: torch.Tensor, *,
+                          in_backward: bool = False) -> torch.Tensor:
+        """Only the replica slots of this step: the home weights stay where they are (no copy).
+
+        The building block of :class:`moonep.ReplicaPool` (which most code should use instead): the home
+        rows of a slot GEMM multiply ``local_weight`` itself and the replica rows multiply ``out``.
+
+        Args:
+            h: the :class:`Dispatched` of the step.
+            local_weight: ``[epn, *D]`` this rank's home expert weights (one projection); only read.
+            out: ``[epn, *D]`` persistent buffer, ``local_weight``'s dtype and device, contiguous, not
+                requiring grad: slot ``j`` receives the weights of expert ``h.slot_experts[epn + j]``
+                (zero where that is ``-1``).
+            in_backward: the call runs inside an autograd backward (checked with the peers only where the
+                backend checks backward passes).
+        Returns:
+            ``out``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
+        """
+        err = _local_error(self._check_replicas, h, local_weight, out, "out")
+        sig, describe = (), None
+        if err is None:
+            step = h.routing.step
+            sig = (_dt(local_weight), _shape_key(local_weight.shape), step)
+            describe = lambda: [("local_weight", f"dtype {local_weight.dtype}"),  # noqa: E731
+                                ("local_weight", f"shape {list(local_weight.shape)}"), ("h", f"dispatch #{step}")]
+        op = "prefetch.backward" if in_backward else "prefetch"
+        with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
+            return self._backend.prefetch_replicas(h.plan, local_weight, out)
+
+    def reduce_replicas(self, h: Dispatched, home_grad: torch.Tensor, replica_grad: torch.Tensor, *,
+                        in_backward: bool = False) -> torch.Tensor:
+        """:meth:`reduce_grad` with the halves apart: ``home_grad [epn, *D]`` (this rank's home slots) plus
+        the replica slots' gradients of every rank (``replica_grad [epn, *D]`` here) that belong to this
+        rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective."""
+        err = _local_error(self._check_replicas, h, home_grad, replica_grad, "replica_grad")
+        sig, describe = (), None
+        if err is None:
+            step = h.routing.step
+            sig = (_dt(home_grad), _shape_key(home_grad.shape), step)
+            describe = lambda: [("home_grad", f"dtype {home_grad.dtype}"),  # noqa: E731
+                                ("home_grad", f"shape {list(home_grad.shape)}"), ("h", f"dispatch #{step}")]
+        op = "prefetch.backward" if in_backward else "reduce_grad"
+        with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
+            return self._backend.reduce_replicas(h.plan, home_grad, replica_grad)
+
+    def _check_replicas(self, h, home, other, name: str) -> None:
+        """``home [epn, *D]`` and ``other`` (named ``name``) of the same shape, dtype and device."""
+        self._check_handle(h)
+        what = "local_weight" if name == "out" else "home_grad"
+        expect_tensor(home, what, device=self.device)
+        expect(home.dim() >= 1 and home.shape[0] == self.epn, what, f"shape [epn={self.epn}, ...]", list(home.shape))
+        expect(isinstance(other, torch.Tensor), name, "a torch.Tensor", type(other).__name__)
+        expect(other.shape == home.shape and other.dtype == home.dtype and other.device == home.device, name,
+               f"a tensor like {what} ({list(home.shape)}, {home.dtype}, {home.device})",
+               f"{list(other.shape)}, {other.dtype}, {other.device}")
+        if name == "out":
+            expect(other.is_contiguous(), "out", "a contiguous tensor", f"strides {tuple(other.stride())}")
+            expect(not other.requires_grad, "out", "a tensor that does not require grad", "requires_grad=True")
+
     def _check_prefetch(self, h, local_weight, out) -> None:
         self._check_handle(h)
         expect_tensor(local_weight, "local_weight", device=self.device)

@@ -72,6 +72,22 @@ def home_is_view(local_weight: torch.Tensor, out: torch.Tensor) -> bool:
                      f"(contiguous={local_weight.is_contiguous()})")
 
 
+def prefetch_replicas_into(plan, rank: int, local_weight: torch.Tensor, transport: Transport,
+                           replicas: torch.Tensor) -> torch.Tensor:
+    """This rank's replica slots into ``replicas [epn, *D]`` (filled slots written, the others zeroed); the
+    home weights ``local_weight [epn, *D]`` are only read.  Returns ``replicas``."""
+    epn = local_weight.shape[0]
+    got, mine = _fetch_replicas(plan, rank, local_weight.reshape(epn, -1), transport)
+    flat = replicas.view(epn, -1)
+    filled = set(mine)
+    empty = [j for j in range(epn) if j not in filled]
+    if empty:
+        flat.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
+    if mine:
+        flat.index_copy_(0, torch.tensor(mine, dtype=torch.int64, device=flat.device), got)
+    return replicas
+
+
 def prefetch_weights_into(plan, rank: int, local_weight: torch.Tensor, transport: Transport,
                           out: torch.Tensor) -> torch.Tensor:
     """:func:`prefetch_weights` into a persistent ``[2*epn, *D]`` pool ``out`` (bitwise the same values).
@@ -80,36 +96,34 @@ def prefetch_weights_into(plan, rank: int, local_weight: torch.Tensor, transport
     when ``local_weight`` is not ``out[:epn]`` itself (see :func:`home_is_view`).  Returns ``out``.
     """
     epn = local_weight.shape[0]
-    shared = home_is_view(local_weight, out)
-    flat = local_weight.reshape(epn, -1)
-    got, mine = _fetch_replicas(plan, rank, flat, transport)
-    pool = out.view(2 * epn, -1)
-    if not shared:
-        pool[:epn].copy_(flat)
-    replicas = pool[epn:]
-    valid = set(mine)
-    empty = [j for j in range(epn) if j not in valid]
-    if empty:
-        replicas.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
-    if mine:
-        replicas.index_copy_(0, torch.tensor(mine, dtype=torch.int64, device=flat.device), got)
+    if not home_is_view(local_weight, out):
+        out[:epn].copy_(local_weight)
+    prefetch_replicas_into(plan, rank, local_weight, transport, out[epn:])
     return out
 
 
 def reduce_replica_grads(plan, rank: int, grad_view: torch.Tensor, transport: Transport) -> torch.Tensor:
     """``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` home gradients, replica parts summed in rank order."""
-    R, epn = transport.world_size, grad_view.shape[0] // 2
+    epn = grad_view.shape[0] // 2
+    return reduce_replicas(plan, rank, grad_view[:epn], grad_view[epn:], transport)
+
+
+def reduce_replicas(plan, rank: int, home_grad: torch.Tensor, replica_grad: torch.Tensor,
+                    transport: Transport) -> torch.Tensor:
+    """``home_grad [epn, *D]`` plus every rank's replica gradients (``replica_grad [epn, *D]`` here) of this
+    rank's experts -> ``[epn, *D]``, added in rank order (a fixed summation order)."""
+    R, epn = transport.world_size, home_grad.shape[0]
     rep, src, slots = _replica_lists(plan, R)
-    flat = grad_view.reshape(2 * epn, -1)
+    flat = replica_grad.reshape(epn, -1)
     send_splits = [len(slots[rank]) if r == src[rank] else 0 for r in range(R)]
-    send = flat[torch.tensor([epn + j for j in slots[rank]], dtype=torch.int64, device=flat.device)]
+    send = flat[torch.tensor(slots[rank], dtype=torch.int64, device=flat.device)]
     recv_splits, targets = [], []
     for u in range(R):
         mine = [int(rep[u, j]) - rank * epn for j in slots[u]] if src[u] == rank else []
         targets += mine
         recv_splits.append(len(mine))
     got = transport.all_to_all(send, send_splits, recv_splits)
-    home = flat[:epn].clone()
+    home = home_grad.reshape(epn, -1).clone()
     for row, e in enumerate(targets):  # rows arrive grouped by rank in rank order: a fixed summation order
         home[e] += got[row]
-    return home.reshape(epn, *grad_view.shape[1:])
+    return home.reshape(home_grad.shape)

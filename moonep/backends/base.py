@@ -69,8 +69,18 @@ class Backend:
         ``out``: a checked persistent ``[2*epn, *D]`` pool, written in place and returned."""
         raise NotImplementedError
 
+    def prefetch_replicas(self, plan, local_weight, replicas):
+        """Only the replica slots: ``local_weight [epn, *D]`` is read in place, this rank's replicas are
+        written into the persistent ``replicas [epn, *D]`` (empty slots zero).  Returns ``replicas``."""
+        raise NotImplementedError
+
     def reduce_grad(self, plan, grad):
         """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``: replica parts added at home, in rank order."""
+        raise NotImplementedError
+
+    def reduce_replicas(self, plan, home_grad, replica_grad):
+        """:meth:`reduce_grad` with the two halves apart: ``home_grad [epn, *D]`` plus the replica slots'
+        gradients of every rank (``replica_grad [epn, *D]`` here) -> ``[epn, *D]``."""
         raise NotImplementedError
 
     def label(self, op: str) -> None:

@@ -17,7 +17,8 @@ from ..dispatch import build_routing, dispatch_packed, expand, expand_weights, p
 from ..errors import expect, expect_int, raise_together
 from ..handles import HostStep
 from ..planner import plan_balanced
-from ..replicas import prefetch_weights, prefetch_weights_into, reduce_replica_grads
+from ..replicas import (prefetch_replicas_into, prefetch_weights, prefetch_weights_into, reduce_replica_grads,
+                        reduce_replicas)
 from .base import Backend
 
 
@@ -119,5 +120,11 @@ class HostBackend(Backend):
             return prefetch_weights_into(plan, self.rank, local_weight, self.transport, out)
         return prefetch_weights(plan, self.rank, local_weight.contiguous(), self.transport)
 
+    def prefetch_replicas(self, plan, local_weight, replicas):
+        return prefetch_replicas_into(plan, self.rank, local_weight, self.transport, replicas)
+
     def reduce_grad(self, plan, grad):
         return reduce_replica_grads(plan, self.rank, grad.contiguous(), self.transport)
+
+    def reduce_replicas(self, plan, home_grad, replica_grad):
+        return reduce_replicas(plan, self.rank, home_grad.contiguous(), replica_grad.contiguous(), self.transport)

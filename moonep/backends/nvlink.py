@@ -109,6 +109,7 @@ def nvlink_available(rt) -> tuple[bool, str]:
     try:
         import cupy  # noqa: F401
     except Exception as exc:  # pragma: no cover - depends on the machine
+        cuda_runtime.warn_cupy_missing("the host transport instead of nvlink")  # else the fallback is silent
         return False, f"cupy not importable ({exc!r})"
     n = torch.cuda.device_count()
     used = sorted({r % n for r in range(rt.world_size)})
@@ -500,6 +501,9 @@ class NVLinkBackend(Backend):
 
     # -- combine ---------------------------------------------------------------------------------------
     def check_rows(self, rows, st) -> None:
+        # the kernels move rows of the buffers' width: another width would be read past or short
+        expect(rows.shape[1] == self.H, "expert_out", f"shape [cap, hidden={self.H}] on the NVLink transport",
+               list(rows.shape))
         base = self.recv.data_ptr()
         in_recv = base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
         expect(not (in_recv and st.generation != self.generation), "expert_out",
@@ -582,47 +586,45 @@ class NVLinkBackend(Backend):
         ``out[epn:]``; the home half is copied only when ``local_weight`` is not ``out[:epn]``.  Returns
         ``out``.
         """
-        if out is not None:
-            return self._prefetch_into(plan, local_weight, out)
-        self.check(inputs=False)
-        lw = local_weight.contiguous()
-        epn = self.epn
-        rb = lw[0].numel() * lw.element_size() if lw.numel() else 0
-        if self.pool is None or self.pool.nbytes < epn * rb:
-            self._grow("pool", max(epn * rb, 256))
-        rep, src = self._replica_tables(plan)
-        out = torch.empty((2 * epn, *lw.shape[1:]), dtype=lw.dtype, device=self.device)
-        vec = _vec(rb, lw.data_ptr(), out.data_ptr())
-        self._launch("moonep_prefetch_push", self.num_sms,
-                     (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
-        self._launch("moonep_prefetch_finish", self.sm_count,
-                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(1), _p(None)))
-        return out
-
-    def _prefetch_into(self, plan, local_weight, out):
-        self.check(inputs=False)
-        epn = self.epn
+        if out is None:
+            lw = local_weight.contiguous()
+            out = torch.empty((2 * self.epn, *lw.shape[1:]), dtype=lw.dtype, device=self.device)
+            self._prefetch(plan, lw, out[:self.epn], out[self.epn:], None)
+            return out
         shared = home_is_view(local_weight, out)
         lw = local_weight if shared else local_weight.contiguous()
-        rb = out[0].numel() * out.element_size()
+        self._prefetch(plan, lw, None if shared else out[:self.epn], out[self.epn:], self._prev_replicas(out))
+        return out
+
+    def prefetch_replicas(self, plan, local_weight, replicas):
+        """This rank's replica slots into ``replicas [epn, *D]`` (a persistent buffer); the home weights are
+        read where they are.  Returns ``replicas``."""
+        self._prefetch(plan, local_weight.contiguous(), None, replicas, self._prev_replicas(replicas))
+        return replicas
+
+    def _prefetch(self, plan, lw, home_out, rep_out, prev):
+        """Push the replicated home rows to the ranks they serve; fill ``rep_out`` (and ``home_out`` unless
+        ``None``).  ``prev``: the replica table at the last call into ``rep_out``'s pool, or ``None``."""
+        self.check(inputs=False)
+        epn = self.epn
+        rb = rep_out[0].numel() * rep_out.element_size() if rep_out.numel() else 0
         if self.pool is None or self.pool.nbytes < epn * rb:
             self._grow("pool", max(epn * rb, 256))
         rep, src = self._replica_tables(plan)
-        vec = _vec(rb, lw.data_ptr(), out.data_ptr())
+        vec = _vec(rb, lw.data_ptr(), rep_out.data_ptr(), *(() if home_out is None else (home_out.data_ptr(),)))
         self._launch("moonep_prefetch_push", self.num_sms,
                      (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
         # The finish kernel waits for every peer's push, then copies the filled replica slots from the
-        # staging pool (and the home rows unless out[:epn] is local_weight itself).  Slots empty now and at
-        # the previous call into this same `out` are still zero and are not written: most of a pool of
-        # large expert weights is such slots.
-        prev = self._prev_replicas(out)
+        # staging pool (and the home rows into home_out, when given).  Slots empty now and at the previous
+        # call into this same pool are still zero and are not written: most of a pool of large expert
+        # weights is such slots.
         self._launch("moonep_prefetch_finish", self.sm_count,
-                     (_p(out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), np.int32(not shared),
+                     (_p(home_out), _p(rep_out), _p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep),
                       _p(prev)))
-        prev.copy_(rep[self.rank])
-        # written by a raw kernel: mark it modified in place, so a saved earlier value raises in backward
-        torch.autograd.graph.increment_version(out)
-        return out
+        if prev is not None:
+            prev.copy_(rep[self.rank])
+            # written by a raw kernel: mark it modified in place, so a saved earlier value raises in backward
+            torch.autograd.graph.increment_version(rep_out)
 
     def _prev_replicas(self, out):
         """int64 [epn]: this rank's replica table at the last prefetch into ``out`` (all 0, "filled", for an
@@ -639,20 +641,26 @@ class NVLinkBackend(Backend):
 
     def reduce_grad(self, plan, grad_view):
         """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``, replica parts added at home in rank order."""
-        self.check(inputs=False)
         g = grad_view.contiguous()
-        expect(g.dtype in _DT, "grad_view", "float32, bfloat16 or float16 for the NVLink transport", g.dtype)
+        return self.reduce_replicas(plan, g[:self.epn], g[self.epn:])
+
+    def reduce_replicas(self, plan, home_grad, replica_grad):
+        """``home_grad [epn, *D]`` plus the replica gradients (``replica_grad [epn, *D]`` of every rank) of
+        this rank's experts, added at home in rank order -> ``[epn, *D]``."""
+        self.check(inputs=False)
+        hg, rg = home_grad.contiguous(), replica_grad.contiguous()
+        expect(hg.dtype in _DT, "grad_view", "float32, bfloat16 or float16 for the NVLink transport", hg.dtype)
         epn = self.epn
-        n = g[0].numel() if g.numel() else 0
-        rb = n * g.element_size()
+        n = hg[0].numel() if hg.numel() else 0
+        rb = n * hg.element_size()
         if self.pool is None or self.pool.nbytes < epn * rb:
             self._grow("pool", max(epn * rb, 256))
         rep, src = self._replica_tables(plan)
-        out = torch.empty((epn, *g.shape[1:]), dtype=g.dtype, device=self.device)
+        out = torch.empty_like(hg)
         self._launch("moonep_reduce_stage", self.num_sms,
-                     (_p(g), np.int64(rb), np.int32(_vec(rb, g.data_ptr())), np.int32(epn), _p(rep)))
+                     (_p(rg), np.int64(rb), np.int32(_vec(rb, rg.data_ptr())), np.int32(epn), _p(rep)))
         self._launch("moonep_reduce_finish", self.sm_count,
-                     (_p(out), _p(g), np.int64(n), np.int32(_DT[g.dtype]), np.int32(epn), _p(rep), _p(src)))
+                     (_p(out), _p(hg), np.int64(n), np.int32(_DT[hg.dtype]), np.int32(epn), _p(rep), _p(src)))
         return out
 
 

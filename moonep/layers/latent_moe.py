@@ -15,8 +15,8 @@ from torch import nn
 
 from ..balance import QuantileBalancer
 from ..errors import expect, expect_device, expect_tensor
+from ..experts import ReplicaPool, default_pool, expert_matmul
 from .activations import situ_glu_fused
-from .grouped import slot_matmul
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -46,7 +46,10 @@ class LatentMoE(ShardedExperts, nn.Module):
         max_tokens: ``S`` for static EP buffers; ``None`` sizes them from the largest ``s`` seen.
         dtype, device: of the parameters (device defaults to the runtime's device).
         eps: RMSNorm epsilon.
-        matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see :func:`moonep.layers.grouped.slot_matmul`).
+        matmul: ``"auto"``, ``"grouped"`` or ``"loop"`` (see :func:`moonep.expert_matmul`).
+        replica_pool: the :class:`moonep.ReplicaPool` the routed experts' replicas are fetched into (default:
+            the process's shared pool, :func:`moonep.experts.default_pool`); give one with
+            ``backward="keep"`` to trade memory for the backward's second fetch.
         ep_kwargs: passed to :class:`moonep.ExpertParallel` (``align``, ``slack``, ``transport``).
 
     Parameters (float ``dtype``): ``router.weight [E, d]``, ``down.weight [l, d]``, ``norm.weight [l]``,
@@ -61,7 +64,7 @@ class LatentMoE(ShardedExperts, nn.Module):
     def __init__(self, d_model: int, d_latent: int, num_experts: int, topk: int, d_expert: int,
                  num_shared: int = 2, d_shared: int | None = None, group=None, balancer="qb", *,
                  max_tokens: int | None = None, dtype: torch.dtype = torch.float32, device=None,
-                 eps: float = 1e-6, matmul: str = "auto", **ep_kwargs):
+                 eps: float = 1e-6, matmul: str = "auto", replica_pool: ReplicaPool | None = None, **ep_kwargs):
         super().__init__()
         d_shared = d_expert if d_shared is None else d_shared
         for name, v in (("d_model", d_model), ("d_latent", d_latent), ("num_experts", num_experts),
@@ -75,6 +78,8 @@ class LatentMoE(ShardedExperts, nn.Module):
         expect(matmul in ("auto", "grouped", "loop"), "matmul", '"auto", "grouped" or "loop"', repr(matmul))
         expect(isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf"), "eps",
                "a finite float >= 0", repr(eps))
+        expect(replica_pool is None or isinstance(replica_pool, ReplicaPool), "replica_pool",
+               "None or a moonep.ReplicaPool", type(replica_pool).__name__)
         if device is not None:
             device = expect_device(device)
         expect(max_tokens is None or (isinstance(max_tokens, int) and max_tokens > 0), "max_tokens",
@@ -121,6 +126,7 @@ class LatentMoE(ShardedExperts, nn.Module):
                    f"num_experts={balancer.num_experts}, topk={balancer.topk}")
         self.balancer = balancer
         self._ep = EPProvider(rt, E, max_tokens=max_tokens, **ep_kwargs)
+        self.replica_pool = replica_pool
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------------------------------ parts
@@ -160,9 +166,13 @@ class LatentMoE(ShardedExperts, nn.Module):
         z = self.down(x)                                                   # [s, l]
         ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, dev)
         h = ep.dispatch(z, idx, w)
-        w_in, w_out = ep.prefetch(h, self.expert_w_in), ep.prefetch(h, self.expert_w_out)  # [2*epn, ...]
-        a = situ_glu_fused(slot_matmul(h.tokens, h.cu_seqlens, w_in, self.matmul))      # [cap, F]
-        u = ep.combine(slot_matmul(a, h.cu_seqlens, w_out, self.matmul), h)              # [s, l]
+        # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
+        pool = self.replica_pool or default_pool()
+        r_in = pool.fetch(ep, h, self.expert_w_in, "w_in")
+        r_out = pool.fetch(ep, h, self.expert_w_out, "w_out")
+        cu = h.cu_seqlens
+        a = situ_glu_fused(expert_matmul(h.tokens, cu, self.expert_w_in, r_in, impl=self.matmul))   # [cap, F]
+        u = ep.combine(expert_matmul(a, cu, self.expert_w_out, r_out, impl=self.matmul), h)          # [s, l]
         y = self.up(self.norm(u)) + self.shared(x)
         self._record(h.plan)
         return y.reshape(shape)

@@ -1,0 +1,378 @@
+"""The experts stage: slot GEMMs with the home weights used where they are and one replica pool per model.
+
+Rows arrive grouped home-first (:class:`moonep.Dispatched`): rows ``cu[0]:cu[epn]`` belong to this rank's
+home experts and rows ``cu[epn]:cu[2*epn]`` to the replica slots.  So a projection is two grouped GEMMs:
+
+    out[:cu[epn]]          = rows @ home_weight[j]      the layer's own parameter, never copied
+    out[cu[epn]:cu[2epn]]  = rows @ replicas[j]         a slot of the ReplicaPool
+
+and the pool only ever holds ``epn`` replica experts per projection shape (times ``buffers``), whatever the
+number of layers: every layer fetches its replicas into the same memory, right after its plan exists.
+
+    pool = moonep.ReplicaPool()                              # one per model
+    h = ep.dispatch(x, idx, w)
+    rep = pool.fetch(ep, h, w_in, "w_in")                    # on CUDA: a side stream, overlapping ...
+    y = moonep.expert_matmul(h.tokens, h.cu_seqlens, w_in, rep)   # ... the home rows' GEMM
+
+Backward: the replica rows' weight gradient goes home through ``ep.reduce_replicas`` (summed at home in rank
+order).  The pool slot was reused by later layers by then, so by default the backward fetches the replicas
+again (``backward="refetch"``: the weight traffic twice, no memory per layer); ``backward="keep"`` keeps
+each layer's replicas in its own buffer until its backward instead (``epn`` experts per projection per
+layer, no second fetch).
+
+The GEMM is ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) with device offsets on CUDA (no
+host sync), a loop over slots elsewhere.  A grouped GEMM starts its first group at row 0, so the replica
+rows are moved to the front of a scratch buffer (and their results back) by index ops: activations of
+``cap`` rows, never weights.  Padding rows are zero in the output and in the gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .errors import expect
+
+_GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once: the loop from then on
+
+
+# --------------------------------------------------------------------------------------------- GEMMs
+def _grouped_ok(a: torch.Tensor, *ws: torch.Tensor) -> bool:
+    if _GMM is None or a.device.type != "cuda" or (a.device.type, a.dtype) in _FAILED:
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    es = a.element_size()
+    # grouped GEMMs want 16-byte aligned strides on both operands
+    return all(s * es % 16 == 0 for w in ws for s in (a.stride(0), w.stride(0), max(w.stride(1), w.stride(2))))
+
+
+def _shift(x: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """``x [cap, D]`` -> rows ``start:`` moved to the front (``start`` a 0-d device int; no host sync)."""
+    idx = (torch.arange(x.shape[0], device=x.device) + start).clamp_(max=max(x.shape[0] - 1, 0))
+    return x.index_select(0, idx)
+
+
+def _live(out: torch.Tensor, end) -> torch.Tensor:
+    """Rows ``end:`` of ``out`` set to zero (``where``, not a product: unwritten rows may hold NaN)."""
+    rows = torch.arange(out.shape[0], device=out.device)
+    return torch.where((rows < end)[:, None], out, out.new_zeros(()))
+
+
+# Grouped (CUDA, device offsets) and loop versions of: the product of every slot's rows (``rows``), the same
+# with the home weights and the replicas apart (``two``), and the weight gradient of ``two`` (``wgrad``).
+def _rows_grouped(a, cu, w):
+    return _live(_GMM(a, w, offs=cu[1:].to(torch.int32)), cu[-1])
+
+
+def _rows_loop(a, cu, w):
+    c = cu.tolist()  # a host read (free for CPU tensors)
+    parts = [a[c[j]:c[j + 1]] @ w[j] for j in range(len(c) - 1)]
+    parts.append(a.new_zeros(a.shape[0] - c[-1], w.shape[-1]))
+    return torch.cat(parts)
+
+
+def _two_grouped(a, cu, w_home, w_rep):
+    epn, offs = w_home.shape[0], cu[1:].to(torch.int32)
+    home = _GMM(a, w_home, offs=offs[:epn])          # rows past cu[epn] are not written
+    # a grouped GEMM's first group starts at row 0: the replica rows go to the front of a scratch copy
+    rep = _GMM(_shift(a, cu[epn]), w_rep, offs=offs[epn:] - offs[epn - 1])
+    rows = torch.arange(a.shape[0], device=a.device)
+    back = rep.index_select(0, (rows - cu[epn]).clamp_(min=0))
+    return _live(torch.where((rows < cu[epn])[:, None], home, back), cu[-1])
+
+
+def _two_loop(a, cu, w_home, w_rep):
+    return _rows_loop(a, cu, _Cat(w_home, w_rep))
+
+
+def _wgrad_rows_grouped(a, g, cu):
+    return _GMM(a.t(), g, offs=cu[1:].to(torch.int32))
+
+
+def _wgrad_rows_loop(a, g, cu):
+    c = cu.tolist()
+    return torch.stack([a[c[j]:c[j + 1]].t() @ g[c[j]:c[j + 1]] for j in range(len(c) - 1)])
+
+
+def _wgrad_grouped(a, g, cu, epn):
+    offs = cu[1:].to(torch.int32)
+    gh = _GMM(a.t(), g, offs=offs[:epn])
+    gr = _GMM(_shift(a, cu[epn]).t(), _shift(g, cu[epn]), offs=offs[epn:] - offs[epn - 1])
+    return gh, gr
+
+
+def _wgrad_loop(a, g, cu, epn):
+    gw = _wgrad_rows_loop(a, g, cu)
+    return gw[:epn], gw[epn:]
+
+
+class _Cat:
+    """``[w_home; w_rep]`` indexed by slot without concatenating (the loop reads one slot at a time)."""
+
+    def __init__(self, home, rep):
+        self.home, self.rep, self.n = home, rep, home.shape[0]
+        self.shape = home.shape
+
+    def __getitem__(self, j):
+        return self.home[j] if j < self.n else self.rep[j - self.n]
+
+
+def _run(impl: str, grouped, loop, a, *args):
+    """``grouped`` on CUDA when it takes these operands (``impl="auto"``), else ``loop``."""
+    if impl == "grouped" or (impl == "auto" and _grouped_ok(a, *(w for w in args if isinstance(w, torch.Tensor)
+                                                               and w.dim() == 3))):
+        try:
+            return grouped(a, *args)
+        except RuntimeError:
+            if impl == "grouped":
+                raise
+            _FAILED.add((a.device.type, a.dtype))
+    return loop(a, *args)
+
+
+class _SlotMatmul(torch.autograd.Function):
+    """:func:`slot_matmul` with padding rows zero in the gradient of ``a`` too."""
+
+    @staticmethod
+    def forward(ctx, a, w, cu, impl):
+        ctx.impl = impl
+        ctx.save_for_backward(a, w, cu)
+        return _run(impl, _rows_grouped, _rows_loop, a, cu, w)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w, cu = ctx.saved_tensors
+        g = g.contiguous()
+        ga = _run(ctx.impl, _rows_grouped, _rows_loop, g, cu, w.mT) if ctx.needs_input_grad[0] else None
+        gw = _run(ctx.impl, _wgrad_rows_grouped, _wgrad_rows_loop, a, g, cu) if ctx.needs_input_grad[1] else None
+        return ga, gw, None, None
+
+
+def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """Rows of slot ``j`` times ``w[j]`` (one ``[G, D, N]`` weight tensor for all slots).
+
+    Args:
+        a: ``[cap, D]`` rows grouped by slot (rows past ``cu_seqlens[-1]`` are padding).
+        cu_seqlens: int32 ``[G + 1]``, slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
+        w: ``[G, D, N]`` one matrix per slot, same dtype as ``a``.
+        impl: ``"auto"`` (grouped on CUDA when possible), ``"grouped"`` or ``"loop"``.
+    Returns:
+        ``[cap, N]`` in ``a.dtype``; padding rows are zero, and so is their gradient.  Differentiable with
+        respect to ``a`` and ``w``.  For expert weights use :func:`expert_matmul`, which reads the home
+        weights in place instead of a ``[2*epn]`` copy.
+    """
+    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
+        return _SlotMatmul.apply(a, w, cu_seqlens, impl)
+    return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
+
+
+class _ExpertMatmul(torch.autograd.Function):
+    """``a @ W`` per slot with ``W`` = home weights, then replicas; the replica part of the weight gradient
+    goes home through ``ep.reduce_replicas``."""
+
+    @staticmethod
+    def forward(ctx, a, w_home, cu, rep, transpose, impl):
+        wh, wr = _operands(w_home, rep.weights(), transpose)
+        ctx.rep, ctx.transpose, ctx.impl = rep, transpose, impl
+        ctx.save_for_backward(a, w_home, cu)
+        return _run(impl, _two_grouped, _two_loop, a, cu, wh, wr)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, w_home, cu = ctx.saved_tensors
+        rep, g = ctx.rep, g.contiguous()
+        wh, wr = _operands(w_home, rep.weights_for_backward(), ctx.transpose)
+        ga = _run(ctx.impl, _two_grouped, _two_loop, g, cu, wh.mT, wr.mT) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gh, gr = _run(ctx.impl, _wgrad_grouped, _wgrad_loop, a, g, cu, w_home.shape[0])
+            if ctx.transpose:
+                gh, gr = gh.mT, gr.mT
+            gw = rep.reduce(gh.to(w_home.dtype), gr.to(w_home.dtype))
+        return ga, gw, None, None, None, None
+
+
+def _operands(w_home, w_rep, transpose: bool):
+    return (w_home.mT, w_rep.mT) if transpose else (w_home, w_rep)
+
+
+def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.Tensor, replicas: "Replicas", *,
+                  transpose: bool = False, impl: str = "auto") -> torch.Tensor:
+    """One projection of every slot: home rows times the home weights in place, replica rows times the pool.
+
+    Args:
+        a: ``[cap, D]`` rows grouped by slot (``h.tokens`` or an activation of it), the weights' dtype.
+        cu_seqlens: int32 ``[2*epn + 1]`` (``h.cu_seqlens``): slot ``j`` owns rows ``cu[j]:cu[j+1]``.
+        home_weight: ``[epn, D, N]`` this rank's home experts (``[epn, N, D]`` with ``transpose=True``, the
+            ``nn.Linear`` / transformers layout); a parameter, read where it is.
+        replicas: what :meth:`ReplicaPool.fetch` returned for ``home_weight`` in this step.
+        transpose: multiply by ``home_weight[j].T``.
+        impl: ``"auto"`` (grouped GEMMs on CUDA when they take the operands), ``"grouped"`` or ``"loop"``.
+    Returns:
+        ``[cap, N]`` in ``a.dtype``; padding rows are zero, and so are their gradients.  Differentiable with
+        respect to ``a`` and ``home_weight``: the replica rows' weight gradient is added to its home expert's
+        on the home rank (collective in the backward).
+    """
+    expect(isinstance(replicas, Replicas) and replicas.home is home_weight, "replicas",
+           "the Replicas that ReplicaPool.fetch returned for this home_weight", type(replicas).__name__)
+    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    epn = home_weight.shape[0]
+    expect(tuple(cu_seqlens.shape) == (2 * epn + 1,), "cu_seqlens", f"shape [2*epn+1={2 * epn + 1}]",
+           list(cu_seqlens.shape))
+    if torch.is_grad_enabled() and (a.requires_grad or home_weight.requires_grad):
+        return _ExpertMatmul.apply(a, home_weight, cu_seqlens, replicas, transpose, impl)
+    wh, wr = _operands(home_weight, replicas.weights(), transpose)
+    return _run(impl, _two_grouped, _two_loop, a, cu_seqlens, wh, wr)
+
+
+# --------------------------------------------------------------------------------------------- pool
+@dataclass(eq=False)
+class Replicas:
+    """One layer's replica slots for one projection and step (:meth:`ReplicaPool.fetch`).
+
+    Attributes:
+        pool, key, index: where the slots live (``pool`` buffer ``index`` of projection ``key``).
+        ep, h: the ExpertParallel and the :class:`moonep.Dispatched` of the step (a backward refetch and the
+            gradient reduce use them).
+        home: the ``[epn, *D]`` home weights the replicas are copies of.
+        buffer: ``[epn, *D]`` the slots (slot ``j``: expert ``h.slot_experts[epn + j]``, zero if ``-1``).
+        generation: the pool buffer's fetch count when this was fetched (it still holds these replicas while
+            that is unchanged).
+        event: on CUDA with the side stream, recorded after the fetch; ``None`` otherwise.
+    """
+
+    pool: "ReplicaPool"
+    key: tuple
+    index: int
+    ep: object
+    h: object
+    home: torch.Tensor
+    buffer: torch.Tensor
+    generation: int
+    event: object = field(default=None, repr=False)
+
+    def weights(self) -> torch.Tensor:
+        """The slots, once the fetch finished (the current stream waits for the side stream)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.buffer.device).wait_event(self.event)
+            self.event = None
+        return self.buffer
+
+    def weights_for_backward(self) -> torch.Tensor:
+        """The slots again: still in the pool, kept, or fetched again (collective, the same on every rank:
+        every rank makes the same fetches in the same order)."""
+        if self.pool.generation(self.key, self.index) == self.generation or self.pool.backward == "keep":
+            return self.weights()
+        self.generation = self.pool._bump(self.key, self.index)
+        self.ep.prefetch_replicas(self.h, self.home.detach(), self.buffer, in_backward=True)
+        return self.buffer
+
+    def reduce(self, home_grad: torch.Tensor, replica_grad: torch.Tensor) -> torch.Tensor:
+        """``[epn, *D]`` gradient of the home weights: ``home_grad`` plus every rank's replica gradients of
+        this rank's experts (collective)."""
+        return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
+
+
+_DEFAULT: list = []
+
+
+def default_pool() -> "ReplicaPool":
+    """The process's shared pool (``ReplicaPool()``): what the layers and integrations use unless given
+    one, so every layer of every model in the process shares the slots of equal projections."""
+    if not _DEFAULT:
+        _DEFAULT.append(ReplicaPool())
+    return _DEFAULT[0]
+
+
+class ReplicaPool:
+    """Replica slots shared by every layer of a model: ``epn`` experts per projection shape and buffer.
+
+    Args:
+        buffers: 1, or 2 so that a layer's fetch can start while the previous layer's replicas of the same
+            projection are still being read.
+        backward: ``"refetch"`` (default): the backward fetches the replicas again when later layers reused
+            the slots (weight traffic twice, no memory per layer); ``"keep"``: each layer keeps its replicas
+            in its own buffer until its backward (``epn`` experts per projection per layer; no second fetch).
+        overlap: on the NVLink backend, fetch on a side stream so that the transfer overlaps the home rows'
+            GEMM (the replica rows' GEMM waits for it).
+
+    Memory: ``sum over projection shapes of buffers * epn * expert_bytes`` (with ``backward="keep"``, plus
+    ``epn * expert_bytes`` per projection per layer whose backward is pending).
+    """
+
+    def __init__(self, buffers: int = 1, backward: str = "refetch", overlap: bool = True):
+        expect(buffers in (1, 2), "buffers", "1 or 2", repr(buffers))
+        expect(backward in ("refetch", "keep"), "backward", '"refetch" or "keep"', repr(backward))
+        expect(isinstance(overlap, bool), "overlap", "True or False", repr(overlap))
+        self.buffers, self.backward, self.overlap = buffers, backward, overlap
+        self._slots: dict = {}    # key -> [tensor [epn, *D]] * buffers
+        self._gen: dict = {}      # (key, index) -> fetches into that buffer so far
+        self._next: dict = {}     # key -> buffer index of the next fetch
+        self._streams: dict = {}  # device -> side stream
+
+    def generation(self, key, index: int) -> int:
+        return self._gen.get((key, index), 0)
+
+    def _bump(self, key, index: int) -> int:
+        self._gen[(key, index)] = self.generation(key, index) + 1
+        return self._gen[(key, index)]
+
+    def nbytes(self) -> int:
+        """Bytes the shared slots hold (not counting kept per-layer buffers)."""
+        return sum(t.numel() * t.element_size() for bufs in self._slots.values() for t in bufs)
+
+    def _buffer(self, key, home: torch.Tensor):
+        bufs = self._slots.setdefault(key, [])
+        i = self._next.get(key, 0)
+        self._next[key] = (i + 1) % self.buffers
+        if len(bufs) <= i:
+            bufs.append(torch.zeros(home.shape, dtype=home.dtype, device=home.device))
+        return i, bufs[i]
+
+    def fetch(self, ep, h, home_weight: torch.Tensor, name: str) -> Replicas:
+        """Fetch this step's replicas of one projection into the pool. Collective.
+
+        Args:
+            ep: the :class:`moonep.ExpertParallel` of ``h``.
+            h: the step's :class:`moonep.Dispatched` (its plan says which replicas land here).
+            home_weight: ``[epn, *D]`` this rank's home experts of the projection (read, never copied).
+            name: the projection's name within the layer (``"w_in"``): projections of one layer must not
+                share slots, projections of the same name and shape in different layers do.
+        Returns:
+            :class:`Replicas` for :func:`expert_matmul`.
+        """
+        expect(isinstance(name, str), "name", "a str naming the projection", type(name).__name__)
+        expect(isinstance(home_weight, torch.Tensor), "home_weight", "a torch.Tensor", type(home_weight).__name__)
+        key = (name, tuple(home_weight.shape), home_weight.dtype, home_weight.device)
+        keep = self.backward == "keep" and torch.is_grad_enabled() and home_weight.requires_grad
+        if keep:  # this layer's own buffer, alive until its backward
+            index, buf = -1, torch.zeros(home_weight.shape, dtype=home_weight.dtype, device=home_weight.device)
+        else:
+            index, buf = self._buffer(key, home_weight)
+        gen = self._bump(key, index)
+        side = self._side_stream(ep, home_weight)
+        event = None
+        if side is None:
+            ep.prefetch_replicas(h, home_weight.detach(), buf)
+        else:
+            # The plan (made on the current stream) must exist, and earlier readers of `buf` be done.
+            side.wait_stream(torch.cuda.current_stream(home_weight.device))
+            with torch.cuda.stream(side):
+                ep.prefetch_replicas(h, home_weight.detach(), buf)
+            event = torch.cuda.Event()
+            event.record(side)
+        return Replicas(self, key, index, ep, h, home_weight, buf, gen, event)
+
+    def _side_stream(self, ep, w: torch.Tensor):
+        if not (self.overlap and w.device.type == "cuda" and getattr(ep, "transport_name", "") == "nvlink"):
+            return None
+        if torch.cuda.is_current_stream_capturing():
+            return None  # CUDA graphs: keep the capture on one stream
+        s = self._streams.get(w.device)
+        if s is None:
+            s = self._streams[w.device] = torch.cuda.Stream(w.device)
+        return s

@@ -1,0 +1,182 @@
+"""The experts stage with a shared ReplicaPool: home weights read in place, replicas in the pool, against the
+dense float64 reference, on every rank (CPU here; tests/gpu/test_mp_pool_gpu.py runs it on CUDA ranks).
+
+MOONEP_TEST_DTYPES: comma list of row dtypes (default float64; the GPU run: float32,bfloat16)."""
+import os
+import sys
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moonep
+from ep_reference import expect_error, make_problem, my_slice
+from moonep.experts import ReplicaPool, expert_matmul
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from bench_pool_memory import peak_memory, stack  # noqa: E402
+
+DTYPES = [getattr(torch, d) for d in os.environ.get("MOONEP_TEST_DTYPES", "float64").split(",")]
+# tolerances: relative to the reference's magnitude (fp64: summation order; fp32: ~1e-6 per op; bf16: 8 bits)
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+KINDS = ["hot", "cold_rank", "zipf", "uniform"]
+
+
+def _sizes(R, S):
+    sizes = [S - (r % 3) for r in range(R)]
+    if R > 2:
+        sizes[1] = 0  # a rank without tokens
+    return sizes
+
+
+def _close(name, got, ref, dtype):
+    ref = ref.double()
+    err = (got.double().cpu() - ref).abs().max().item() if ref.numel() else 0.0
+    scale = max(ref.abs().max().item() if ref.numel() else 0.0, 1e-30)
+    assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} > {TOL[dtype]:g} x {scale:.3g} ({dtype})"
+
+
+def _expert(x, w1, w2):
+    """Per token t: tanh(x_t W1_t) W2_t (the weights of the token's expert, [T, H, F] and [T, F, H])."""
+    return torch.einsum("tf,tfh->th", torch.tanh(torch.einsum("th,thf->tf", x, w1)), w2)
+
+
+def _two_projections(rt, kind, dtype, transpose, pool, seed=0):
+    """y = combine(expert_matmul(tanh(expert_matmul(dispatch(x), W1)), W2)), W1 [E, H, F], W2 [E, F, H]
+    (stored transposed with ``transpose``): forward and gradients against the dense float64 loop."""
+    R, E, K, H, F, S = rt.world_size, 4 * rt.world_size, 2, 32, 24, 12
+    dev = rt.device
+    sizes = _sizes(R, S)
+    x, idx, w, W1, W2, gy = make_problem(seed, R, E, K, H, F, sizes, kind)
+    xr, W1r, W2r = (t.clone().requires_grad_() for t in (x, W1, W2))
+    yr = sum(w[:, k, None] * _expert(xr, W1r[idx[:, k]], W2r[idx[:, k]]) for k in range(K))
+    (yr * gy).sum().backward()
+
+    sl, epn = my_slice(rt, sizes), E // R
+    home = slice(rt.rank * epn, (rt.rank + 1) * epn)
+    store = (lambda W: W[home].transpose(1, 2).contiguous()) if transpose else (lambda W: W[home].clone())
+    W1l, W2l = (store(W).to(dev, dtype).requires_grad_() for W in (W1, W2))
+    versions = (W1l._version, W2l._version)
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
+    xl = x[sl].to(dev, dtype).requires_grad_()
+    h = ep.dispatch(xl, idx[sl].to(dev), w[sl].to(dev, dtype))
+    if kind == "hot" and R > 1:  # everything on one expert: the plan must place replicas
+        assert int(h.plan.num_replicas().max()) > 0, "the skewed routing placed no replica"
+    r1, r2 = pool.fetch(ep, h, W1l, "w1"), pool.fetch(ep, h, W2l, "w2")
+    a = torch.tanh(expert_matmul(h.tokens, h.cu_seqlens, W1l, r1, transpose=transpose))
+    out = expert_matmul(a, h.cu_seqlens, W2l, r2, transpose=transpose)
+    # what a model's next layer does: fetch into the same slots before this layer's backward
+    pool.fetch(ep, h, W1l.detach().clone().requires_grad_(), "w1")
+    y = ep.combine(out, h)
+    (y * gy[sl].to(dev, dtype)).sum().backward()
+    _close("y", y, yr.detach()[sl], dtype)
+    _close("grad x", xl.grad, xr.grad[sl], dtype)
+    for name, Wl, Wr in (("W1", W1l, W1r), ("W2", W2l, W2r)):
+        g = Wr.grad[home].transpose(1, 2) if transpose else Wr.grad[home]
+        _close(f"grad {name}", Wl.grad, g, dtype)
+    assert (W1l._version, W2l._version) == versions, "the home weights were written"
+    ep.close()
+
+
+def case_expert_matmul_vs_dense(rt):
+    for dtype in DTYPES:
+        for kind in KINDS:
+            for transpose in (False, True):
+                _two_projections(rt, kind, dtype, transpose, ReplicaPool())
+        _two_projections(rt, "hot", dtype, False, ReplicaPool(backward="keep"))
+        _two_projections(rt, "hot", dtype, False, ReplicaPool(buffers=2, overlap=False))
+
+
+class _HomeAccess(TorchDispatchMode):
+    """Records every op that reads or writes the storage of ``home`` and the size of what it makes."""
+
+    def __init__(self, home):
+        super().__init__()
+        self.ptr, self.n, self.ops = home.untyped_storage().data_ptr(), home.numel(), []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))
+        if any(isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() == self.ptr
+               for t in flat):
+            outs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            self.ops.append((str(func), max((t.numel() for t in outs), default=0),
+                             any(t.untyped_storage().data_ptr() == self.ptr for t in outs)))
+        return out
+
+
+_COPIES = ("clone", "copy", "cat", "stack", "_to_copy", "contiguous", "index_select", "index.Tensor")
+
+
+def case_no_home_copy(rt):
+    """No op copies the whole home weight tensor, and none writes it, in a forward and backward."""
+    R, E, K, H, S = rt.world_size, 4 * rt.world_size, 2, 32, 12
+    dtype = DTYPES[0]
+    x, idx, w, _, _, _ = make_problem(3, R, E, K, H, 8, [S] * R, "hot")
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
+    Wl = (torch.randn(E // R, H, H, dtype=torch.float64) / H ** 0.5).to(rt.device, dtype).requires_grad_()
+    sl = my_slice(rt, [S] * R)
+    pool = ReplicaPool()
+    with _HomeAccess(Wl) as seen:
+        h = ep.dispatch(x[sl].to(rt.device, dtype).requires_grad_(), idx[sl].to(rt.device), w[sl].to(rt.device, dtype))
+        out = expert_matmul(h.tokens, h.cu_seqlens, Wl, pool.fetch(ep, h, Wl, "w"))
+        ep.combine(out, h).sum().backward()
+    assert seen.ops, "the home weights were never read"
+    copies = [op for op in seen.ops if any(c in op[0] for c in _COPIES) and op[1] >= Wl.numel()]
+    writes = [op for op in seen.ops if op[2] and not any(v in op[0] for v in ("view", "alias", "detach", "t.",
+                                                                              "transpose", "select", "slice",
+                                                                              "expand", "unsqueeze", "reshape",
+                                                                              "permute", "as_strided"))]
+    assert not copies, f"ops copied the home weights: {copies}"
+    assert not writes, f"ops wrote into the home weights' storage: {writes}"
+    if ep.transport_name == "nvlink":  # its kernels move rows of the buffers' width only: refused, then usable
+        h = ep.dispatch(x[sl].to(rt.device, dtype), idx[sl].to(rt.device), w[sl].to(rt.device, dtype))
+        expect_error(lambda: ep.combine(h.tokens.new_zeros(h.tokens.shape[0], H + 8), h), "hidden=32")
+        assert ep.combine(h.tokens, h).shape == (S, H)
+    ep.close()
+
+
+def case_pool_memory_does_not_grow_with_layers(rt):
+    """Peak memory of forward + backward over a stack of L layers: growing L adds the layers' own weights
+    and activations only, and the pool holds at most buffers x epn experts per projection."""
+    dtype = DTYPES[0]
+    dev = rt.device
+    peaks, pools = {}, {}
+    for L in (2, 4):
+        for path in ("pool", "prefetch"):
+            model, pool = stack(rt, L, path=path, dtype=dtype)
+            peaks[path, L] = peak_memory(rt, model)
+            pools[path, L] = pool.nbytes() if pool is not None else 0
+            del model
+    layer = stack(rt, 1, path="pool", dtype=dtype)[0].layers[0]
+    expert = sum(p.numel() * p.element_size() for p in (layer.expert_w_in, layer.expert_w_out)) // layer.epn
+    epn = layer.epn
+    grow_pool = peaks["pool", 4] - peaks["pool", 2]
+    grow_old = peaks["prefetch", 4] - peaks["prefetch", 2]
+    # the old path holds a [2*epn] copy of each layer's experts until the backward: 2 layers more cost at
+    # least 2 x 2*epn experts more than the pool path
+    assert grow_old - grow_pool >= 2 * 2 * epn * expert * 0.9, (grow_old, grow_pool, expert, dev)
+    assert pools["pool", 4] <= epn * expert, pools
+
+
+def case_layer_stack_paths_agree(rt):
+    """A stack of LatentMoE layers: the pool (refetch, keep, two buffers) and the old prefetch path give the
+    same outputs and gradients (bitwise on the loop path)."""
+    for dtype in DTYPES:
+        _paths_agree(rt, dtype)
+
+
+def _paths_agree(rt, dtype):
+    results = {}
+    for path in ("pool", "keep", "buffers2", "prefetch"):
+        model, _ = stack(rt, 3, path=path, dtype=dtype)
+        g = torch.Generator().manual_seed(rt.rank)
+        x = torch.randn(7 + rt.rank, model.d, generator=g, dtype=torch.float64).to(rt.device, dtype)
+        y = model(x.requires_grad_())
+        y.square().sum().backward()
+        results[path] = [y.detach()] + [p.grad.clone() for p in model.parameters()]
+    for path in ("keep", "buffers2", "prefetch"):
+        for a, b in zip(results["pool"], results[path]):
+            if dtype == torch.float64 or rt.device.type == "cpu":
+                assert torch.equal(a, b), f"{path} differs from the pool path"
+            else:
+                _close(path, a, b, dtype)
