@@ -46,6 +46,7 @@ typedef long long i64;
 #define ERR_DUP_IDX 2      // input: repeated expert in one token
 #define ERR_NONFINITE 4    // input: non-finite routing weight
 #define ERR_TOTAL 8        // input: num_global_tokens disagrees with the sum of s
+#define ERR_NONFINITE_X 16 // input: non-finite token (fp8 dispatch quantises x; csrc/quant.cu)
 
 // Dtype codes (moonep/backends/nvlink_abi.py DT).
 #define DT_F32 0

@@ -116,9 +116,12 @@ __device__ __forceinline__ float q8_abs(float v) {
 // lanes (16 for bf16/fp16, 32 for fp32) and its amax is an xor-shuffle reduction among them. Four words per
 // lane are loaded before any is used, to keep enough bytes in flight for HBM.
 // q: e4m3fn bytes [s, H]; scales: float32 [s, H/128]; flag: int32 [1] or null.
+// Wire layout (wb > 0, fp8 dispatch): row t of the output is wb = H + 4 * H/128 bytes, its H codes then its
+// H/128 scales (float32), written through `q` (`scales` unused); `code` is the value ORed into *flag.
 template <int DT>
 __device__ __forceinline__ void q8_rows(const int4* __restrict__ x, unsigned char* __restrict__ q,
-                                        float* __restrict__ scales, i64 nwords, bool pow2, int* flag) {
+                                        float* __restrict__ scales, i64 nwords, bool pow2, int* flag, int code = 1,
+                                        i64 H = 0, i64 wb = 0) {
   constexpr int VEC = DT == DT_F32 ? 4 : 8;  // elements per 16-byte word
   constexpr int L = Q8_GROUP / VEC;          // lanes per group
   constexpr int U = 4;                       // words per lane in flight
@@ -152,7 +155,14 @@ __device__ __forceinline__ void q8_rows(const int4* __restrict__ x, unsigned cha
         c[j / 4] = bad ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
       }
       if (bad) scale = __uint_as_float(Q8_NAN_BITS);
-      if (i < nwords) {
+      if (i < nwords && wb) {  // wire rows are 4-byte aligned only (wb = 132 * H/128 bytes)
+        const i64 e = i * VEC, t = e / H, col = e - t * H;
+        unsigned* d = (unsigned*)(q + t * wb + col);
+#pragma unroll
+        for (int j = 0; j < VEC / 4; ++j) d[j] = c[j];
+        if ((lane & (L - 1)) == 0) *(float*)(q + t * wb + H + 4 * (col / Q8_GROUP)) = scale;
+        bad_seen |= bad;
+      } else if (i < nwords) {
         if constexpr (VEC == 8) ((uint2*)q)[i] = make_uint2(c[0], c[1]);
         else ((unsigned*)q)[i] = c[0];
         if ((lane & (L - 1)) == 0) scales[i / L] = scale;
@@ -160,7 +170,7 @@ __device__ __forceinline__ void q8_rows(const int4* __restrict__ x, unsigned cha
       }
     }
   }
-  if (__any_sync(FULL_MASK, bad_seen) && lane == 0 && flag != nullptr) atomicOr(flag, 1);
+  if (__any_sync(FULL_MASK, bad_seen) && lane == 0 && flag != nullptr) atomicOr(flag, code);
 }
 
 #define Q8_KERNEL(NAME, DT)                                                                                \
@@ -171,3 +181,15 @@ __device__ __forceinline__ void q8_rows(const int4* __restrict__ x, unsigned cha
 Q8_KERNEL(moonep_quant_f32, DT_F32)
 Q8_KERNEL(moonep_quant_bf16, DT_BF16)
 Q8_KERNEL(moonep_quant_f16, DT_F16)
+
+// FP8 dispatch (moonep/fp8.py): x [s, H] -> wire rows [s, H + 4 * H/128] bytes (codes, then scales) in one
+// pass, so the dispatch kernels move each token's codes and scales as one row of bytes. code: the input-error
+// bit ORed into *flag for a non-finite group (the NVLink backend passes its routing flags word).
+#define Q8_WIRE_KERNEL(NAME, DT)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256) NAME(const int4* __restrict__ x, unsigned char* out, \
+                                                         i64 nwords, int pow2, int* flag, int code, i64 H) { \
+    q8_rows<DT>(x, out, nullptr, nwords, pow2 != 0, flag, code, H, H + 4 * (H / Q8_GROUP));                \
+  }
+Q8_WIRE_KERNEL(moonep_quant_wire_f32, DT_F32)
+Q8_WIRE_KERNEL(moonep_quant_wire_bf16, DT_BF16)
+Q8_WIRE_KERNEL(moonep_quant_wire_f16, DT_F16)

@@ -80,7 +80,8 @@ PROGRAMS: dict[str, Program] = {
                        ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",
                         "qb_finalize")),
     # FP8 (e4m3) quantiser, launched by moonep/quant.py; MOONEP_QUANT_SOFT_CVT: portable e4m3 conversion
-    "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16"),
+    "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16",
+                      "moonep_quant_wire_f32", "moonep_quant_wire_bf16", "moonep_quant_wire_f16"),
                      lambda: _flag("MOONEP_QUANT_SOFT_CVT")),
 }
 

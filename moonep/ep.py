@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from . import layout
+from . import fp8, layout
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype
 from .config import Tuning
@@ -76,6 +76,31 @@ class _DispatchFn(torch.autograd.Function):
             gx, gw = ep._backend.dispatch_backward(g_tokens, g_weights, ctx.st, ctx.needs_input_grad[0],
                                                    ctx.needs_input_grad[1], ctx.x_dtype, ctx.w_dtype)
         return gx, gw, None, None
+
+
+class _DispatchFp8Fn(torch.autograd.Function):
+    """fp8 dispatch under autograd: ``wire`` (uint8 ``[s, wire_bytes(H)]``, the quantised ``x``) moves; the
+    outputs are the fp8 rows and scales (not differentiable), the weights and ``grad_rows``, a stride-0 zero
+    ``[cap, H]`` in the token dtype whose gradient (the dequantised rows', straight through) comes back here
+    and is combined, as in ``_DispatchFn``, into ``x``'s gradient (in ``x``'s dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, wire, ep, st):
+        ctx.ep, ctx.st = ep, st
+        ctx.x_dtype, ctx.w_dtype = ep.dtype, topk_weights.dtype
+        rows, weights = ep._backend.dispatch(wire, topk_weights, st, True)
+        q, scales = fp8.split_wire(rows, ep.hidden)
+        anchor = torch.zeros((), dtype=ep.dtype, device=rows.device).expand(rows.shape[0], ep.hidden)
+        ctx.mark_non_differentiable(q, scales)
+        return q, scales, weights, anchor
+
+    @staticmethod
+    def backward(ctx, g_q, g_scales, g_weights, g_rows):
+        ep = ctx.ep
+        with ep._collective("dispatch.backward", backward=True):
+            gx, gw = ep._backend.dispatch_backward(g_rows, g_weights, ctx.st, ctx.needs_input_grad[0],
+                                                   ctx.needs_input_grad[1], ctx.x_dtype, ctx.w_dtype)
+        return gx, gw, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):
@@ -134,6 +159,23 @@ def _runtime(group, transport, device):
     return init(group)
 
 
+def _check_fp8_config(dispatch_dtype, dtype, hidden, apply_weights, pow2_scales) -> None:
+    """The constructor's fp8 arguments (raises ``ValueError``)."""
+    expect(dispatch_dtype in (None, dtype, fp8.FP8), "dispatch_dtype", f"None, {dtype} or torch.float8_e4m3fn",
+           dispatch_dtype)
+    expect(isinstance(pow2_scales, bool), "pow2_scales", "a bool", repr(pow2_scales))
+    if dispatch_dtype != fp8.FP8:
+        return
+    expect(dtype in (torch.bfloat16, torch.float16, torch.float32), "dtype",
+           "bfloat16, float16 or float32 with dispatch_dtype=torch.float8_e4m3fn", dtype)
+    expect(isinstance(hidden, int) and hidden % fp8.GROUP == 0, "hidden",
+           f"a multiple of {fp8.GROUP} with dispatch_dtype=torch.float8_e4m3fn (one scale per 128 channels)",
+           hidden)
+    # rows scaled at dispatch would need quantising again on the receiver
+    expect(apply_weights == "combine", "apply_weights", '"combine" with dispatch_dtype=torch.float8_e4m3fn',
+           repr(apply_weights))
+
+
 class ExpertParallel:
     """Balanced expert-parallel dispatch/combine over one process group.
 
@@ -164,6 +206,11 @@ class ExpertParallel:
             timeout (``moonep.init(timeout=...)``).
         tuning: a :class:`moonep.Tuning` for the NVLink kernels (SMs, chunks, fused stages); ``None`` is the
             default tuning.  Results are bitwise the same for every tuning.
+        dispatch_dtype: ``None`` (default: ``dtype``) or ``torch.float8_e4m3fn``: tokens cross the wire and
+            land as e4m3 with one float32 scale per token per 128 channels (:mod:`moonep.fp8`); ``dtype`` must
+            then be bf16, fp16 or fp32, ``hidden`` a multiple of 128 and ``apply_weights="combine"``.
+            Combine stays in the expert output's dtype.
+        pow2_scales: fp8 dispatch only: power-of-two (UE8M0-style) scales instead of ``amax / 448``.
 
     Every rank must construct it with the same arguments; a mismatch raises ``ValueError`` on every rank.
     Call :meth:`close` (or use ``with``) to unmap the peers' buffers (NVLink) and end the instance.
@@ -177,7 +224,8 @@ class ExpertParallel:
     def __init__(self, group=None, *, num_experts: int, topk: int, hidden: int, max_tokens: int,
                  dtype: torch.dtype = torch.float32, device=None, align: int = 1, slack: float = 0.0,
                  apply_weights: str = "combine", transport: str = "auto", zero_copy="auto",
-                 timeout: float | None = None, tuning: Tuning | None = None):
+                 timeout: float | None = None, tuning: Tuning | None = None, dispatch_dtype: torch.dtype | None = None,
+                 pow2_scales: bool = False):
         expect(transport in TRANSPORTS, "transport", '"auto", "mpi", "torch", "nvlink" or "local"', repr(transport))
         self.rt = _runtime(group, transport, device)
         R = self.rt.world_size
@@ -189,6 +237,7 @@ class ExpertParallel:
         self._backend = None
         self._closed = False
         self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
+        self._side_event = None  # work of this instance queued on another stream (ReplicaPool's fetch), unjoined
         expect(transport != "local" or self.rt.group is None, "transport",
                '"local" only in a process without a process group', f"a group of {R} rank(s)")
         # the transport waits at most `timeout` from the first exchange on (construction included); a bad
@@ -199,7 +248,9 @@ class ExpertParallel:
         config = dict(num_experts=num_experts, topk=topk, hidden=hidden, max_tokens=max_tokens,
                       dtype=str(dtype), align=align, apply_weights=apply_weights,
                       slack=float(slack) if isinstance(slack, (int, float)) else repr(slack),
-                      transport=kind, tuning=repr(tuning))
+                      transport=kind, tuning=repr(tuning),
+                      dispatch_dtype=str(dtype if dispatch_dtype is None else dispatch_dtype),
+                      pow2_scales=repr(pow2_scales))
         errors = [dev_err] if dev_err else []
         try:
             for name in ("num_experts", "topk", "hidden", "max_tokens", "align"):
@@ -215,6 +266,7 @@ class ExpertParallel:
                    type(tuning).__name__)
             expect(apply_weights in ("combine", "dispatch"), "apply_weights", '"combine" or "dispatch"',
                    repr(apply_weights))
+            _check_fp8_config(dispatch_dtype, dtype, hidden, apply_weights, pow2_scales)
         except ValueError as exc:
             errors.append(str(exc))
         # Every rank checks every rank's configuration, so a mismatch fails everywhere, not as a hang later.
@@ -227,6 +279,8 @@ class ExpertParallel:
         self.num_experts, self.topk, self.hidden, self.max_tokens = num_experts, topk, hidden, max_tokens
         self.epn = num_experts // R
         self.dtype, self.align, self.slack, self.apply_weights = dtype, align, float(slack), apply_weights
+        self.dispatch_dtype = dtype if dispatch_dtype is None else dispatch_dtype
+        self.fp8, self.pow2_scales = self.dispatch_dtype == fp8.FP8, bool(pow2_scales)
         self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
         self._backend = make_backend(self, kind, timeout=timeout, zero_copy=zero_copy, tuning=tuning or Tuning())
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
@@ -252,10 +306,25 @@ class ExpertParallel:
                     self._agree(got, error, describe)
             if error is not None:  # nothing was exchanged (one rank, or MOONEP_CHECK_ORDER=0)
                 raise ValueError(error)
+            self._join_side_stream()
             yield
         except MoonepError:
             self._record_failure()
             raise
+
+    def queued_on(self, stream) -> None:
+        """This instance's last collective was launched on ``stream`` (not the current one): the next
+        collective's kernels wait for it.  The NVLink kernels pair each rank's launches in order, so two
+        collectives must never run concurrently on two streams (:class:`moonep.ReplicaPool` calls this
+        after fetching on its side stream)."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self._side_event = ev
+
+    def _join_side_stream(self) -> None:
+        ev, self._side_event = self._side_event, None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
 
     def _agree(self, headers, error, describe) -> None:
         """Raise the same ``ValueError`` on every rank when a rank refused its arguments or the signatures
@@ -330,10 +399,16 @@ class ExpertParallel:
         checks the values and decides how a failure surfaces: see ``Backend.plan_step``.)"""
         S, K, H = self.max_tokens, self.topk, self.hidden
         try:
-            expect_tensor(x, "x", dim=2, dtypes=self.dtype, device=self.device)
-            s = x.shape[0]
-            expect(x.shape[1] == H, "x", f"shape [s, {H}]", list(x.shape))
-            expect(s <= S, "x", f"at most max_tokens={S} rows", s)
+            if isinstance(x, (tuple, list)):  # pre-quantised (x_fp8, scales)
+                expect(self.fp8, "x", f"a {self.dtype} tensor [s, {H}] (a pre-quantised pair needs "
+                       "dispatch_dtype=torch.float8_e4m3fn)", "a pair")
+                fp8.check_pair(x, H, self.device, S)
+                s = x[0].shape[0]
+            else:
+                expect_tensor(x, "x", dim=2, dtypes=self.dtype, device=self.device)
+                s = x.shape[0]
+                expect(x.shape[1] == H, "x", f"shape [s, {H}]", list(x.shape))
+                expect(s <= S, "x", f"at most max_tokens={S} rows", s)
             expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=self.device,
                           shape=(s, K))
             expect_tensor(topk_weights, "topk_weights", dtypes=self._backend.weight_dtypes, device=self.device,
@@ -347,28 +422,44 @@ class ExpertParallel:
 
         Args:
             x: ``[s, H]`` tokens, ``dtype`` of the constructor, ``s <= max_tokens`` (``s`` may differ
-                between ranks and may be 0).
+                between ranks and may be 0).  With ``dispatch_dtype=torch.float8_e4m3fn`` also a pre-quantised
+                pair ``(x_fp8 float8_e4m3fn [s, H], scales float32 [s, H/128])`` (:func:`moonep.quant.quantize_fp8`'s
+                output; not differentiable); a bf16/fp16/fp32 ``x`` is quantised inside the send.
             topk_idx: int32/int64 ``[s, K]`` expert ids, distinct per token; ``-1`` masks a choice.
             topk_weights: float ``[s, K]`` finite routing weights.
             num_global_tokens: optional sum of ``s`` over ranks; checked when given.
         Returns:
-            :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.
+            :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.  fp8 dispatch:
+            ``h.tokens`` float8_e4m3fn ``[cap, H]`` and ``h.scales`` float32 ``[cap, H/128]``; the gradient
+            reaches ``x`` through :func:`moonep.fp8.dequantize_rows` (straight through).
         """
         err = self._routing_error(x, topk_idx, topk_weights)
         if err is None and num_global_tokens is not None:
             err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0)
+        pre = isinstance(x, (tuple, list))
+        xs = x[0] if pre and err is None else x  # the [s, H] tensor (s and device for plan_step)
+        wire = None
+        if err is None and self.fp8 and not self._backend.lazy_input_errors:
+            # host backends quantise before the call's header: a non-finite x is refused on every rank
+            try:
+                wire = self._backend.wire_rows(x, self.pow2_scales)
+            except ValueError as exc:
+                err = str(exc)
         sig, describe = (), None
         if err is None:
             ge = torch.is_grad_enabled()
-            tx, tw = ge and x.requires_grad, ge and topk_weights.requires_grad
+            tx, tw = ge and xs.requires_grad, ge and topk_weights.requires_grad
             ngt = -1 if num_global_tokens is None else int(num_global_tokens)
             # the weights' dtype, and which backward collectives will run (rank-local otherwise)
-            sig = (_dt(topk_weights), tx, tw, ngt)
+            sig = (_dt(topk_weights), tx, tw, ngt, int(pre))
             describe = lambda: [("topk_weights", f"dtype {topk_weights.dtype}"),  # noqa: E731
                                 ("x", f"requires_grad={tx}"), ("topk_weights", f"requires_grad={tw}"),
-                                ("num_global_tokens", repr(num_global_tokens))]
+                                ("num_global_tokens", repr(num_global_tokens)),
+                                ("x", "a pre-quantised pair (x_fp8, scales)" if pre else "a tensor")]
         with self._collective("dispatch", error=err, sig=sig, describe=describe):
             backend = self._backend
+            if self.fp8:
+                return self._dispatch_fp8(x, xs, wire, topk_idx, topk_weights, num_global_tokens)
             plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens)
             st.step, st.instance = self._guard.seq, self._guard.instance
             if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
@@ -382,6 +473,25 @@ class ExpertParallel:
             out = Dispatched(tokens, weights, cu, slot_experts, num_rows, plan, st)
             backend.after_call()
             return out
+
+    def _dispatch_fp8(self, x, xs, wire, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
+        """The body of an fp8 dispatch (inside its collective): quantise (NVLink: here, its non-finite flag
+        joins the routing flags of plan_step), plan, move the wire rows."""
+        backend = self._backend
+        if wire is None:
+            wire = backend.wire_rows(x, self.pow2_scales)
+        plan, st = backend.plan_step(xs, topk_idx, topk_weights, num_global_tokens)
+        st.step, st.instance = self._guard.seq, self._guard.instance
+        anchor = None
+        if torch.is_grad_enabled() and (xs.requires_grad or topk_weights.requires_grad):
+            q, scales, weights, anchor = _DispatchFp8Fn.apply(xs, topk_weights, wire, self, st)
+        else:
+            rows, weights = backend.dispatch(wire, topk_weights, st, False)
+            q, scales = fp8.split_wire(rows, self.hidden)
+        cu, slot_experts, num_rows = backend.slots(plan, st)
+        out = Dispatched(q, weights, cu, slot_experts, num_rows, plan, st, scales=scales, grad_rows=anchor)
+        backend.after_call()
+        return out
 
     def refuse(self, op: str, message: str) -> None:
         """Refuse this rank's part of collective ``op`` (``"dispatch"``, ``"combine"``, ``"prefetch"`` or

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import expect
+from .fp8 import as_float_rows
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once: the loop from then on
@@ -155,7 +156,9 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
     """Rows of slot ``j`` times ``w[j]`` (one ``[G, D, N]`` weight tensor for all slots).
 
     Args:
-        a: ``[cap, D]`` rows grouped by slot (rows past ``cu_seqlens[-1]`` are padding).
+        a: ``[cap, D]`` rows grouped by slot (rows past ``cu_seqlens[-1]`` are padding).  fp8 dispatch: also the
+            :class:`moonep.Dispatched` ``h`` (dequantised to ``w``'s dtype, gradient straight through to ``x``)
+            or a pair ``(h.tokens, h.scales)`` (dequantised, no gradient): :func:`moonep.fp8.as_float_rows`.
         cu_seqlens: int32 ``[G + 1]``, slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
         w: ``[G, D, N]`` one matrix per slot, same dtype as ``a``.
         impl: ``"auto"`` (grouped on CUDA when possible), ``"grouped"`` or ``"loop"``.
@@ -165,6 +168,7 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
         weights in place instead of a ``[2*epn]`` copy.
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
     if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
         return _SlotMatmul.apply(a, w, cu_seqlens, impl)
     return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
@@ -205,7 +209,8 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     """One projection of every slot: home rows times the home weights in place, replica rows times the pool.
 
     Args:
-        a: ``[cap, D]`` rows grouped by slot (``h.tokens`` or an activation of it), the weights' dtype.
+        a: ``[cap, D]`` rows grouped by slot (``h.tokens`` or an activation of it), the weights' dtype.  fp8
+            dispatch: also ``h`` itself or ``(h.tokens, h.scales)``, dequantised first (see :func:`slot_matmul`).
         cu_seqlens: int32 ``[2*epn + 1]`` (``h.cu_seqlens``): slot ``j`` owns rows ``cu[j]:cu[j+1]``.
         home_weight: ``[epn, D, N]`` this rank's home experts (``[epn, N, D]`` with ``transpose=True``, the
             ``nn.Linear`` / transformers layout); a parameter, read where it is.
@@ -221,6 +226,7 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
            "the Replicas that ReplicaPool.fetch returned for this home_weight", type(replicas).__name__)
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     epn = home_weight.shape[0]
+    a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
     expect(tuple(cu_seqlens.shape) == (2 * epn + 1,), "cu_seqlens", f"shape [2*epn+1={2 * epn + 1}]",
            list(cu_seqlens.shape))
     if torch.is_grad_enabled() and (a.requires_grad or home_weight.requires_grad):
@@ -365,6 +371,7 @@ class ReplicaPool:
                 ep.prefetch_replicas(h, home_weight.detach(), buf)
             event = torch.cuda.Event()
             event.record(side)
+            ep.queued_on(side)  # the next collective of ep waits for this fetch, whether or not it is used
         return Replicas(self, key, index, ep, h, home_weight, buf, gen, event)
 
     def _side_stream(self, ep, w: torch.Tensor):

@@ -49,6 +49,12 @@ class Dispatched:
         plan: the :class:`moonep.planner.Plan` of this step (identical on every rank).
         routing: the backend's :class:`StepState` for this step (opaque: combine and the backward passes
             read it).
+        scales: with ``dispatch_dtype=torch.float8_e4m3fn``: float32 ``[cap, H/128]``, the scales of the rows
+            of ``tokens`` (then float8_e4m3fn ``[cap, H]``; both views of the received wire rows, see
+            :mod:`moonep.fp8`), zero in unused rows; ``None`` otherwise.
+        grad_rows: fp8 dispatch under autograd only: a stride-0 zero ``[cap, H]`` in the token dtype through
+            which the gradient of the dequantised rows reaches the backward of dispatch (straight through;
+            :func:`moonep.fp8.dequantize_rows` uses it); ``None`` otherwise.
     """
 
     tokens: torch.Tensor
@@ -58,6 +64,8 @@ class Dispatched:
     num_rows: Union[int, torch.Tensor]
     plan: Any  # moonep.planner.Plan (not imported: this module depends on nothing of moonep)
     routing: StepState
+    scales: Optional[torch.Tensor] = None
+    grad_rows: Optional[torch.Tensor] = field(default=None, repr=False)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import expect
 from ..handles import StepState
 
 
@@ -28,6 +29,9 @@ class Backend:
     checks_backward_order = True
     # header all-gather for the call-order check, or None for the transport's own
     order_exchange = None
+    # bad token values (fp8 dispatch: a non-finite x) are flagged on device and raised by a later call, as the
+    # nvlink backend does for routing values; False: wire_rows raises before the call's header
+    lazy_input_errors = False
 
     def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
         """Validate values, all-gather the routing counts, plan and lay out. Collective.
@@ -37,6 +41,18 @@ class Backend:
         """
         raise NotImplementedError
 
+    def wire_rows(self, x, pow2_scales: bool):
+        """fp8 dispatch: ``x`` (bf16/fp16/fp32 ``[s, H]``, or a checked pair ``(x_fp8 [s, H], scales float32
+        [s, H/128])``) -> uint8 wire rows ``[s, H + 4*H/128]`` (:mod:`moonep.fp8`), moved by :meth:`dispatch`
+        as rows of bytes.  Raises ``ValueError`` naming ``x`` for inf/nan (in the scales of a pair)."""
+        from .. import fp8
+
+        if isinstance(x, (tuple, list)):
+            bad = ~torch.isfinite(x[1])
+            expect(not bool(bad.any()), "x[1] (scales)", "finite scales", f"{int(bad.sum())} non-finite scale(s)")
+            return fp8.pack_pair(x[0], x[1])
+        return fp8.quantize_wire(x, pow2_scales=pow2_scales, check_finite=True)
+
     def slots(self, plan, st):
         """``(cu_seqlens int32 [2*epn+1], slot_experts int64 [2*epn], num_rows)`` of this rank."""
         raise NotImplementedError
@@ -44,7 +60,8 @@ class Backend:
     def dispatch(self, x, topk_weights, st, tracked: bool):
         """``x [s, H]``, ``topk_weights [s, K]`` -> ``(tokens [cap, H], weights [cap])`` in the step's rows.
 
-        ``tracked``: autograd records this dispatch (the nvlink backend then returns copies, not views)."""
+        ``tracked``: autograd records this dispatch (the nvlink backend then returns copies, not views).
+        fp8 dispatch passes the uint8 wire rows of :meth:`wire_rows` as ``x`` (moved as bytes, ``tokens`` uint8)."""
         raise NotImplementedError
 
     def combine(self, rows, weights, st, out_dtype):

@@ -76,7 +76,7 @@ import weakref
 import numpy as np
 import torch
 
-from .. import cuda_runtime, layout
+from .. import cuda_runtime, fp8, layout
 from ..config import Tuning, parse_fused
 from ..errors import MoonepError, expect
 from ..guard import HEADER_WORDS, check_order_enabled
@@ -95,7 +95,8 @@ _ES = {abi.DT_F32: 4, abi.DT_BF16: 2, abi.DT_F16: 2}
 _ERR_INPUT = {abi.ERR_BAD_IDX: "topk_idx: expected expert ids in [-1, {E})",
               abi.ERR_DUP_IDX: "topk_idx: expected distinct experts per token",
               abi.ERR_NONFINITE: "topk_weights: expected finite values",
-              abi.ERR_TOTAL: "num_global_tokens: expected the sum of tokens over ranks"}
+              abi.ERR_TOTAL: "num_global_tokens: expected the sum of tokens over ranks",
+              abi.ERR_NONFINITE_X: "x: expected finite values (fp8 dispatch)"}
 _GATHERS = ("moonep_gather", "moonep_route_gather")
 _p = cuda_runtime.ptr   # kernel argument for a tensor's address (None: null)
 
@@ -139,6 +140,7 @@ class NVLinkBackend(Backend):
     step_type = NVLinkStep
     weight_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     checks_backward_order = False
+    lazy_input_errors = True   # a non-finite x of an fp8 dispatch joins the routing flags (no host sync)
 
     def __init__(self, ep, *, timeout: float, zero_copy="auto", tuning: Tuning = Tuning(), block: int = 512):
         R, K = ep.world_size, ep.topk
@@ -203,6 +205,10 @@ class NVLinkBackend(Backend):
         self.main = SymmetricBuffer(total, self.device, self.rank, R, self._gather_obj)
         self.herr = HostWords(4, self.device)
         self.recv = self.main.view(self.off["recv"], (self.cap, self.H), ep.dtype)
+        # fp8 dispatch: the same area as [cap, H + 4*H/128] bytes of wire rows (<= H * es: es >= 2 there)
+        self.recv_wire = (self.main.view(self.off["recv"], (self.cap, fp8.wire_bytes(self.H)), torch.uint8)
+                          if getattr(ep, "fp8", False) else None)
+        self._xflag = torch.zeros(1, dtype=torch.int32, device=self.device)  # unfused route: x's non-finite bit
         self.wbuf = self.main.view(self.off["w"], (self.cap,), torch.float32)
         self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
         self._grad_views = {}
@@ -338,7 +344,7 @@ class NVLinkBackend(Backend):
         self.herr.close()
         if self.board is not None:
             self.board.close()
-        self.recv = self.wbuf = None
+        self.recv = self.wbuf = self.recv_wire = None
 
     # -- plan ------------------------------------------------------------------------------------------
     def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
@@ -392,6 +398,8 @@ class NVLinkBackend(Backend):
             dup = ((idx[:, :, None] == idx[:, None, :]) & upper & (idx[:, :, None] >= 0)).any()
             flag = flag | (dup.to(torch.int64) * 2)
         flag = flag | ((~torch.isfinite(topk_weights)).any().to(torch.int64) * 4)
+        flag = flag | self._xflag[0].to(torch.int64)  # fp8 dispatch: x's non-finite bit (wire_rows)
+        self._xflag.zero_()
         counts = torch.zeros(E + 1, dtype=torch.int64, device=dev)
         counts.scatter_add_(0, torch.where(idx >= 0, idx, torch.full_like(idx, E)).reshape(-1),
                             torch.ones(s * K, dtype=torch.int64, device=dev))
@@ -413,11 +421,32 @@ class NVLinkBackend(Backend):
         tokens, weights = self._dispatch_rows(x, w32, st, zero_copy)
         return tokens, weights.to(topk_weights.dtype)
 
+    def wire_rows(self, x, pow2_scales: bool):
+        """fp8 dispatch: one quantiser launch into wire rows (pairs: a copy); a non-finite group ORs
+        ERR_NONFINITE_X into the flags the counts gather of this step reports (no host sync)."""
+        flag = self._scratch[self.E:self.E + 1] if self.fused_route else self._xflag
+        if isinstance(x, (tuple, list)):
+            flag.bitwise_or_((~torch.isfinite(x[1])).any().to(torch.int32) * abi.ERR_NONFINITE_X)
+            return fp8.pack_pair(x[0], x[1])
+        self.mark("gap")
+        wire = fp8.quantize_wire(x, pow2_scales=pow2_scales, check_finite=False, flag=flag, code=abi.ERR_NONFINITE_X)
+        self.mark("moonep_quant_wire")
+        return wire
+
+    def _out_rows(self, x, zero_copy: bool):
+        """Where dispatch lands: the receive buffer (zero-copy) or fresh tensors, rows like ``x``'s
+        (token dtype ``[cap, H]``, or fp8 wire rows uint8 ``[cap, wire_bytes(H)]``)."""
+        if zero_copy:
+            return (self.recv_wire if x.dtype == torch.uint8 else self.recv), self.wbuf
+        return (torch.empty((self.cap, x.shape[1]), dtype=x.dtype, device=self.device),
+                torch.empty(self.cap, dtype=torch.float32, device=self.device))
+
     def _dispatch_rows(self, x, w32, st: NVLinkStep, zero_copy: bool):
-        """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])``."""
+        """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])`` (fp8: ``x`` and ``tokens`` are
+        uint8 wire rows, moved as bytes by the same kernels)."""
         self.check(inputs=False)
         x = x.contiguous()
-        rb = self.H * self.es
+        rb = x.shape[1] * x.element_size()
         self.generation += 1
         st.generation, st.zero_copy = self.generation, zero_copy
         # Right after this step's counts gather (plan_step), every peer has passed an entry barrier after
@@ -428,11 +457,7 @@ class NVLinkBackend(Backend):
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
                       _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0)))
-        if zero_copy:
-            tokens, weights = self.recv, self.wbuf
-        else:
-            tokens = torch.empty((self.cap, self.H), dtype=self.ep.dtype, device=self.device)
-            weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
+        tokens, weights = self._out_rows(x, zero_copy)
         st.row_first = torch.empty(self.cap, dtype=torch.int32, device=self.device)
         st.rec = torch.empty((self.cap, self.K), dtype=torch.int32, device=self.device)
         st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
@@ -450,11 +475,7 @@ class NVLinkBackend(Backend):
         st.src, st.tokfirst = lists[cap * (K + 1):cap * (K + 2)], lists[cap * (K + 2):]
 
     def _dispatch_fused(self, x, w32, st: NVLinkStep, zero_copy: bool, rb: int, barrier: int):
-        if zero_copy:
-            tokens, weights = self.recv, self.wbuf
-        else:
-            tokens = torch.empty((self.cap, self.H), dtype=self.ep.dtype, device=self.device)
-            weights = torch.empty(self.cap, dtype=torch.float32, device=self.device)
+        tokens, weights = self._out_rows(x, zero_copy)
         self._step_lists(st)
         vec = np.int32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
         cu = st.cu

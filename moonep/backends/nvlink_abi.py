@@ -19,6 +19,7 @@ DT_F32, DT_BF16, DT_F16 = 0, 1, 2
 # input-error bits (bits 8.. carry the first rank that saw one).
 ERR_TIMEOUT = 1
 ERR_BAD_IDX, ERR_DUP_IDX, ERR_NONFINITE, ERR_TOTAL = 1, 2, 4, 8
+ERR_NONFINITE_X = 16   # a non-finite token, found by the fp8 dispatch's quantiser
 
 # struct Ctx, in order: (field, int64 words).  Every field is 8 bytes: i64 scalars, pointers, arrays of them.
 CTX_FIELDS = (

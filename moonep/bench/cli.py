@@ -93,6 +93,9 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                      "for prefetch and the layer step (DeepSeek-V3: 2048); 0 skips both")
     run.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16",
                      help="element type of the tokens and the expert weights")
+    run.add_argument("--dispatch-dtype", choices=["same", "fp8"], default="same",
+                     help="what dispatch moves: the token dtype, or fp8 e4m3 rows with per-128-channel scales "
+                          "(hidden must be a multiple of 128; the layer step is skipped)")
     run.add_argument("--iters", type=int, default=5, help="timed calls per figure (the median is shown)")
     run.add_argument("--warmup", type=int, default=1, help="untimed calls before them")
     run.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",

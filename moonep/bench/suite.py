@@ -32,6 +32,7 @@ import moonep
 from moonep.bench.baselines import MegatronA2A, PeerStoreCeiling, SymmMemA2A
 from moonep.bench.layer_step import ExpertWeights, megatron_step, moonep_step, swiglu_experts
 from moonep.bench.routing import make_routing, maxvio, zipf_exponent
+from moonep.fp8 import dequantize_rows, wire_bytes as fp8_wire_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 META_BYTES_PER_CHOICE = 8  # a token's K-aligned row list (int32) and routing weights (fp32) travel with it
@@ -152,6 +153,7 @@ class Suite:
         self.R, self.rank = rt.world_size, rt.rank
         self.cuda = rt.device.type == "cuda"
         self.dtype = DTYPES[args.dtype]
+        self.fp8 = getattr(args, "dispatch_dtype", "same") == "fp8"
         self.es = torch.empty((), dtype=self.dtype).element_size()
         self.timer = Timer(rt, args.iters, args.warmup)
         self._zipf: dict = {}
@@ -232,7 +234,8 @@ class Suite:
         for slack in a.slack:
             eps[slack] = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=self.dtype,
                                                slack=slack, transport=a.transport,
-                                               tuning=moonep.Tuning(num_sms=a.num_sms))
+                                               tuning=moonep.Tuning(num_sms=a.num_sms),
+                                               dispatch_dtype=torch.float8_e4m3fn if self.fp8 else None)
         ep0 = eps[a.slack[0]]
         self.doc["transport"] = ep0.transport_name
         weights, why = None, ""
@@ -281,19 +284,26 @@ class Suite:
         pt = dict(tokens=s, hidden=H, experts=E, topk=K, placement=placement, maxvio_target=target,
                   zipf_a=round(zipf_a, 4))
         logical = s * K * H * es
-        row_wire = H * es + K * META_BYTES_PER_CHOICE
+        # fp8: a row is H e4m3 bytes plus H/128 float32 scales (moonep.fp8.wire_bytes)
+        row_bytes = fp8_wire_bytes(H) if self.fp8 else H * es
+        row_wire = row_bytes + K * META_BYTES_PER_CHOICE
         w_expert = 3 * H * a.ffn * es  # one replica's three projections
         ref = (x.float() * w.sum(1, keepdim=True)).to(self.dtype)  # identity experts
         local, moon = {}, []
         for slack, ep in eps.items():
             d = T(lambda: ep.dispatch(x, idx, w))
             h = d.out
-            c = T(lambda: ep.combine(h.tokens, h))
+            rows = dequantize_rows(h) if self.fp8 else h.tokens  # identity experts: combine the rows
+            c = T(lambda: ep.combine(rows, h))
             err = _rel_err(c.out, ref)
             pairs = pairs_per_peer(h, R)
             n_rep = int((h.plan.replica_experts[self.rank] >= 0).sum())
             rec = dict(slack=slack, dispatch_us=d.us, combine_us=c.us, dispatch_per_rank_us=d.per_rank_us,
-                       combine_per_rank_us=c.per_rank_us, check_rel_err=err)
+                       combine_per_rank_us=c.per_rank_us, check_rel_err=err,
+                       dispatch_dtype="fp8_e4m3" if self.fp8 else str(self.dtype).replace("torch.", ""),
+                       dispatch_logical_bytes=s * K * row_bytes)
+            if self.fp8:  # the identity experts' y against the token-dtype path's: the quantisation error
+                rec["quant_rel_err_vs_token_dtype"] = err
             if slack == a.slack[0]:
                 counts = h.plan.counts.cpu()
                 pt["maxvio"] = round(maxvio(counts), 4)
@@ -317,7 +327,7 @@ class Suite:
                 rec["prefetch"] = why
             moon.append(rec)
             local[slack] = dict(pairs=pairs, recv=int(h.num_rows), replicas=n_rep)
-            del h, d, c
+            del h, d, c, rows
         # Megatron-style baseline
         md = T(lambda: meg.dispatch(x, idx))
         mtok, mctx = md.out
@@ -327,7 +337,9 @@ class Suite:
         md.out = mc.out = None
         # the layer step (first slack)
         lay = None
-        if weights is not None and a.layer:
+        if weights is not None and a.layer and self.fp8:
+            why = why or "the layer step runs the token dtype (--dispatch-dtype fp8)"
+        elif weights is not None and a.layer:
             ep = eps[a.slack[0]]
             ml = T(lambda: moonep_step(ep, x, idx, w, weights))
             h = ml.out[1]
@@ -497,6 +509,10 @@ DEFINITIONS = {
     "wire_bytes_per_rank": "moonep: rows sent to other ranks (one per token and destination rank) times "
                            "(H*bytes + 8*K bytes of row list and weights), mean over ranks; Megatron: every "
                            "remote copy times H*bytes",
+    "dispatch_logical_bytes": "tokens*K*row bytes: H*bytes, or with --dispatch-dtype fp8 H e4m3 bytes plus "
+                              "H/128 float32 scales (the wire rows add 8*K bytes of row list and weights)",
+    "quant_rel_err_vs_token_dtype": "--dispatch-dtype fp8: relative error of combine(dequantised rows) against "
+                                    "the token-dtype result (identity experts)",
     "wire_GBps": "wire_bytes_per_rank / time; dispatch_prefetch adds the replica weight bytes (mean per rank)",
     "efficiency": "time the ceiling needs for the same wire bytes / measured time; the ceiling's rate is "
                   "measured on the exact per-peer bytes of this point",

@@ -66,6 +66,7 @@ def test_ctx_constants_match_common_cuh():
     assert d["ERR_TIMEOUT"] == abi.ERR_TIMEOUT
     assert (d["ERR_BAD_IDX"], d["ERR_DUP_IDX"], d["ERR_NONFINITE"], d["ERR_TOTAL"]) == (
         abi.ERR_BAD_IDX, abi.ERR_DUP_IDX, abi.ERR_NONFINITE, abi.ERR_TOTAL)
+    assert d["ERR_NONFINITE_X"] == abi.ERR_NONFINITE_X  # fp8 dispatch: ORed into route_gather's flags
 
 
 def test_ctx_words_places_every_field():

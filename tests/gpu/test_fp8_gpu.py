@@ -1,0 +1,125 @@
+"""FP8 dispatch on one CUDA rank, NVLink backend: the wire quantiser against the torch path (bitwise), no host
+sync (sync-debug "error"), CUDA-graph capture and replay, and a non-finite x reported lazily.  Skipped
+without CUDA."""
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+import moonep  # noqa: E402
+from moonep import fp8  # noqa: E402
+from moonep.quant import _quantize_torch  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+FP8 = torch.float8_e4m3fn
+E, K, H, S = 16, 4, 256, 64
+
+
+@pytest.fixture(scope="module")
+def rt():
+    r = moonep.init(device="cuda")
+    yield r
+    r.shutdown()
+
+
+def _problem(seed, s=S):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(s, H, generator=g).to(torch.bfloat16).cuda()
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]).cuda()
+    w = torch.rand(s, K, generator=g).cuda()
+    return x, idx, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_wire_kernel_bitwise_torch_path(dtype, pow2):
+    x = torch.randn(37, 384, generator=torch.Generator().manual_seed(1)).to(dtype)
+    x[3] = 0
+    x[5, :128] *= 1e4
+    wire = fp8.quantize_wire(x.cuda(), pow2_scales=pow2, check_finite=False)
+    q, sc, _ = _quantize_torch(x, 128, pow2)
+    gq, gs = fp8.split_wire(wire.cpu(), 384)
+    assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs, sc)
+    bad = x.clone().cuda()
+    bad[7, 200] = float("nan")
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    fp8.quantize_wire(bad, check_finite=False, flag=flag, code=16)
+    assert int(flag) == 16
+
+
+def _mlp(rows, cu, W):
+    """Per-slot linear map without reading cu on the host (graph-safe): row -> its slot's weight."""
+    r = torch.arange(rows.shape[0], device=rows.device, dtype=cu.dtype)
+    slot = torch.searchsorted(cu[1:].contiguous(), r, right=True)
+    Wx = torch.cat([W, W.new_zeros(1, *W.shape[1:])])[slot]
+    return torch.bmm(rows[:, None, :], Wx)[:, 0, :]
+
+
+def test_no_host_sync_fp8(rt):
+    x, idx, w = _problem(2)
+    W = (torch.randn(2 * E, H, H, generator=torch.Generator().manual_seed(3)) / H ** 0.5).to(torch.bfloat16).cuda()
+    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
+                               transport="nvlink", dispatch_dtype=FP8) as ep:
+        def step(train):
+            xl = x.clone().requires_grad_(train)
+            h = ep.dispatch(xl, idx, w)
+            y = ep.combine(_mlp(fp8.dequantize_rows(h), h.cu_seqlens, W[:2 * ep.epn]), h)
+            if train:
+                y.float().sum().backward()
+            pre = ep.dispatch(moonep.quant.quantize_fp8(x), idx, w)  # the pre-quantised path as well
+            return y, pre
+
+        step(True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for train in (False, True, False):
+                step(train)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        ep.synchronize()
+
+
+def test_cuda_graph_capture_replay_fp8(rt):
+    problems = [_problem(10 + i) for i in range(3)]
+    sx, sidx, sw = (t.clone() for t in problems[0])
+    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
+                               transport="nvlink", zero_copy=True, dispatch_dtype=FP8) as ep, torch.no_grad():
+        def step():
+            h = ep.dispatch(sx, sidx, sw)
+            return ep.combine(fp8.dequantize_rows(h), h), h.scales
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static, sc_static = step()
+        for x, idx, w in problems + problems[::-1]:
+            sx.copy_(x)
+            sidx.copy_(idx)
+            sw.copy_(w)
+            graph.replay()
+            got, got_sc = y_static.clone(), sc_static.clone()
+            want, want_sc = step()
+            assert torch.equal(got, want) and torch.equal(got_sc, want_sc)
+        ep.synchronize()
+
+
+def test_nonfinite_x_lazy_error_then_recovers(rt):
+    x, idx, w = _problem(4)
+    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
+                               transport="nvlink", dispatch_dtype=FP8) as ep:
+        xb = x.clone()
+        xb[2, 9] = float("inf")
+        with pytest.raises(ValueError, match="x: expected finite values"):
+            ep.dispatch(xb, idx, w)
+            ep.synchronize()
+        h = ep.dispatch(x, idx, w)
+        ep.synchronize()
+        assert h.tokens.dtype == FP8 and bool(torch.isfinite(h.scales).all())
