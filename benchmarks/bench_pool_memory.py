@@ -144,6 +144,7 @@ def main(argv=None):
                 json.dump(dict(command=command(launcher=f"mpiexec -n {rt.world_size}"), commit=git_commit(),
                                machine=machine(), ranks=rt.world_size, device=args.device, dtype=args.dtype,
                                dims=DIMS, rows=rows), f, indent=1)
+    rt.shutdown()  # process groups torn down at interpreter exit can abort in C++
     return rows
 
 

@@ -117,6 +117,7 @@ def main(argv=None):
             with open(args.out, "w") as f:
                 json.dump(dict(command=res["command"], commit=res["commit"], machine=res["machine"],
                                ranks=per_rank), f, indent=1)
+    rt.shutdown()  # process groups torn down at interpreter exit can abort in C++
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def _sizes(R, S):
 
 
 def _close(name, got, ref, dtype):
-    ref = ref.double()
+    ref = ref.double().cpu()
     err = (got.double().cpu() - ref).abs().max().item() if ref.numel() else 0.0
     scale = max(ref.abs().max().item() if ref.numel() else 0.0, 1e-30)
     assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} > {TOL[dtype]:g} x {scale:.3g} ({dtype})"
