@@ -235,6 +235,63 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     return _run(impl, _two_grouped, _two_loop, a, cu_seqlens, wh, wr)
 
 
+def _row_slots(cu: torch.Tensor, cap: int) -> torch.Tensor:
+    """int64 ``[cap]``: the slot of every row (``2*epn`` for padding rows), on the device (no host sync)."""
+    rows = torch.arange(cap, device=cu.device, dtype=cu.dtype)
+    return torch.searchsorted(cu[1:].contiguous(), rows, right=True)
+
+
+class _ExpertBias(torch.autograd.Function):
+    """``out + b[slot of row]`` with ``b`` = home biases then replicas; the replica part of the gradient
+    goes home through ``ep.reduce_replicas``."""
+
+    @staticmethod
+    def forward(ctx, out, b_home, cu, rep):
+        slot = _row_slots(cu, out.shape[0])
+        ctx.rep, ctx.slot = rep, slot
+        return out + _gather_slots(slot, b_home, rep.weights()).to(out.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        epn = ctx.rep.home.shape[0]
+        gb = None
+        if ctx.needs_input_grad[1]:
+            acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)
+            acc.index_add_(0, ctx.slot, g)  # padding rows land in the extra row, dropped
+            dt = ctx.rep.home.dtype
+            gb = ctx.rep.reduce(acc[:epn].to(dt), acc[epn:2 * epn].to(dt))
+        return g, gb, None, None
+
+
+def _gather_slots(slot, b_home, b_rep):
+    epn = b_home.shape[0]
+    table = torch.cat([b_home, b_rep, b_home.new_zeros((1,) + tuple(b_home.shape[1:]))])  # [2*epn + 1, N]: small
+    return table.index_select(0, slot)
+
+
+def expert_bias(out: torch.Tensor, cu_seqlens: torch.Tensor, home_bias: torch.Tensor,
+                replicas: "Replicas") -> torch.Tensor:
+    """Add each row's expert bias: ``out[i] + bias[slot(i)]``, home biases read in place, replicas from the pool.
+
+    Args:
+        out: ``[cap, N]`` rows grouped by slot (an :func:`expert_matmul` result).
+        cu_seqlens: int32 ``[2*epn + 1]``.
+        home_bias: ``[epn, N]`` this rank's home experts' biases (a parameter).
+        replicas: what :meth:`ReplicaPool.fetch` returned for ``home_bias`` in this step.
+    Returns:
+        ``[cap, N]`` in ``out.dtype``; padding rows get no bias.  Differentiable with respect to ``out`` and
+        ``home_bias`` (the replica rows' bias gradient is added at home, collective in the backward).
+    """
+    expect(isinstance(replicas, Replicas) and replicas.home is home_bias, "replicas",
+           "the Replicas that ReplicaPool.fetch returned for this home_bias", type(replicas).__name__)
+    expect(home_bias.dim() == 2 and out.dim() == 2 and home_bias.shape[1] == out.shape[1], "home_bias",
+           f"shape [epn, N={out.shape[1]}]", list(home_bias.shape))
+    if torch.is_grad_enabled() and (out.requires_grad or home_bias.requires_grad):
+        return _ExpertBias.apply(out, home_bias, cu_seqlens, replicas)
+    slot = _row_slots(cu_seqlens, out.shape[0])
+    return out + _gather_slots(slot, home_bias, replicas.weights()).to(out.dtype)
+
+
 # --------------------------------------------------------------------------------------------- pool
 @dataclass(eq=False)
 class Replicas:

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moonep
 from ep_reference import expect_error, make_problem, my_slice
-from moonep.experts import ReplicaPool, expert_matmul
+from moonep.experts import ReplicaPool, expert_bias, expert_matmul
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from bench_pool_memory import peak_memory, stack  # noqa: E402
@@ -35,9 +35,9 @@ def _close(name, got, ref, dtype):
     assert err <= TOL[dtype] * scale, f"{name}: max error {err:.3g} > {TOL[dtype]:g} x {scale:.3g} ({dtype})"
 
 
-def _expert(x, w1, w2):
-    """Per token t: tanh(x_t W1_t) W2_t (the weights of the token's expert, [T, H, F] and [T, F, H])."""
-    return torch.einsum("tf,tfh->th", torch.tanh(torch.einsum("th,thf->tf", x, w1)), w2)
+def _expert(x, w1, b1, w2):
+    """Per token t: tanh(x_t W1_t + b1_t) W2_t (the token's expert's weights, [T, H, F], [T, F], [T, F, H])."""
+    return torch.einsum("tf,tfh->th", torch.tanh(torch.einsum("th,thf->tf", x, w1) + b1), w2)
 
 
 def _two_projections(rt, kind, dtype, transpose, pool, seed=0):
@@ -47,22 +47,25 @@ def _two_projections(rt, kind, dtype, transpose, pool, seed=0):
     dev = rt.device
     sizes = _sizes(R, S)
     x, idx, w, W1, W2, gy = make_problem(seed, R, E, K, H, F, sizes, kind)
-    xr, W1r, W2r = (t.clone().requires_grad_() for t in (x, W1, W2))
-    yr = sum(w[:, k, None] * _expert(xr, W1r[idx[:, k]], W2r[idx[:, k]]) for k in range(K))
+    B1 = torch.randn(E, F, generator=torch.Generator().manual_seed(seed + 5), dtype=torch.float64)
+    xr, W1r, B1r, W2r = (t.clone().requires_grad_() for t in (x, W1, B1, W2))
+    yr = sum(w[:, k, None] * _expert(xr, W1r[idx[:, k]], B1r[idx[:, k]], W2r[idx[:, k]]) for k in range(K))
     (yr * gy).sum().backward()
 
     sl, epn = my_slice(rt, sizes), E // R
     home = slice(rt.rank * epn, (rt.rank + 1) * epn)
     store = (lambda W: W[home].transpose(1, 2).contiguous()) if transpose else (lambda W: W[home].clone())
     W1l, W2l = (store(W).to(dev, dtype).requires_grad_() for W in (W1, W2))
+    B1l = B1[home].to(dev, dtype).requires_grad_()
     versions = (W1l._version, W2l._version)
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
     xl = x[sl].to(dev, dtype).requires_grad_()
     h = ep.dispatch(xl, idx[sl].to(dev), w[sl].to(dev, dtype))
     if kind == "hot" and R > 1:  # everything on one expert: the plan must place replicas
         assert int(h.plan.num_replicas().max()) > 0, "the skewed routing placed no replica"
-    r1, r2 = pool.fetch(ep, h, W1l, "w1"), pool.fetch(ep, h, W2l, "w2")
-    a = torch.tanh(expert_matmul(h.tokens, h.cu_seqlens, W1l, r1, transpose=transpose))
+    r1, r2, rb = pool.fetch(ep, h, W1l, "w1"), pool.fetch(ep, h, W2l, "w2"), pool.fetch(ep, h, B1l, "b1")
+    a = expert_bias(expert_matmul(h.tokens, h.cu_seqlens, W1l, r1, transpose=transpose), h.cu_seqlens, B1l, rb)
+    a = torch.tanh(a)
     out = expert_matmul(a, h.cu_seqlens, W2l, r2, transpose=transpose)
     # what a model's next layer does: fetch into the same slots before this layer's backward
     pool.fetch(ep, h, W1l.detach().clone().requires_grad_(), "w1")
@@ -70,8 +73,8 @@ def _two_projections(rt, kind, dtype, transpose, pool, seed=0):
     (y * gy[sl].to(dev, dtype)).sum().backward()
     _close("y", y, yr.detach()[sl], dtype)
     _close("grad x", xl.grad, xr.grad[sl], dtype)
-    for name, Wl, Wr in (("W1", W1l, W1r), ("W2", W2l, W2r)):
-        g = Wr.grad[home].transpose(1, 2) if transpose else Wr.grad[home]
+    for name, Wl, Wr in (("W1", W1l, W1r), ("W2", W2l, W2r), ("b1", B1l, B1r)):
+        g = Wr.grad[home].transpose(1, 2) if transpose and name != "b1" else Wr.grad[home]
         _close(f"grad {name}", Wl.grad, g, dtype)
     assert (W1l._version, W2l._version) == versions, "the home weights were written"
     ep.close()
