@@ -8,13 +8,12 @@ from .balance import QuantileBalancer
 from .config import Tuning
 from .ep import ExpertParallel
 from .errors import MoonepError
-from .experts import ReplicaPool, Replicas, expert_bias, expert_matmul, slot_matmul
+from .experts import ReplicaPool, Replicas, expert_bias, expert_matmul, module_slots, slot_apply, slot_matmul
 from .handles import Dispatched
 from .layers import LatentMoE
-from .layers.grouped import slot_apply
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
 
 __all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched", "Tuning",
-           "slot_matmul", "slot_apply", "ReplicaPool", "Replicas", "expert_matmul", "expert_bias", "QuantileBalancer", "LatentMoE"]
+           "slot_matmul", "slot_apply", "ReplicaPool", "Replicas", "expert_matmul", "expert_bias", "module_slots", "QuantileBalancer", "LatentMoE"]
 __version__ = "0.1.0"

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from .errors import expect
 from .fp8 import as_float_rows
@@ -290,6 +291,124 @@ def expert_bias(out: torch.Tensor, cu_seqlens: torch.Tensor, home_bias: torch.Te
         return _ExpertBias.apply(out, home_bias, cu_seqlens, replicas)
     slot = _row_slots(cu_seqlens, out.shape[0])
     return out + _gather_slots(slot, home_bias, replicas.weights()).to(out.dtype)
+
+
+def slot_apply(fn, a: torch.Tensor, cu_seqlens: torch.Tensor, out_width: int) -> torch.Tensor:
+    """``fn(j, rows)`` on every slot's rows (arbitrary expert modules); padding rows give zero.
+
+    Args:
+        fn: ``(slot j, rows [n_j, D]) -> [n_j, out_width]``.
+        a: ``[cap, D]``; cu_seqlens: int32 ``[G + 1]`` (read on the host).
+    Returns:
+        ``[cap, out_width]`` in ``a.dtype``.
+    """
+    cu = cu_seqlens.tolist()
+    parts = [fn(j, a[cu[j]:cu[j + 1]]) if cu[j + 1] > cu[j] else a.new_zeros(0, out_width)
+             for j in range(len(cu) - 1)]
+    parts.append(a.new_zeros(a.shape[0] - cu[-1], out_width))
+    return torch.cat([p.to(a.dtype) for p in parts])
+
+
+class _ModuleSlots(torch.autograd.Function):
+    """Any expert module on every slot: home slots with the experts' own parameters, replica slots with the
+    pool's.  The per-slot graph is built inside (a nested autograd graph, so unused slots cost nothing) and
+    differentiated in the backward, where the replica parameters' gradients go home (collective: it runs on
+    every rank, since the output always reaches combine)."""
+
+    @staticmethod
+    def forward(ctx, rows, meta, *params):
+        template, names, epn, reps, cu, width = meta
+        with torch.enable_grad():
+            rows_l = rows.detach().requires_grad_()
+            homes = [p.detach().requires_grad_() for p in params]
+            # .data: a view of the pool slots with its own version counter, so that a backward refetch
+            # into the same memory is read by this graph instead of raising as an in-place change
+            reps_l = [r.weights().data.requires_grad_() for r in reps]
+
+            def one(j, x):
+                ps = {n: homes[i * epn + j] if j < epn else reps_l[i][j - epn] for i, n in enumerate(names)}
+                return functional_call(template, ps, (x,))
+
+            out = slot_apply(one, rows_l, cu, width)
+        ctx.graph, ctx.meta = (out, rows_l, homes, reps_l), meta
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        out, rows_l, homes, reps_l = ctx.graph
+        _, names, epn, reps, _, _ = ctx.meta
+        for r in reps:
+            r.weights_for_backward()  # the slots hold this layer's replicas again (refetched if reused)
+        leaves = [rows_l, *homes, *reps_l]
+        grads = (torch.autograd.grad(out, leaves, g, allow_unused=True) if out.requires_grad
+                 else [None] * len(leaves))  # no live row on this rank: zeros, but still reduce (collective)
+        fill = lambda gr, like: torch.zeros_like(like) if gr is None else gr  # noqa: E731
+        param_grads = []
+        for i, r in enumerate(reps):
+            home_g = torch.stack([fill(grads[1 + i * epn + j], homes[i * epn + j]) for j in range(epn)])
+            rep_g = fill(grads[1 + len(homes) + i], reps_l[i])
+            total = r.reduce(home_g, rep_g)
+            param_grads += list(total.unbind(0))
+        ctx.graph = None
+        return (fill(grads[0], rows_l), None, *param_grads)
+
+
+def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tensor, experts: list,
+                 replicas: dict, out_width: int) -> torch.Tensor:
+    """Any expert module on the ``2*epn`` slots: ``experts[j]`` itself on home slot ``j``, and ``template``
+    with the pool's parameters (``torch.func.functional_call``) on the replica slots.
+
+    Args:
+        template: a module of the experts' structure (e.g. ``experts[0]``), called functionally.
+        rows: ``[cap, D]`` rows grouped by slot; cu_seqlens: int32 ``[2*epn + 1]`` (read on the host).
+        experts: the ``epn`` home expert modules; their parameters must be views of the stacked tensors the
+            replicas were fetched from (see ``replicas``), so nothing is copied.
+        replicas: parameter name -> :class:`Replicas` from :meth:`ReplicaPool.fetch` of the stacked
+            ``[epn, *shape]`` home parameter of that name.
+        out_width: the experts' output width.
+    Returns:
+        ``[cap, out_width]`` in ``rows.dtype``; padding rows zero.  Differentiable with respect to ``rows`` and
+        every home expert's parameters (replica parameter gradients are added at home; collective in the
+        backward).
+    """
+    names = list(replicas)
+    epn = len(experts)
+    params = [dict(m.named_parameters())[n] for n in names for m in experts]
+    if not (torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params))):
+        reps = {n: replicas[n].weights() for n in names}
+        return slot_apply(lambda j, x: experts[j](x) if j < epn else
+                          functional_call(template, {n: reps[n][j - epn] for n in names}, (x,)),
+                          rows, cu_seqlens, out_width)
+    meta = (template, names, epn, [replicas[n] for n in names], cu_seqlens, out_width)
+    return _ModuleSlots.apply(rows, meta, *params)
+
+
+def stack_parameters(modules: list) -> dict:
+    """One ``[len(modules), *shape]`` tensor per parameter name, each module's parameter becoming a view of
+    its row: the copy happens once, here, and afterwards a :class:`ReplicaPool` fetches replicas from the
+    stacked tensors while every module keeps computing with its own parameters in place.
+
+    Returns ``{name: stacked}``; call again when :func:`stacked_views_intact` says the modules were moved
+    (``.to()``, ``load_state_dict`` with ``assign=True``, ...)."""
+    names = [n for n, _ in modules[0].named_parameters()]
+    out = {}
+    for n in names:
+        ps = [dict(m.named_parameters())[n] for m in modules]
+        stacked = torch.stack([p.detach() for p in ps])
+        for j, p in enumerate(ps):
+            p.data = stacked[j]
+        out[n] = stacked
+    return out
+
+
+def stacked_views_intact(modules: list, stacked: dict) -> bool:
+    """Whether every module's parameter still is row ``j`` of its stacked tensor (same memory and shape)."""
+    for n, t in stacked.items():
+        for j, m in enumerate(modules):
+            p = dict(m.named_parameters()).get(n)
+            if p is None or p.data_ptr() != t[j].data_ptr() or p.shape != t.shape[1:] or p.dtype != t.dtype:
+                return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------- pool

@@ -183,3 +183,53 @@ def _paths_agree(rt, dtype):
                 assert torch.equal(a, b), f"{path} differs from the pool path"
             else:
                 _close(path, a, b, dtype)
+
+
+def case_module_slots_vs_dense(rt):
+    """Any expert module (Linear, Tanh, Linear with biases): home experts run as themselves, replica slots
+    with the pool's parameters; forward and every gradient against the dense float64 loop."""
+    from torch import nn
+
+    from moonep.experts import module_slots, stack_parameters, stacked_views_intact
+
+    R, E, K, H, F, S = rt.world_size, 4 * rt.world_size, 2, 16, 12, 10
+    dev, epn = rt.device, E // (rt.world_size)
+    for dtype in DTYPES:
+        for kind, pool in (("hot", ReplicaPool()), ("zipf", ReplicaPool()), ("hot", ReplicaPool(backward="keep"))):
+            sizes = _sizes(R, S)
+            x, idx, w, _, _, gy = make_problem(4, R, E, K, H, F, sizes, kind)
+            torch.manual_seed(0)
+            full = nn.ModuleList(nn.Sequential(nn.Linear(H, F), nn.Tanh(), nn.Linear(F, H)) for _ in range(E)).double()
+            ref = [m for m in full]
+            xr = x.clone().requires_grad_()
+            yr = torch.zeros_like(x)
+            for k in range(K):
+                for e in range(E):
+                    sel = idx[:, k] == e
+                    if sel.any():
+                        yr[sel] = yr[sel] + w[sel, k, None] * ref[e](xr[sel])
+            (yr * gy).sum().backward()
+
+            import copy
+            home = [copy.deepcopy(full[e]).to(dev, dtype) for e in range(rt.rank * epn, (rt.rank + 1) * epn)]
+            for m in home:
+                m.zero_grad(set_to_none=True)
+            stacked = stack_parameters(home)
+            assert stacked_views_intact(home, stacked)
+            ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
+            sl = my_slice(rt, sizes)
+            xl = x[sl].to(dev, dtype).requires_grad_()
+            h = ep.dispatch(xl, idx[sl].to(dev), w[sl].to(dev, dtype))
+            reps = {n: pool.fetch(ep, h, t, n) for n, t in stacked.items()}
+            out = module_slots(home[0], h.tokens, h.cu_seqlens, home, reps, H)
+            for n, t in stacked.items():  # a later layer reuses the slots before this backward
+                pool.fetch(ep, h, t.clone().requires_grad_(), n)
+            y = ep.combine(out, h)
+            (y * gy[sl].to(dev, dtype)).sum().backward()
+            _close("y", y, yr.detach()[sl], dtype)
+            _close("grad x", xl.grad, xr.grad[sl], dtype)
+            for j, m in enumerate(home):
+                for (n, p), (_, pr) in zip(m.named_parameters(), full[rt.rank * epn + j].named_parameters()):
+                    want = pr.grad if pr.grad is not None else torch.zeros_like(pr)  # an expert nobody chose
+                    _close(f"grad expert {rt.rank * epn + j} {n}", p.grad, want, dtype)
+            ep.close()
