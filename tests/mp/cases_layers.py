@@ -167,14 +167,14 @@ def case_bad_group_size(rt):
 
 # ------------------------------------------------------------------------------------------ integrations
 def case_generic_logits_equal(rt):
-    from moonep.integrations import patch_generic
+    from moonep.integrations import patch_generic, softmax_topk
 
     torch.manual_seed(11)  # the same unpatched model on every rank
     model = PlainLM(num_experts=24).double().to(rt.device)
     g = torch.Generator().manual_seed(rt.rank)
     ids = torch.randint(0, 32, (1 + rt.rank % 3, 5), generator=g).to(rt.device)
     ref = model(ids)
-    patch_generic(model, rt, topk=3)
+    patch_generic(model, rt, route=lambda b, x: softmax_topk(b.router(x), 3))
     assert len(model.blocks[0].experts) == 24 // rt.world_size
     torch.testing.assert_close(model(ids), ref, rtol=0, atol=1e-12)
 

@@ -97,3 +97,51 @@ def _tiny_hf(kind, num_experts):
                                 **common)
         return tf.Qwen2MoeForCausalLM(cfg)
     raise ValueError(kind)
+
+
+class RoutedMoE(nn.Module):
+    """A user-written MoE block with its own ``route`` method (for ``patch_generic``); ``kind`` is its routing:
+
+    * ``"sigmoid_bias"``: sigmoid scores, experts chosen by score + a bias buffer, weights = the chosen
+      scores renormalised times a scale (DeepSeek-V3 style);
+    * ``"softmax"``: softmax top-k, not renormalised; ``"renorm"``: softmax top-k, renormalised;
+    * ``"capacity"``: softmax top-1 where each expert takes at most ``capacity`` tokens (in order) and
+      drops the rest, which ``route`` does not model: a routing patch_generic cannot reproduce.
+
+    ``shared=True`` adds a shared expert MLP to every token.
+    """
+
+    def __init__(self, kind="renorm", hidden=16, num_experts=8, topk=2, ffn=12, shared=False, capacity=3):
+        super().__init__()
+        self.kind, self.topk, self.capacity = kind, (1 if kind == "capacity" else topk), capacity
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.register_buffer("score_bias", torch.linspace(-0.5, 0.5, num_experts))
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(hidden, ffn), nn.SiLU(), nn.Linear(ffn, hidden))
+                                     for _ in range(num_experts))
+        self.shared = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden)) if shared else None
+
+    def route(self, x):
+        logits = self.router(x)
+        if self.kind == "sigmoid_bias":
+            s = torch.sigmoid(logits)
+            idx = torch.topk(s.detach() + self.score_bias, self.topk, dim=-1).indices
+            w = s.gather(-1, idx)
+            return idx, 2.5 * w / w.sum(-1, keepdim=True)
+        w, idx = torch.topk(torch.softmax(logits, dim=-1), self.topk, dim=-1)
+        return idx, (w / w.sum(-1, keepdim=True) if self.kind == "renorm" else w)
+
+    def forward(self, x):
+        idx, w = self.route(x)
+        if self.kind == "capacity":  # tokens past an expert's capacity are dropped
+            pos = torch.zeros_like(idx)
+            for e in range(len(self.experts)):
+                m = idx == e
+                pos[m] = torch.arange(int(m.sum()))
+            w = w * (pos < self.capacity)
+        y = torch.zeros_like(x)
+        for k in range(self.topk):
+            for e, ex in enumerate(self.experts):
+                m = idx[:, k] == e
+                if m.any():
+                    y = y.index_add(0, m.nonzero().squeeze(1), w[m, k, None].to(x.dtype) * ex(x[m]))
+        return y if self.shared is None else y + self.shared(x)

@@ -116,13 +116,13 @@ def test_state_dict_roundtrip_and_init_independent_of_seed_state():
 
 # ------------------------------------------------------------------------------------------ integrations
 def test_generic_patch_single_process():
-    from moonep.integrations import patch_generic
+    from moonep.integrations import patch_generic, softmax_topk
 
     torch.manual_seed(1)
     model = PlainLM().double()
     ids = torch.randint(0, 32, (3, 5))
     ref = model(ids)
-    patch_generic(model, topk=3)
+    patch_generic(model, route=lambda b, x: softmax_topk(b.router(x), 3))
     torch.testing.assert_close(model(ids), ref, rtol=0, atol=1e-12)
     assert full_state_dict(model).keys() == PlainLM().state_dict().keys()
 

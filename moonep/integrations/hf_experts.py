@@ -1,0 +1,178 @@
+"""The patched experts modules of :func:`moonep.integrations.patch_hf_moe` and their expert maths.
+
+A patched module is the original transformers experts module (same class through a subclass made on the
+fly, same attributes and sub-modules, same state-dict keys) whose per-expert parameters hold only this
+rank's home experts ``[epn, ...]`` and whose forward runs :class:`moonep.ExpertParallel`. The expert maths
+lives in one function, :func:`fused_expert_maths`; the replica weights move in one method, ``_expert_out``
+(into a :class:`moonep.ReplicaPool` shared by all layers; the home experts are read in place).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..errors import expect
+from ..experts import default_pool, expert_bias, expert_matmul
+from ..layers.parallel import ShardedExperts
+
+
+# --------------------------------------------------------------------------------------------- maths
+def _slot_linear(a: torch.Tensor, cu: torch.Tensor, w, rw, b, rb, transposed: bool) -> torch.Tensor:
+    """Rows of slot ``j`` through slot ``j``'s linear map: ``a [cap, D]``, home weights ``w [epn, N, D]``
+    (``[epn, D, N]`` when ``transposed``) and their replicas ``rw``, home biases ``b [epn, N]`` and ``rb``, or
+    ``None`` -> ``[cap, N]``; rows past ``cu[-1]`` stay zero."""
+    out = expert_matmul(a, cu, w, rw, transpose=not transposed)
+    return out if b is None else expert_bias(out, cu, b, rb)
+
+
+def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tensor, home: dict,
+                       replicas: dict) -> torch.Tensor:
+    """The expert maths of a transformers fused experts module, over the dispatched slots.
+
+    Args:
+        ex: the experts module (its flags, ``_apply_gate`` / ``act_fn`` and ``post_expert_norm`` are used).
+        rows: ``[cap, H]`` dispatched rows grouped by slot (``cu_seqlens`` int32 ``[2*epn + 1]``).
+        home: this rank's home parameters by name, read in place: ``gate_up_proj [epn, 2I, H]``
+            (``up_proj [epn, I, H]`` without a gate; ``[epn, H, 2I]`` when ``ex.is_transposed``),
+            ``down_proj [epn, H, I]`` (``[epn, I, H]``), optionally ``*_bias [epn, N]``; the dtype of ``rows``.
+        replicas: the :class:`moonep.Replicas` of each, from :meth:`moonep.ReplicaPool.fetch`.
+    Returns:
+        ``[cap, H]``: ``f_{e_j}(row)`` for each row of slot ``j``; rows past ``cu_seqlens[-1]`` are zero.
+    """
+    t = ex.moonep_transposed
+    up = "gate_up_proj" if ex.moonep_gated else "up_proj"
+    lin = lambda a, n: _slot_linear(a, cu_seqlens, home[n], replicas[n], home.get(n + "_bias"),  # noqa: E731
+                                    replicas.get(n + "_bias"), t)
+    h = lin(rows, up)
+    h = _gate(ex, h) if ex.moonep_gated else ex.act_fn(h)
+    out = lin(h, "down_proj")
+    if getattr(ex, "has_post_expert_norm", False):
+        out = ex.post_expert_norm(out)
+    return out
+
+
+def _gate(ex, h):
+    if hasattr(ex, "_apply_gate"):  # the module's own gate (GPT-OSS: interleaved, clamped, alpha)
+        return ex._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)   # modules without one (Llama-4, LongCat-Flash): act(gate) * up
+    return ex.act_fn(gate) * up
+
+
+# --------------------------------------------------------------------------------------------- modules
+class EPExperts(ShardedExperts, nn.Module):
+    """Base of the patched experts modules. A patched module is the original module (same class, via a
+    subclass made on the fly, same attributes and sub-modules, same state-dict keys) whose per-expert
+    parameters hold only this rank's home experts ``[epn, ...]`` and whose forward runs ExpertParallel.
+
+    A full state dict loads at any ``R`` (each rank keeps its rows); :func:`moonep.layers.full_state_dict`
+    gathers one. LongCat-Flash's ``gate_up_proj`` has rows for its zero experts too (never read): the last
+    rank keeps them after its home rows, so the gathered checkpoint has the original shape.
+    """
+
+    sharded_params: tuple = ()
+
+    def _home(self, name: str) -> torch.Tensor:
+        p = getattr(self, name)
+        return p if p.shape[0] == self.moonep_epn else p[:self.moonep_epn]
+
+    def _expert_out(self, ep, h) -> torch.Tensor:
+        """``[cap, H]`` outputs of every dispatched row: the home experts' parameters are read in place and
+        the replicas this step placed here are fetched into the model's replica pool, here, the one place
+        of this adapter that moves weights."""
+        pool = getattr(self, "moonep_pool", None) or default_pool()
+        home = {n: self._home(n) for n in self.sharded_params}
+        replicas = {n: pool.fetch(ep, h, w, n) for n, w in home.items()}
+        return fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        lo, epn, E = self.moonep_rank * self.moonep_epn, self.moonep_epn, self.moonep_num_experts
+        for name in self.sharded_params:
+            t = state_dict.get(prefix + name)
+            if t is not None and t.shape[0] >= E and getattr(self, name).shape[0] != t.shape[0]:
+                tail = t[E:] if getattr(self, name).shape[0] > epn else t[:0]
+                state_dict[prefix + name] = torch.cat([t[lo:lo + epn], tail])
+        super(ShardedExperts, self)._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class EPRoutedExperts(EPExperts):
+    """``forward(hidden_states [T, H], top_k_index int [T, K], top_k_weights float [T, K]) -> [T, H]``
+    (``hidden_states.dtype``), the arguments named as the original module names them. Collective."""
+
+    def forward(self, *args, **kwargs):
+        x, idx, w = self.moonep_signature.bind(*args, **kwargs).args
+        expect(x.dim() == 2 and idx.dim() == 2 and idx.shape == w.shape, "experts(hidden_states, top_k_index, "
+               "top_k_weights)", "[T, H], [T, K], [T, K]", [list(x.shape), list(idx.shape), list(w.shape)])
+        # A token may pick one expert twice (DeepSeek-V4's hash routing): the first copy carries the summed
+        # weight, the others are masked; for distinct ids the weights are unchanged (w + 0 + ... == w).
+        same = idx[:, :, None] == idx[:, None, :]
+        w = (same * w[:, None, :]).sum(-1)
+        idx = idx.masked_fill(torch.tril(same, diagonal=-1).any(-1), -1)
+        extra = None
+        if self.moonep_identity_from is not None:  # zero-computation experts: w * x, here, not dispatched
+            ident = idx >= self.moonep_identity_from
+            extra = (w * ident).sum(-1, keepdim=True) * x
+            idx = idx.masked_fill(ident, -1)
+        ep = self.moonep_ep.get(x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
+        h = ep.dispatch(x, idx, w)
+        y = ep.combine(self._expert_out(ep, h), h)
+        return (y if extra is None else y + extra).to(x.dtype)
+
+
+class EPDenseExperts(EPExperts):
+    """Llama-4: ``forward(routed_in [E*T, H]) -> [E*T, H]``: expert ``e`` maps rows ``e*T .. e*T+T-1``.
+    The block sets the rows of unselected experts to zero and these experts map zero to zero (no
+    biases), so only the non-zero rows travel, each as its own token with one choice. Collective."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        E, H = self.moonep_num_experts, hidden_states.shape[-1]
+        x = hidden_states.view(E, -1, H)
+        e_idx, t_idx = (x != 0).any(-1).nonzero(as_tuple=True)   # host sync: the rows that can contribute
+        rows = x[e_idx, t_idx]
+        ep = self.moonep_ep.get(rows.shape[0], 1, H, x.dtype, x.device)
+        h = ep.dispatch(rows, e_idx[:, None], torch.ones(rows.shape[0], 1, dtype=x.dtype, device=x.device))
+        y = ep.combine(self._expert_out(ep, h), h)
+        return x.new_zeros(x.shape).index_put((e_idx, t_idx), y.to(x.dtype)).view(-1, H)
+
+
+_CLASSES: dict = {}
+
+
+def ep_class(base, cls):
+    """``base`` (routed or dense) mixed into the original experts class, so every attribute and method
+    the block or ``_apply_gate`` may read stays where it was."""
+    key = (base, cls)
+    if key not in _CLASSES:
+        name = f"EP{cls.__name__}"
+        _CLASSES[key] = type(name, (base, cls), {"__module__": __name__, "__qualname__": name})
+    return _CLASSES[key]
+
+
+def clone(ex: nn.Module, cls, params: dict, to=None) -> nn.Module:
+    """A shallow copy of ``ex`` as ``cls`` with ``params`` in place of its own; ``to`` (a dtype/device)
+    deep-copies its sub-modules and buffers there (the float64 probe copies)."""
+    new = cls.__new__(cls)
+    new.__dict__.update({k: (copy.copy(v) if isinstance(v, (dict, set)) else v) for k, v in ex.__dict__.items()})
+    new._parameters.update(params)
+    if to is not None:
+        for k, m in ex._modules.items():
+            new._modules[k] = None if m is None else copy.deepcopy(m).to(**to)
+        for k, b in ex._buffers.items():
+            if b is not None:
+                new._buffers[k] = b.detach().to(**to) if b.is_floating_point() else b.to(to["device"])
+    return new
+
+
+def setup(new, base, E, names, identity_from, sig, provider, rt):
+    """Give a cloned module what its patched forward reads: the provider of ExpertParallel instances,
+    ``E`` and this rank's share, the layout flags and the original forward's signature. Returns ``new``."""
+    R, r = (1, 0) if rt is None else (rt.world_size, rt.rank)
+    new.moonep_ep, new._rt, new.sharded_params = provider, rt, names
+    new.moonep_num_experts, new.moonep_epn, new.moonep_rank = E, E // R, r
+    new.moonep_identity_from = identity_from
+    new.moonep_gated = "gate_up_proj" in names
+    new.moonep_transposed = bool(getattr(new, "is_transposed", base is EPDenseExperts))
+    # bind() of the module's own signature, without `self`: the block may name the arguments its way
+    new.moonep_signature = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return new
