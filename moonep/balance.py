@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from . import cuda_runtime
 from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor
+from .op_state import register_instance
 
 __all__ = ["QuantileBalancer", "histogram_quantiles"]
 
@@ -59,6 +60,13 @@ def histogram_quantiles(counts: torch.Tensor, topk: int, lo: torch.Tensor, width
     frac = ((q - c) / h.clamp(min=1)).clamp_(0.0, 1.0)
     b = lo.to(torch.float64) + (l.to(torch.float64) + frac) * width.to(torch.float64)
     return b, m
+
+
+def _record_op(balancer, raw, values, check: bool) -> None:
+    """``balancer._record_cuda`` through the custom op ``moonep::qb_record`` (compiled code)."""
+    from .ops import qb_record
+
+    qb_record(balancer, raw, values, check)
 
 
 class QuantileBalancer(torch.nn.Module):
@@ -117,6 +125,7 @@ class QuantileBalancer(torch.nn.Module):
         self._bad_reported = 0
         self._config_checked = False  # the ranks' settings agree (checked by the first step of a group)
         self._config_key = None  # where this balancer's settings are published in the group's store
+        self._op_id = register_instance(self)  # how moonep::qb_record (torch.compile) finds it
 
     # ---------------------------------------------------------------- routing
     def route(self, scores: torch.Tensor):
@@ -147,7 +156,9 @@ class QuantileBalancer(torch.nn.Module):
             top = torch.topk(s + self.bias.to(ctype), K + 1 if record else K, dim=1)
             idx = top.indices[:, :K]
             if record:
-                if fused:  # reads the scores in their own dtype
+                if fused and torch.compiler.is_compiling():  # the kernel launch as a custom op (moonep/ops.py)
+                    _record_op(self, s, top.values, mode == "deferred")
+                elif fused:  # reads the scores in their own dtype
                     self._record_cuda(s, top.values, mode == "deferred")
                 else:
                     self._record(s.to(ctype), top.values[:, K], scores if mode == "deferred" else None)
@@ -246,7 +257,8 @@ class QuantileBalancer(torch.nn.Module):
         v = self.validate
         if v is False:
             return None
-        if v == "eager" or (v is True and t.device.type != "cuda"):
+        # compiled code checks deferred, as on CUDA: the eager check reads the device (a graph break)
+        if v == "eager" or (v is True and t.device.type != "cuda" and not torch.compiler.is_compiling()):
             return "eager"
         return "deferred"
 

@@ -29,6 +29,7 @@ from .errors import (MoonepError, expect, expect_device, expect_int, expect_same
                      raise_together, valid_timeout)
 from .guard import CollectiveGuard, mark_failed
 from .handles import Dispatched
+from .op_state import register_instance
 from .replicas import home_is_view
 from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
@@ -284,6 +285,8 @@ class ExpertParallel:
         self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
         self._backend = make_backend(self, kind, timeout=timeout, zero_copy=zero_copy, tuning=tuning or Tuning())
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
+        # the int by which moonep.ops' custom ops (torch.compile) find this instance: see moonep/op_state.py
+        self.op_id = register_instance(self)
 
     @contextmanager
     def _collective(self, op: str, *, error=None, sig=(), describe=None, backward: bool = False):
@@ -417,6 +420,7 @@ class ExpertParallel:
             return str(exc)
         return None
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None) -> Dispatched:
         """Send every token to the ranks of its experts, into its final slot rows there. Collective.
 
@@ -493,6 +497,7 @@ class ExpertParallel:
         backend.after_call()
         return out
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def refuse(self, op: str, message: str) -> None:
         """Refuse this rank's part of collective ``op`` (``"dispatch"``, ``"combine"``, ``"prefetch"`` or
         ``"reduce_grad"``) while the peers make that call with their own arguments: every rank raises
@@ -503,6 +508,7 @@ class ExpertParallel:
         with self._collective(op, error=str(message)):
             pass
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
         """Return each token's weighted sum of its experts' outputs. Collective.
 
@@ -533,6 +539,7 @@ class ExpertParallel:
             backend.after_call()
             return y
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
 
@@ -583,6 +590,7 @@ class ExpertParallel:
                 return _PrefetchFn.apply(local_weight, self, h.plan, (out,))
             return self._backend.prefetch(h.plan, local_weight, out=out)
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch_replicas(self, h: Dispatched, local_weight: torch.Tensor, out: torch.Tensor, *,
                           in_backward: bool = False) -> torch.Tensor:
         """Only the replica slots of this step: the home weights stay where they are (no copy).
@@ -612,6 +620,7 @@ class ExpertParallel:
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
             return self._backend.prefetch_replicas(h.plan, local_weight, out)
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def reduce_replicas(self, h: Dispatched, home_grad: torch.Tensor, replica_grad: torch.Tensor, *,
                         in_backward: bool = False) -> torch.Tensor:
         """:meth:`reduce_grad` with the halves apart: ``home_grad [epn, *D]`` (this rank's home slots) plus
@@ -665,6 +674,7 @@ class ExpertParallel:
                "the gradient flows through the returned tensor)", "requires_grad=True")
         home_is_view(local_weight, out)  # raises on a partial overlap
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
         """Sum replica gradients into their home experts: ``[2*epn, *D] -> [epn, *D]``. Collective.
 

@@ -515,6 +515,7 @@ class ReplicaPool:
             bufs.append(torch.zeros(home.shape, dtype=home.dtype, device=home.device))
         return i, bufs[i]
 
+    @torch.compiler.disable  # a collective: one graph break under torch.compile (moonep.ops: none)
     def fetch(self, ep, h, home_weight: torch.Tensor, name: str) -> Replicas:
         """Fetch this step's replicas of one projection into the pool. Collective.
 

@@ -16,6 +16,7 @@ from torch import nn
 from ..balance import QuantileBalancer
 from ..errors import expect, expect_device, expect_tensor
 from ..experts import ReplicaPool, default_pool, expert_matmul
+from .. import ops
 from .activations import situ_glu_fused
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
@@ -164,7 +165,11 @@ class LatentMoE(ShardedExperts, nn.Module):
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
         z = self.down(x)                                                   # [s, l]
-        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, dev)
+        ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
+        if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
+            u, self.last_stats = ops.latent_experts(ep, z, idx, w, self.expert_w_in, self.expert_w_out,
+                                                    situ_glu_fused, self.matmul)
+            return (self.up(self.norm(u)) + self.shared(x)).reshape(shape)
         h = ep.dispatch(z, idx, w)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = self.replica_pool or default_pool()

@@ -1,0 +1,117 @@
+"""One LatentMoE layer step (forward + backward), eager against torch.compile, on one rank.
+
+    mpirun -n 1 python3 benchmarks/bench_compile.py --out benchmarks/results/h200x1_compile_r1.json   # NVLink
+    python3 benchmarks/bench_compile.py --device cpu --tokens 256 --iters 5                            # local
+
+Times are the median of ``--iters`` steps after warm-up, measured with CUDA events on CUDA (wall clock on
+CPU).  Modes: ``default`` (inductor), ``reduce-overhead`` (inductor + CUDA graphs, CUDA only) and
+``cudagraphs`` (AOTAutograd + CUDA graphs, no code generation); new routing every step (fresh inputs).
+The JSON holds the command, the commit, the machine, the configuration and one time per mode.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch._dynamo
+
+import moonep
+from moonep.bench.provenance import command, git_commit, machine
+from moonep.layers import LatentMoE
+from moonep.runtime import detect_launcher
+
+_DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _time_steps(m, xs, cuda: bool) -> list:
+    """Milliseconds of each step ``m(x).square().sum().backward()`` over the inputs ``xs``."""
+    out = []
+    for x in xs:
+        m.zero_grad(set_to_none=True)
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        m(x).float().square().sum().backward()
+        if cuda:
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b))
+        else:
+            out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=sorted(_DT), default="bf16")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per step (s)")
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--d-latent", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--topk", type=int, default=6)
+    ap.add_argument("--d-expert", type=int, default=768)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--modes", default="default,reduce-overhead,cudagraphs")
+    ap.add_argument("--out", default=None, help="JSON file")
+    args = ap.parse_args(argv)
+
+    dev, dt = torch.device(args.device), _DT[args.dtype] if args.device != "cpu" else torch.float32
+    launched = detect_launcher() != "single"
+    rt = moonep.init(device=args.device) if launched else None
+    if rt is not None:
+        dev = rt.device
+    cuda = dev.type == "cuda"
+    modes = [m for m in args.modes.split(",") if m and (cuda or m == "default")]
+    kw = dict(group=rt, max_tokens=args.tokens, dtype=dt, device=dev)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(args.tokens, args.d_model, generator=g).to(dev, dt) for _ in range(args.warmup + args.iters)]
+
+    def layer():
+        torch.manual_seed(0)
+        return LatentMoE(args.d_model, args.d_latent, args.experts, args.topk, args.d_expert, **kw)
+
+    results = {}
+    m = layer()
+    results["eager"] = statistics.median(_time_steps(m, xs, cuda)[args.warmup:])
+    transport = m._ep.get(args.tokens, args.topk, args.d_latent, dt, dev).transport_name
+    for mode in modes:
+        torch._dynamo.reset()
+        m = layer()
+        _time_steps(m, xs[:1], cuda)  # builds the layer's ExpertParallel eagerly (fullgraph needs it)
+        if mode == "cudagraphs":
+            c = torch.compile(m, backend="cudagraphs", fullgraph=True)
+        else:
+            c = torch.compile(m, mode=None if mode == "default" else mode, fullgraph=cuda)
+        t0 = time.perf_counter()
+        _time_steps(c, xs[:1], cuda)
+        compile_s = time.perf_counter() - t0
+        results[mode] = statistics.median(_time_steps(c, xs, cuda)[args.warmup:])
+        results[mode + "_first_step_s"] = round(compile_s, 2)
+    rank = 0 if rt is None else rt.rank
+    if rank == 0:
+        print(f"LatentMoE step (forward + backward), {transport} backend, s={args.tokens}, {dt} on {dev}")
+        print(f"{'mode':<18}{'ms / step':>12}")
+        for k, v in results.items():
+            if not k.endswith("_first_step_s"):
+                print(f"{k:<18}{v:>12.3f}")
+        print("legend: median of --iters steps (CUDA events on CUDA); eager = no torch.compile")
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"command": command(launcher="mpirun -n 1" if launched else ""), "commit": git_commit(),
+                           "machine": machine(), "config": vars(args) | {"transport": transport},
+                           "ms_per_step": results}, f, indent=1)
+    if rt is not None:
+        rt.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,559 @@
+"""moonep's data path as ``torch.library`` custom ops (namespace ``moonep``): what ``torch.compile`` sees.
+
+    h = moonep.ops.dispatch(ep, x, topk_idx, topk_weights)         # moonep::dispatch
+    r_in, r_out = moonep.ops.prefetch_replicas(h, w_in, w_out)      # moonep::prefetch_replicas
+    a = act(moonep.ops.expert_matmul(h, h.tokens, w_in, r_in))      # moonep::expert_matmul
+    y = moonep.ops.combine(moonep.ops.expert_matmul(h, a, w_out, r_out), h)   # moonep::combine
+
+Each op runs the eager code of :class:`moonep.ExpertParallel` (argument checks, the call header with the
+peers, the backend) inside its body, so Dynamo never traces host work, host syncs or kernel launches: the
+op is one node of the graph, whatever the backend.  Its fake implementation gives the static output shapes
+(``cap = moonep.layout.capacity(max_tokens, topk, R, E, align, slack)`` rows).  Autograd is registered
+with ``register_autograd``, and each backward is a custom op too whose body calls the backward of the
+eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul``,
+``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.
+
+State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
+(plan and backend state of one dispatch) is the *step token* ``h.step``, an int64 ``[1]`` tensor that
+``moonep::dispatch`` returns and the later ops take (:mod:`moonep.op_state`).
+
+Differences from the eager API, all for the compiler's sake: no ``out=`` pools (``prefetch`` and
+``prefetch_replicas`` return fresh tensors, and :func:`expert_matmul` keeps the step's replicas until its
+backward instead of refetching them: the same values, so the same bits); the NVLink backend copies the rows
+out of its receive buffer (as eager training does); ``apply_weights="combine"`` and the token dtype on the
+wire only (no fp8 dispatch).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from types import SimpleNamespace
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from . import op_state
+from .ep import _CombineFn, _DispatchFn, _PrefetchFn
+from .errors import expect
+from .experts import (_ExpertMatmul, _SlotMatmul, _operands, _rows_grouped, _rows_loop, _run, _two_grouped,
+                      _two_loop)
+
+__all__ = ["Routed", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad", "reduce_replicas",
+           "expert_matmul", "slot_matmul", "get_ep", "latent_experts", "qb_record"]
+
+
+class Routed(NamedTuple):
+    """What :func:`dispatch` returns (the compiled counterpart of :class:`moonep.Dispatched`).
+
+    Attributes:
+        tokens: ``[cap, H]`` in the token dtype, rows in slot order (padding rows zero).
+        weights: ``[cap]`` in ``topk_weights``' dtype, each row's routing weight.
+        cu_seqlens: int32 ``[2*epn + 1]``; slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
+        slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: empty replica slot).
+        assignment: int64 ``[E, R]`` of the plan; replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]``.
+        step: int64 ``[1]``, the step token the other ops take (its value means nothing).
+        op_id: the ExpertParallel's ``op_id``.
+        num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
+    """
+
+    tokens: Tensor
+    weights: Tensor
+    cu_seqlens: Tensor
+    slot_experts: Tensor
+    assignment: Tensor
+    replica_experts: Tensor
+    recv_counts: Tensor
+    step: Tensor
+    op_id: int
+    num_tokens: int
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _check_ep(ep) -> None:
+    """The op path's restrictions (raises ``ValueError``)."""
+    expect(ep.apply_weights == "combine", "apply_weights", '"combine" for moonep.ops (torch.compile)',
+           repr(ep.apply_weights))
+    expect(not ep.fp8, "dispatch_dtype", "the token dtype for moonep.ops (torch.compile)", ep.dispatch_dtype)
+
+
+def _fresh(out: Tensor, *inputs: Tensor) -> Tensor:
+    """``out``, copied when it shares memory with an input (a custom op's outputs must not alias them)."""
+    for t in inputs:
+        if t is not None and t.numel() and out.numel() and out.untyped_storage().data_ptr() == \
+                t.untyped_storage().data_ptr():
+            return out.clone()
+    return out
+
+
+def _none_or(t: Tensor, wanted: bool):
+    return t if wanted else None
+
+
+class _Rows:
+    """The NVLink backend returns copies, not views of its receive buffer, while the op runs (a compiled
+    graph keeps the rows past the next dispatch; eager training does the same)."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.saved = getattr(backend, "zero_copy", None)
+
+    def __enter__(self):
+        if self.saved == "auto":
+            self.backend.zero_copy = False
+
+    def __exit__(self, *exc):
+        if self.saved == "auto":
+            self.backend.zero_copy = self.saved
+        return False
+
+
+# --------------------------------------------------------------------------------------------- dispatch
+@torch.library.custom_op("moonep::dispatch", mutates_args=())
+def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, capacity: int, num_experts: int,
+              world_size: int) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``ExpertParallel.dispatch`` -> (tokens ``[cap, H]``, weights ``[cap]``, cu_seqlens int32 ``[2epn+1]``,
+    slot_experts int64 ``[2epn]``, assignment int64 ``[E, R]``, replica_experts int64 ``[R, epn]``,
+    recv_counts int64 ``[R]``, step token int64 ``[1]``). Collective.
+
+    ``capacity``, ``num_experts``, ``world_size``: the instance's (checked), so that the fake implementation
+    needs no lookup and a compiled graph's cache key holds its output shapes."""
+    ep = op_state.instance(op_id)
+    expect((ep.capacity, ep.num_experts, ep.world_size) == (capacity, num_experts, world_size), "moonep::dispatch",
+           f"the sizes of ExpertParallel op id {op_id}", (capacity, num_experts, world_size))
+    _check_ep(ep)
+    with _Rows(ep._backend):
+        h = ep.dispatch(x, topk_idx, topk_weights)
+    dev = x.device
+    token = torch.zeros(1, dtype=torch.int64, device=dev)
+    op_state.put_step(token, op_id, dataclasses.replace(h, tokens=None, weights=None))
+    plan = h.plan
+    return (_fresh(h.tokens, x), _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
+            h.slot_experts.to(dev, torch.int64, copy=True), plan.assignment.to(dev, torch.int64, copy=True),
+            plan.replica_experts.to(dev, torch.int64, copy=True), plan.recv_counts.to(dev, torch.int64, copy=True),
+            token)
+
+
+@_dispatch.register_fake
+def _(x, topk_idx, topk_weights, op_id, capacity, num_experts, world_size):
+    E, R, epn, cap = num_experts, world_size, num_experts // world_size, capacity
+    i64 = dict(dtype=torch.int64)
+    return (x.new_empty(cap, x.shape[1]), topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
+            x.new_empty(2 * epn, **i64), x.new_empty(E, R, **i64), x.new_empty(R, epn, **i64), x.new_empty(R, **i64),
+            x.new_empty(1, **i64))
+
+
+def _dispatch_setup(ctx, inputs, output):
+    x, idx, w, op_id, cap = inputs[:5]
+    ctx.op_id, ctx.num_tokens, ctx.x_dtype, ctx.w_dtype = op_id, x.shape[0], x.dtype, w.dtype
+    ctx.sizes = (x.shape[1], idx.shape[1], cap)
+    ctx.save_for_backward(output[-1])
+
+
+def _dispatch_bwd(ctx, g_tokens, g_weights, *_ints):
+    (token,) = ctx.saved_tensors
+    want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    gx, gw = _dispatch_backward(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
+                                ctx.w_dtype, want_x, want_w)
+    return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None
+
+
+_dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
+
+
+@torch.library.custom_op("moonep::dispatch_backward", mutates_args=())
+def _dispatch_backward(g_tokens: Optional[Tensor], g_weights: Optional[Tensor], token: Tensor, op_id: int,
+                       num_tokens: int, hidden: int, topk: int, capacity: int, x_dtype: torch.dtype,
+                       w_dtype: torch.dtype, want_x: bool, want_w: bool) -> tuple[Tensor, Tensor]:
+    """``_DispatchFn.backward``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> (``gx [s, H]``, ``gw [s, K]``);
+    an unwanted gradient is an empty placeholder. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    dev = token.device
+    if g_tokens is None:  # eager autograd materialises the unused output's gradient as zeros too
+        g_tokens = torch.zeros(capacity, hidden, dtype=x_dtype, device=dev)
+    if g_weights is None:
+        g_weights = torch.zeros(capacity, dtype=w_dtype, device=dev)
+    ctx = SimpleNamespace(ep=ep, st=h.routing, needs_input_grad=(want_x, want_w), x_dtype=x_dtype, w_dtype=w_dtype)
+    gx, gw, _, _ = _DispatchFn.backward(ctx, g_tokens, g_weights)
+    empty = torch.empty(0, dtype=x_dtype, device=dev)
+    return (_fresh(gx, g_tokens) if want_x else empty,
+            _fresh(gw, g_weights) if want_w else torch.empty(0, dtype=w_dtype, device=dev))
+
+
+@_dispatch_backward.register_fake
+def _(g_tokens, g_weights, token, op_id, num_tokens, hidden, topk, capacity, x_dtype, w_dtype, want_x, want_w):
+    return (token.new_empty((num_tokens, hidden) if want_x else (0,), dtype=x_dtype),
+            token.new_empty((num_tokens, topk) if want_w else (0,), dtype=w_dtype))
+
+
+def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
+    """:meth:`moonep.ExpertParallel.dispatch` as the op ``moonep::dispatch``. Collective.
+
+    Args:
+        ep: the :class:`moonep.ExpertParallel` (``apply_weights="combine"``, no fp8 dispatch).
+        x: ``[s, H]`` in ``ep.dtype``; topk_idx: int32/int64 ``[s, K]``; topk_weights: float ``[s, K]``.
+    Returns:
+        :class:`Routed`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
+        ``topk_weights`` (the backward is a combine, as in eager).
+    """
+    out = _dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts, ep.world_size)
+    return Routed(*out, ep.op_id, x.shape[0])
+
+
+# --------------------------------------------------------------------------------------------- combine
+@torch.library.custom_op("moonep::combine", mutates_args=())
+def _combine(expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, num_tokens: int) -> Tensor:
+    """``ExpertParallel.combine``: ``expert_out [cap, H]``, ``weights [cap]`` -> ``[s, H]`` in
+    ``expert_out``'s dtype. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    return _fresh(ep.combine(expert_out, dataclasses.replace(h, weights=weights)), expert_out)
+
+
+@_combine.register_fake
+def _(expert_out, weights, token, op_id, num_tokens):
+    return expert_out.new_empty(num_tokens, expert_out.shape[1])
+
+
+def _combine_setup(ctx, inputs, output):
+    expert_out, weights, token, op_id, _ = inputs
+    ctx.op_id = op_id
+    ctx.save_for_backward(expert_out, weights, token)
+
+
+def _combine_bwd(ctx, gy):
+    expert_out, weights, token = ctx.saved_tensors
+    want_o, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    g_out, g_w = _combine_backward(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
+    return _none_or(g_out, want_o), _none_or(g_w, want_w), None, None, None
+
+
+_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
+
+
+@torch.library.custom_op("moonep::combine_backward", mutates_args=())
+def _combine_backward(gy: Tensor, expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, want_out: bool,
+                      want_w: bool) -> tuple[Tensor, Tensor]:
+    """``_CombineFn.backward``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
+    empty placeholder. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ctx = SimpleNamespace(ep=ep, st=h.routing, saved_tensors=(expert_out, weights),
+                          needs_input_grad=(want_out, want_w))
+    g_out, g_w, *_ = _CombineFn.backward(ctx, gy)
+    return (_fresh(g_out, gy, expert_out) if want_out else expert_out.new_empty(0),
+            _fresh(g_w, weights) if want_w else weights.new_empty(0))
+
+
+@_combine_backward.register_fake
+def _(gy, expert_out, weights, token, op_id, want_out, want_w):
+    return (expert_out.new_empty(expert_out.shape if want_out else (0,)),
+            weights.new_empty(weights.shape if want_w else (0,)))
+
+
+def combine(expert_out: Tensor, h: Routed) -> Tensor:
+    """:meth:`moonep.ExpertParallel.combine` as ``moonep::combine``: ``expert_out [cap, H]`` -> ``[s, H]`` in
+    its dtype, ``sum_k w_k out_k``.  Differentiable with respect to ``expert_out`` and ``h.weights``. Collective."""
+    return _combine(expert_out, h.weights, h.step, h.op_id, h.num_tokens)
+
+
+# --------------------------------------------------------------------------------------------- weights
+@torch.library.custom_op("moonep::prefetch", mutates_args=())
+def _prefetch(local_weight: Tensor, token: Tensor, op_id: int) -> Tensor:
+    """``ExpertParallel.prefetch`` without a pool: ``[epn, *D]`` -> ``[2*epn, *D]``. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    return _fresh(ep.prefetch(h, local_weight), local_weight)
+
+
+@_prefetch.register_fake
+def _(local_weight, token, op_id):
+    return local_weight.new_empty(2 * local_weight.shape[0], *local_weight.shape[1:])
+
+
+def _prefetch_setup(ctx, inputs, output):
+    ctx.op_id = inputs[2]
+    ctx.save_for_backward(inputs[1])
+
+
+def _prefetch_bwd(ctx, g):
+    (token,) = ctx.saved_tensors
+    return _prefetch_backward(g, token, ctx.op_id), None, None
+
+
+_prefetch.register_autograd(_prefetch_bwd, setup_context=_prefetch_setup)
+
+
+@torch.library.custom_op("moonep::prefetch_backward", mutates_args=())
+def _prefetch_backward(g: Tensor, token: Tensor, op_id: int) -> Tensor:
+    """``_PrefetchFn.backward``: ``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` at home. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    return _fresh(_PrefetchFn.backward(SimpleNamespace(ep=ep, plan=h.plan), g)[0], g)
+
+
+@_prefetch_backward.register_fake
+def _(g, token, op_id):
+    return g.new_empty(g.shape[0] // 2, *g.shape[1:])
+
+
+def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
+    """:meth:`moonep.ExpertParallel.prefetch` as ``moonep::prefetch``: ``local_weight [epn, *D]`` ->
+    ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).  Differentiable (the backward is
+    ``reduce_grad``). Collective."""
+    return _prefetch(local_weight, h.step, h.op_id)
+
+
+@torch.library.custom_op("moonep::prefetch_replicas", mutates_args=())
+def _prefetch_replicas(local_weights: list[Tensor], token: Tensor, op_id: int) -> list[Tensor]:
+    """``ExpertParallel.prefetch_replicas`` of each weight ``[epn, *D]`` in order, into fresh zeroed
+    ``[epn, *D]`` tensors. One collective per weight."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    outs = []
+    for w in local_weights:
+        # zeroed here: a slot the plan leaves empty is zero whatever the memory held (CUDA graph replays)
+        out = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+        outs.append(ep.prefetch_replicas(h, w, out))
+    return outs
+
+
+@_prefetch_replicas.register_fake
+def _(local_weights, token, op_id):
+    return [w.new_empty(w.shape) for w in local_weights]
+
+
+def prefetch_replicas(h: Routed, *local_weights: Tensor) -> list:
+    """The replica slots of each ``local_weight [epn, *D]`` (one collective each, in order; one op, so that a
+    compiler cannot reorder them) -> a list of ``[epn, *D]`` (slot ``j``: expert ``h.slot_experts[epn+j]``,
+    zero if ``-1``).  Not differentiable: :func:`expert_matmul` sends the replica rows' gradient home."""
+    return _prefetch_replicas([w.detach() for w in local_weights], h.step, h.op_id)
+
+
+@torch.library.custom_op("moonep::reduce_grad", mutates_args=())
+def _reduce_grad(grad: Tensor, token: Tensor, op_id: int) -> Tensor:
+    """``ExpertParallel.reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    return _fresh(ep.reduce_grad(h, grad), grad)
+
+
+@_reduce_grad.register_fake
+def _(grad, token, op_id):
+    return grad.new_empty(grad.shape[0] // 2, *grad.shape[1:])
+
+
+def reduce_grad(h: Routed, grad: Tensor) -> Tensor:
+    """:meth:`moonep.ExpertParallel.reduce_grad` as ``moonep::reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``.
+    Collective; not differentiable."""
+    return _reduce_grad(grad, h.step, h.op_id)
+
+
+@torch.library.custom_op("moonep::reduce_replicas", mutates_args=())
+def _reduce_replicas(home_grad: Tensor, replica_grad: Tensor, token: Tensor, op_id: int) -> Tensor:
+    """``ExpertParallel.reduce_replicas``: ``[epn, *D]`` twice -> ``[epn, *D]``. Collective."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    return _fresh(ep.reduce_replicas(h, home_grad, replica_grad), home_grad, replica_grad)
+
+
+@_reduce_replicas.register_fake
+def _(home_grad, replica_grad, token, op_id):
+    return home_grad.new_empty(home_grad.shape)
+
+
+def reduce_replicas(h: Routed, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
+    """:meth:`moonep.ExpertParallel.reduce_replicas` as ``moonep::reduce_replicas``. Collective."""
+    return _reduce_replicas(home_grad, replica_grad, h.step, h.op_id)
+
+
+# --------------------------------------------------------------------------------------------- GEMMs
+@torch.library.custom_op("moonep::expert_matmul", mutates_args=())
+def _expert_matmul(a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor, token: Tensor, op_id: int,
+                   transpose: bool, impl: str) -> Tensor:
+    """``moonep.expert_matmul``'s product: ``a [cap, D]`` -> ``[cap, N]`` in ``a``'s dtype (home rows times
+    ``home_weight``, replica rows times ``replicas``, both ``[epn, D, N]`` or ``[epn, N, D]`` transposed)."""
+    wh, wr = _operands(home_weight, replicas, transpose)
+    return _run(impl, _two_grouped, _two_loop, a, cu_seqlens, wh, wr)
+
+
+@_expert_matmul.register_fake
+def _(a, cu_seqlens, home_weight, replicas, token, op_id, transpose, impl):
+    return a.new_empty(a.shape[0], home_weight.shape[-2] if transpose else home_weight.shape[-1])
+
+
+def _expert_matmul_setup(ctx, inputs, output):
+    a, cu, home, rep, token, op_id, transpose, impl = inputs
+    ctx.op_id, ctx.transpose, ctx.impl = op_id, transpose, impl
+    ctx.save_for_backward(a, cu, home, rep, token)
+
+
+def _expert_matmul_bwd(ctx, g):
+    a, cu, home, rep, token = ctx.saved_tensors
+    want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    ga, gw = _expert_matmul_backward(g, a, cu, home, rep, token, ctx.op_id, ctx.transpose, ctx.impl, want_a, want_w)
+    return _none_or(ga, want_a), None, _none_or(gw, want_w), None, None, None, None, None
+
+
+_expert_matmul.register_autograd(_expert_matmul_bwd, setup_context=_expert_matmul_setup)
+
+
+class _Kept:
+    """What ``_ExpertMatmul.backward`` asks of its :class:`moonep.Replicas`: the forward's replica weights
+    (kept, so no refetch) and the collective reduce of the replica gradients."""
+
+    def __init__(self, rep, ep, h):
+        self.rep, self.ep, self.h = rep, ep, h
+
+    def weights_for_backward(self) -> Tensor:
+        return self.rep
+
+    def reduce(self, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
+        return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
+
+
+@torch.library.custom_op("moonep::expert_matmul_backward", mutates_args=())
+def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor,
+                            token: Tensor, op_id: int, transpose: bool, impl: str, want_a: bool,
+                            want_w: bool) -> tuple[Tensor, Tensor]:
+    """``_ExpertMatmul.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like ``home_weight``, the replica
+    rows' part added at home: collective); an unwanted gradient is an empty placeholder."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ctx = SimpleNamespace(saved_tensors=(a, home_weight, cu_seqlens), rep=_Kept(replicas, ep, h), transpose=transpose,
+                          impl=impl, needs_input_grad=(want_a, want_w))
+    ga, gw, *_ = _ExpertMatmul.backward(ctx, g)
+    return (_fresh(ga, g, a) if want_a else a.new_empty(0),
+            _fresh(gw, home_weight, replicas) if want_w else home_weight.new_empty(0))
+
+
+@_expert_matmul_backward.register_fake
+def _(g, a, cu_seqlens, home_weight, replicas, token, op_id, transpose, impl, want_a, want_w):
+    return a.new_empty(a.shape if want_a else (0,)), home_weight.new_empty(home_weight.shape if want_w else (0,))
+
+
+def expert_matmul(h: Routed, a: Tensor, home_weight: Tensor, replicas: Tensor, *, transpose: bool = False,
+                  impl: str = "auto") -> Tensor:
+    """:func:`moonep.expert_matmul` as ``moonep::expert_matmul``.
+
+    Args:
+        a: ``[cap, D]`` rows grouped by slot (``h.tokens`` or an activation of it), ``home_weight``'s dtype.
+        home_weight: ``[epn, D, N]`` (``[epn, N, D]`` with ``transpose``), this rank's home experts.
+        replicas: ``[epn, D, N]`` (resp. ``[epn, N, D]``) from :func:`prefetch_replicas`, kept until the
+            backward (the eager pool's ``backward="keep"``).
+    Returns:
+        ``[cap, N]`` in ``a.dtype``; padding rows zero.  Differentiable with respect to ``a`` and
+        ``home_weight`` (the replica rows' weight gradient is added at home: collective in the backward).
+    """
+    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    return _expert_matmul(a, h.cu_seqlens, home_weight, replicas, h.step, h.op_id, transpose, impl)
+
+
+@torch.library.custom_op("moonep::slot_matmul", mutates_args=())
+def _slot_matmul(a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str) -> Tensor:
+    """``moonep.slot_matmul``: ``a [cap, D]``, ``w [G, D, N]`` -> ``[cap, N]`` in ``a``'s dtype."""
+    return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
+
+
+@_slot_matmul.register_fake
+def _(a, cu_seqlens, w, impl):
+    return a.new_empty(a.shape[0], w.shape[-1])
+
+
+def _slot_matmul_setup(ctx, inputs, output):
+    a, cu, w, impl = inputs
+    ctx.impl = impl
+    ctx.save_for_backward(a, cu, w)
+
+
+def _slot_matmul_bwd(ctx, g):
+    a, cu, w = ctx.saved_tensors
+    want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    ga, gw = _slot_matmul_backward(g, a, cu, w, ctx.impl, want_a, want_w)
+    return _none_or(ga, want_a), None, _none_or(gw, want_w), None
+
+
+_slot_matmul.register_autograd(_slot_matmul_bwd, setup_context=_slot_matmul_setup)
+
+
+@torch.library.custom_op("moonep::slot_matmul_backward", mutates_args=())
+def _slot_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str, want_a: bool,
+                          want_w: bool) -> tuple[Tensor, Tensor]:
+    """``_SlotMatmul.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw [G, D, N]``), empty when unwanted."""
+    ctx = SimpleNamespace(saved_tensors=(a, w, cu_seqlens), impl=impl, needs_input_grad=(want_a, want_w))
+    ga, gw, *_ = _SlotMatmul.backward(ctx, g)
+    return (_fresh(ga, g, a) if want_a else a.new_empty(0), _fresh(gw, w) if want_w else w.new_empty(0))
+
+
+@_slot_matmul_backward.register_fake
+def _(g, a, cu_seqlens, w, impl, want_a, want_w):
+    return a.new_empty(a.shape if want_a else (0,)), w.new_empty(w.shape if want_w else (0,))
+
+
+def slot_matmul(a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str = "auto") -> Tensor:
+    """:func:`moonep.slot_matmul` as ``moonep::slot_matmul`` (``a [cap, D]``, int32 ``cu_seqlens [G+1]``,
+    ``w [G, D, N]`` -> ``[cap, N]``); differentiable with respect to ``a`` and ``w``.  Not collective."""
+    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    return _slot_matmul(a, cu_seqlens, w, impl)
+
+
+# --------------------------------------------------------------------------------------------- layers
+@torch.compiler.disable
+def _get_ep_eager(provider, s, topk, width, dtype, device):
+    # host work (a max all-reduce of s with max_tokens=None, or building the instance): one graph break
+    return provider.get(s, topk, width, dtype, device)
+
+
+def get_ep(provider, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
+    """``provider.get(...)`` (a :class:`moonep.layers.parallel.EPProvider`) for compiled layers: traced when
+    ``max_tokens`` is fixed and the instance exists (a dict lookup, guarded), else run outside the graph."""
+    if provider.max_tokens is not None:
+        ep = provider._cache.get((topk, width, dtype, device if provider.rt is None else None))
+        if ep is not None and ep.max_tokens >= provider.max_tokens:
+            return ep
+    return _get_ep_eager(provider, s, topk, width, dtype, device)
+
+
+def latent_experts(ep, z: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_in: Tensor, w_out: Tensor, act,
+                   impl: str = "auto"):
+    """The routed part of :class:`moonep.LatentMoE` through the ops (what its ``forward`` runs when compiled).
+
+    Args:
+        z: ``[s, l]`` latent tokens; topk_idx int64 ``[s, K]``; topk_weights ``[s, K]``.
+        w_in: ``[epn, l, 2F]``, w_out: ``[epn, F, l]`` home experts; act: ``[cap, 2F] -> [cap, F]``.
+    Returns:
+        ``(u [s, l], stats)``: ``stats`` the layer's ``last_stats`` (``expert_load [E]``, ``recv_counts [R]``,
+        ``replicas [R]``, int64).  Four collectives forward (dispatch, two fetches, combine), four backward.
+    """
+    h = dispatch(ep, z, topk_idx, topk_weights)
+    r_in, r_out = prefetch_replicas(h, w_in, w_out)
+    a = act(expert_matmul(h, h.tokens, w_in, r_in, impl=impl))
+    u = combine(expert_matmul(h, a, w_out, r_out, impl=impl), h)
+    stats = dict(expert_load=h.assignment.sum(1), recv_counts=h.recv_counts,
+                 replicas=(h.replica_experts >= 0).sum(1))
+    return u, stats
+
+
+# --------------------------------------------------------------------------------------------- balancer
+@torch.library.custom_op("moonep::qb_record", mutates_args=("lo", "width", "counts", "work"))
+def _qb_record(raw: Tensor, values: Tensor, bias: Tensor, lo: Tensor, width: Tensor, counts: Tensor, work: Tensor,
+               balancer_id: int, first: bool, check: bool) -> None:
+    """``QuantileBalancer._record_cuda`` (one kernel, CUDA): required biases of ``raw [s, E]`` (cutoffs in
+    column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1]``; ``first``: this micro-batch sets the
+    range ``lo``/``width`` (0-d) from ``bias [E]``; ``check``: count bad scores (flags in ``work``)."""
+    bal = op_state.instance(balancer_id)
+    # the balancer with the tensors the compiled graph passed (functionalisation may pass copies)
+    shadow = copy.copy(bal)
+    shadow.__dict__["_buffers"] = dict(bal._buffers, bias=bias, _lo=lo, _width=width, _counts=counts, _work=work)
+    shadow.__dict__["_recording"] = not first
+    type(bal)._record_cuda(shadow, raw, values, check)
+
+
+@_qb_record.register_fake
+def _(raw, values, bias, lo, width, counts, work, balancer_id, first, check):
+    return None
+
+
+def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
+    """Record one micro-batch of :class:`moonep.QuantileBalancer` on CUDA through ``moonep::qb_record`` (what
+    ``route`` does when compiled, so that it traces without a graph break; ``step`` stays eager).
+
+    Args:
+        raw: ``[s, E]`` scores (float32/bf16/fp16/fp64); values: ``[s, K+1]`` top-(K+1) biased scores.
+    """
+    _qb_record(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
+               balancer._op_id, not balancer._recording, bool(check))
+    balancer._recording = True

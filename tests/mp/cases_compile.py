@@ -1,0 +1,202 @@
+"""torch.compile of moonep (the custom ops of moonep/ops.py) against eager, on every rank.
+
+CPU (host backends, float64): a plain MoE function through the ops compiled with inductor is bitwise equal to
+the eager ExpertParallel path; a LatentMoE compiled with ``aot_eager`` gives bitwise the eager output and
+parameter gradients (``x``'s gradient sums the router, down and shared contributions in another order: close,
+not bitwise), with inductor close; token counts differ per rank (0 included) and change between steps
+(recompiles); the graph breaks are counted with ``torch._dynamo.explain``.
+
+CUDA (``MOONEP_TEST_DEVICE=cuda``, NVLink backend, float32; tests/gpu/test_mp_compile_gpu.py): the same with
+``fullgraph=True``, plus CUDA graphs (``backend="cudagraphs"``: bitwise; ``mode="reduce-overhead"``: close)
+with new routing every step.
+"""
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import moonep
+from moonep import ops
+from moonep.layers import LatentMoE
+
+D, L, K, FE, FS = 12, 6, 3, 10, 4
+H, F = 16, 24
+
+
+def _cuda(rt):
+    return rt.device.type == "cuda"
+
+
+def _dtype(rt):
+    return torch.float32 if _cuda(rt) else torch.float64  # the NVLink kernels move no float64
+
+
+def _sizes(R, step):
+    """Tokens per rank at ``step``: different on every rank, 0 on one rank (R > 1), changing every step."""
+    base = [16, 17, 9, 5, 12, 3, 7, 11]
+    sizes = [base[(r + step) % len(base)] for r in range(R)]
+    if R > 1:
+        sizes[step % R] = 0
+    return sizes
+
+
+def _routing(rt, s, E, seed):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(s)]) if s else \
+        torch.zeros(0, 2, dtype=torch.int64)
+    return idx.to(rt.device), torch.rand(s, 2, generator=g, dtype=_dtype(rt)).to(rt.device)
+
+
+def _equal(name, got, want, ctx):
+    assert got.shape == want.shape and torch.equal(got, want), \
+        f"{name} {ctx}: max diff {(got.double() - want.double()).abs().max().item() if got.numel() else 0}"
+
+
+def _close(name, got, want, ctx, tol):
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"{name} {ctx}: {m}")
+
+
+def _breaks(fn, *args):
+    """Dynamo graph breaks of ``fn(*args)`` (runs it once: collective)."""
+    torch._dynamo.reset()
+    return torch._dynamo.explain(fn)(*args).graph_break_count
+
+
+# --------------------------------------------------------------------------------------------- plain MoE
+def _moe(rt):
+    """``y = combine(slot_matmul(dispatch(x), prefetch(W)))``, eagerly and through the ops."""
+    R, dt = rt.world_size, _dtype(rt)
+    E = 2 * R
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=2, hidden=H, max_tokens=20, dtype=dt)
+    g = torch.Generator().manual_seed(5)
+    W = torch.randn(E, H, H, generator=g, dtype=dt)[rt.rank * 2:rt.rank * 2 + 2].to(rt.device).requires_grad_()
+
+    def eager(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(moonep.slot_matmul(h.tokens, h.cu_seqlens, ep.prefetch(h, W)), h)
+
+    def through_ops(x, idx, w):
+        h = ops.dispatch(ep, x, idx, w)
+        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h)
+
+    return ep, W, eager, through_ops
+
+
+def _moe_step(rt, fn, W, s, seed):
+    g = torch.Generator().manual_seed(1000 + seed)
+    x = torch.randn(s, H, generator=g, dtype=_dtype(rt)).to(rt.device).requires_grad_()
+    idx, w = _routing(rt, s, 2 * rt.world_size, seed)
+    w.requires_grad_()
+    W.grad = None
+    y = fn(x, idx, w)
+    y.square().sum().backward()
+    return y.detach(), x.grad, w.grad, W.grad
+
+
+def _compare_moe(rt, compiled, tag):
+    _, W, eager, through_ops = _moe(rt)
+    fn = compiled(through_ops)
+    for step in range(3):
+        s = _sizes(rt.world_size, step)[rt.rank]
+        want = _moe_step(rt, eager, W, s, step)
+        got = _moe_step(rt, fn, W, s, step)
+        for name, a, b in zip(("y", "dx", "dw", "dW"), got, want):
+            _equal(name, a, b, f"{tag} rank {rt.rank} step {step} s={s}")
+    return through_ops
+
+
+def case_moe_function_compiled_matches_eager(rt):
+    """Inductor (CPU) / fullgraph inductor (CUDA): bitwise equal to eager, recompiling as counts change;
+    no graph break."""
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("inductor")
+    through_ops = _compare_moe(rt, lambda f: torch.compile(f, backend=cnt, fullgraph=True), "inductor")
+    assert cnt.frame_count >= 2, f"expected a recompilation when the token counts change, got {cnt.frame_count}"
+    s = _sizes(rt.world_size, 0)[rt.rank]
+    idx, w = _routing(rt, s, 2 * rt.world_size, 0)
+    n = _breaks(through_ops, torch.randn(s, H, dtype=_dtype(rt), device=rt.device), idx, w)
+    assert n == 0, f"graph breaks: {n}"
+
+
+def case_moe_function_cuda_graphs(rt):
+    """CUDA only: the ops under CUDA graphs with new routing every step (cudagraphs backend: bitwise)."""
+    if not _cuda(rt):
+        return
+    torch._dynamo.reset()
+    _compare_moe(rt, lambda f: torch.compile(f, backend="cudagraphs", fullgraph=True), "cudagraphs")
+
+
+# --------------------------------------------------------------------------------------------- LatentMoE
+def _layer(rt, E, max_tokens):
+    torch.manual_seed(3)  # the same parameters in every layer built here
+    return LatentMoE(D, L, E, K, FE, num_shared=2, d_shared=FS, group=rt, dtype=_dtype(rt), max_tokens=max_tokens)
+
+
+def _layer_step(rt, m, s, seed):
+    g = torch.Generator().manual_seed(2000 + seed)
+    x = torch.randn(s, D, generator=g, dtype=_dtype(rt)).to(rt.device).requires_grad_()
+    m.zero_grad()
+    y = m(x)
+    y.square().sum().backward()
+    return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()], dict(m.last_stats)
+
+
+def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, warmup=False):
+    """Eager layer vs a compiled copy over ``steps`` steps of changing counts; returns the compiled module."""
+    E = 2 * rt.world_size if rt.world_size > 1 else 4
+    eager, mod = _layer(rt, E, max_tokens), _layer(rt, E, max_tokens)
+    if warmup:  # builds the layer's ExpertParallel eagerly (fullgraph needs it to exist)
+        _layer_step(rt, eager, 4, 99)
+        _layer_step(rt, mod, 4, 99)
+    compiled = compile_fn(mod)
+    names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
+    tol = 1e-5 if _dtype(rt) == torch.float32 else 1e-10
+    for step in range(steps):
+        s = _sizes(rt.world_size, step)[rt.rank]
+        want, st_want = _layer_step(rt, eager, s, step)
+        got, st_got = _layer_step(rt, compiled, s, step)
+        ctx = f"{tag} rank {rt.rank} step {step} s={s}"
+        for k in st_want:  # the same routing, plan and replicas
+            _equal(f"last_stats[{k}]", st_got[k], st_want[k], ctx)
+        for name, a, b in zip(names, got, want):
+            if exact and name != "dx":
+                _equal(name, a, b, ctx)
+            else:  # dx: autograd and AOTAutograd add its three contributions in different orders
+                _close(name, a, b, ctx, tol)
+    return mod
+
+
+def case_latent_moe_aot_eager_bitwise(rt):
+    """aot_eager (the custom ops and AOTAutograd, no codegen): bitwise output and parameter gradients;
+    graph breaks: 1 with max_tokens=None (the max all-reduce of the token counts), 0 with it fixed."""
+    if _cuda(rt):  # the CUDA run checks fullgraph with inductor and CUDA graphs instead
+        return
+    for max_tokens, want_breaks in ((None, 1), (20, 0)):
+        torch._dynamo.reset()
+        cnt = CompileCounterWithBackend("aot_eager")
+        mod = _compare_layer(rt, lambda m: torch.compile(m, backend=cnt), max_tokens, True, f"max_tokens={max_tokens}",
+                             steps=3 if max_tokens is None else 2)
+        assert cnt.frame_count >= 2, f"expected recompilations when the counts change, got {cnt.frame_count}"
+        s = _sizes(rt.world_size, 1)[rt.rank]
+        n = _breaks(mod, torch.randn(s, D, dtype=_dtype(rt), device=rt.device))
+        assert n == want_breaks, f"max_tokens={max_tokens}: {n} graph breaks, expected {want_breaks}"
+
+
+def case_latent_moe_inductor(rt):
+    """Inductor: close to eager (its fused elementwise code rounds differently), the same routing; on CUDA
+    fullgraph=True, then CUDA graphs (bitwise through the cudagraphs backend, close with reduce-overhead)."""
+    cuda = _cuda(rt)
+    if not cuda and rt.world_size != 2:  # CPU: inductor's compile time is paid at one world size only
+        return
+    torch._dynamo.reset()
+    _compare_layer(rt, lambda m: torch.compile(m, fullgraph=cuda), 20, False, "inductor", steps=2, warmup=cuda)
+    if not cuda:
+        return
+    torch._dynamo.reset()
+    _compare_layer(rt, lambda m: torch.compile(m, backend="aot_eager", fullgraph=True), 20, True, "aot_eager",
+                   warmup=True)
+    torch._dynamo.reset()
+    _compare_layer(rt, lambda m: torch.compile(m, backend="cudagraphs", fullgraph=True), 20, True, "cudagraphs",
+                   steps=4, warmup=True)
+    torch._dynamo.reset()
+    _compare_layer(rt, lambda m: torch.compile(m, mode="reduce-overhead", fullgraph=True), 20, False,
+                   "reduce-overhead", steps=4, warmup=True)
