@@ -100,8 +100,21 @@ __device__ __forceinline__ unsigned q8_pack2(float lo, float hi) {
 #endif
 }
 
+// v * inv, rounded once, also for a subnormal v (bf16/fp32 inputs below 2^-126): the GPU may flush a
+// subnormal operand to zero, so v = m * 2^-149 is multiplied as (m * 2^-100) * (inv * 2^-49), both factors
+// normal and exact, the product v * inv exactly rounded once; the sign is kept (-0 stays 0x80). When
+// inv * 2^-49 is itself subnormal, |v * inv| < 2^-100 and rounds to zero in e4m3 either way.
 __device__ __forceinline__ float q8_quant1(float v, float inv) {
-  return fminf(fmaxf(__fmul_rn(v, inv), -Q8_MAX), Q8_MAX);
+  const unsigned u = __float_as_uint(v);
+  float y;
+  if ((u & 0x7f800000u) == 0u && (u & 0x007fffffu) != 0u) {
+    const float m = __fmul_rn((float)(u & 0x007fffffu), 7.888609052210118e-31f);  // m * 2^-100
+    y = __fmul_rn(m, __fmul_rn(inv, 1.7763568394002505e-15f));                    // * inv * 2^-49
+    y = copysignf(y, v);
+  } else {
+    y = __fmul_rn(v, inv);
+  }
+  return fminf(fmaxf(y, -Q8_MAX), Q8_MAX);
 }
 
 // |v|, with inf/nan turned into +inf: the max over a group is then +inf exactly when the group is bad
