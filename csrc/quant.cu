@@ -100,17 +100,16 @@ __device__ __forceinline__ unsigned q8_pack2(float lo, float hi) {
 #endif
 }
 
-// v * inv, rounded once, also for a subnormal v (bf16/fp32 inputs below 2^-126): the GPU may flush a
-// subnormal operand to zero, so v = m * 2^-149 is multiplied as (m * 2^-100) * (inv * 2^-49), both factors
-// normal and exact, the product v * inv exactly rounded once; the sign is kept (-0 stays 0x80). When
-// inv * 2^-49 is itself subnormal, |v * inv| < 2^-100 and rounds to zero in e4m3 either way.
-__device__ __forceinline__ float q8_quant1(float v, float inv) {
+// v * inv rounded once, clamped.  The GPU may flush a subnormal v (bf16/fp32 inputs below 2^-126) to zero;
+// that matters only in a group of tiny amax (inv > 2^100: otherwise |v * inv| < 2^-26 rounds to a signed
+// zero in e4m3 anyway, and flushing keeps the sign).  There (`tiny`, uniform over the group's lanes)
+// v = m * 2^-149 is multiplied as (m * 2^-100) * (inv * 2^-49): both factors normal and exact, one rounding.
+__device__ __forceinline__ float q8_quant1(float v, float inv, bool tiny) {
   const unsigned u = __float_as_uint(v);
   float y;
-  if ((u & 0x7f800000u) == 0u && (u & 0x007fffffu) != 0u) {
+  if (tiny && (u & 0x7f800000u) == 0u && (u & 0x007fffffu) != 0u) {
     const float m = __fmul_rn((float)(u & 0x007fffffu), 7.888609052210118e-31f);  // m * 2^-100
-    y = __fmul_rn(m, __fmul_rn(inv, 1.7763568394002505e-15f));                    // * inv * 2^-49
-    y = copysignf(y, v);
+    y = copysignf(__fmul_rn(m, __fmul_rn(inv, 1.7763568394002505e-15f)), v);        // * inv * 2^-49
   } else {
     y = __fmul_rn(v, inv);
   }
@@ -160,11 +159,12 @@ __device__ __forceinline__ void q8_rows(const int4* __restrict__ x, unsigned cha
       for (int o = L / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
       const bool bad = !(amax <= Q8_FLT_MAX);
       float inv, scale = q8_scale(amax, pow2, &inv);
+      const bool tiny = inv > 1.2676506002282294e30f;  // 2^100: subnormal inputs count (see q8_quant1)
       unsigned c[VEC / 4];  // VEC codes, four per word
 #pragma unroll
       for (int j = 0; j < VEC; j += 4) {
-        const unsigned lo = q8_pack2(q8_quant1(v[j], inv), q8_quant1(v[j + 1], inv));
-        const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv), q8_quant1(v[j + 3], inv));
+        const unsigned lo = q8_pack2(q8_quant1(v[j], inv, tiny), q8_quant1(v[j + 1], inv, tiny));
+        const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv, tiny), q8_quant1(v[j + 3], inv, tiny));
         c[j / 4] = bad ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
       }
       if (bad) scale = __uint_as_float(Q8_NAN_BITS);
