@@ -52,6 +52,15 @@ def _shape_key(shape) -> int:
     return hash(tuple(shape)) & ((1 << 62) - 1)
 
 
+def _weights_signature(name: str, t, h):
+    """The call signature of a weight-shaped argument ``t`` named ``name`` for step ``h``: its dtype, trailing
+    shape and the step, and the ``describe()`` that names them when ranks disagree."""
+    step = h.routing.step
+    describe = lambda: [(name, f"dtype {t.dtype}"), (name, f"shape {list(t.shape)}"),  # noqa: E731
+                        ("h", f"dispatch #{step}")]
+    return (_dt(t), _shape_key(t.shape), step), describe
+
+
 def _local_error(check, *args):
     """Run a check that raises ``ValueError``; return its message, or ``None``."""
     try:
@@ -610,12 +619,7 @@ class ExpertParallel:
             ``out``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
         err = _local_error(self._check_replicas, h, local_weight, out, "out")
-        sig, describe = (), None
-        if err is None:
-            step = h.routing.step
-            sig = (_dt(local_weight), _shape_key(local_weight.shape), step)
-            describe = lambda: [("local_weight", f"dtype {local_weight.dtype}"),  # noqa: E731
-                                ("local_weight", f"shape {list(local_weight.shape)}"), ("h", f"dispatch #{step}")]
+        sig, describe = _weights_signature("local_weight", local_weight, h) if err is None else ((), None)
         op = "prefetch.backward" if in_backward else "prefetch"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
             return self._backend.prefetch_replicas(h.plan, local_weight, out)
@@ -627,12 +631,7 @@ class ExpertParallel:
         the replica slots' gradients of every rank (``replica_grad [epn, *D]`` here) that belong to this
         rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective."""
         err = _local_error(self._check_replicas, h, home_grad, replica_grad, "replica_grad")
-        sig, describe = (), None
-        if err is None:
-            step = h.routing.step
-            sig = (_dt(home_grad), _shape_key(home_grad.shape), step)
-            describe = lambda: [("home_grad", f"dtype {home_grad.dtype}"),  # noqa: E731
-                                ("home_grad", f"shape {list(home_grad.shape)}"), ("h", f"dispatch #{step}")]
+        sig, describe = _weights_signature("home_grad", home_grad, h) if err is None else ((), None)
         op = "prefetch.backward" if in_backward else "reduce_grad"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
             return self._backend.reduce_replicas(h.plan, home_grad, replica_grad)
@@ -681,12 +680,7 @@ class ExpertParallel:
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
         """
         err = _local_error(self._check_reduce_grad, h, grad_view)
-        sig, describe = (), None
-        if err is None:
-            step = h.routing.step
-            sig = (_dt(grad_view), _shape_key(grad_view.shape), step)
-            describe = lambda: [("grad_view", f"dtype {grad_view.dtype}"),  # noqa: E731
-                                ("grad_view", f"shape {list(grad_view.shape)}"), ("h", f"dispatch #{step}")]
+        sig, describe = _weights_signature("grad_view", grad_view, h) if err is None else ((), None)
         with self._collective("reduce_grad", error=err, sig=sig, describe=describe):
             return self._backend.reduce_grad(h.plan, grad_view)
 
