@@ -150,11 +150,13 @@ MOONEP_NVLINK_DIAG | 0 | profiling | bit mask (an int >= 0): timing variants of 
 MOONEP_LINEINFO | unset | profiling | 1 compiles the kernels with -lineinfo (source lines in ncu)
 MOONEP_PLAN_CLOCKS | unset | profiling | 1 compiles cycle counters per planner phase (tools/profile_planner.py)
 MOONEP_PLAN_STAMPS | unset | profiling | 1 compiles phase stamps of the fused planner launch
+MOONEP_QUANT_SOFT_CVT | unset | profiling | 1 compiles the fp8 quantiser with its portable e4m3 conversion instead of the sm_89+ instruction
 MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels (0/1/true/false/yes/no)
 MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum (0/1/true/false/yes/no)
 MOONEP_MPIEXEC | the venv's mpiexec | tests | launcher of the multi-rank tests
 MOONEP_LAUNCH_ID | set by the harness | tests | marks the processes of one test launch
 MOONEP_TEST_DEVICE | cpu | tests | device of the multi-rank test cases
+MOONEP_TEST_DTYPES | float64 | tests | row dtypes of the replica pool cases (tests/mp/cases_pool.py), comma list
 MOONEP_TEST_TRANSPORT | mpi,torch | tests | host transports the multi-rank EP cases run over
 MOONEP_GPU_NRANKS | 2 4 | tests | world sizes of the GPU multi-rank tests
 MOONEP_FUZZ_N | 10000 | tests | routings of the planner fuzz test
