@@ -6,11 +6,14 @@ path travel as:
 * **the instance**: an int (``ExpertParallel.op_id``, given at construction).  A compiled graph holds it as a
   constant; the instance lives as long as its owner keeps it (a weak reference here).
 * **the step** (the plan and the backend's :class:`moonep.handles.StepState` of one dispatch): a *step
-  token*, an int64 ``[1]`` tensor that ``moonep::dispatch`` returns and every later op of the step takes as an
-  input.  The entry is keyed by the token's data address, which is unique while the token's storage lives;
-  the entry holds the token, so the address cannot be reused under it.  An entry is dropped once the token
-  is referenced from nowhere else (the compiled graph and autograd let go of it after the step's backward),
-  checked whenever a new step is stored.
+  token*, an int64 tensor that ``moonep::dispatch`` returns and every later op of the step takes as an
+  input (host backends: ``[1]``; NVLink: the step's device state itself, see ``moonep.ops``).  The entry is
+  keyed by the token's data address and holds only a *weak* reference to the token's storage (and, for
+  NVLink, no tensor at all): nothing here keeps device memory alive, so a CUDA graph's memory pool holds
+  no allocation that is not an output of the graph.  An entry is dropped at the next stored step once the
+  token's storage died (the compiled graph and autograd let go of it after the step's backward); until
+  then a lookup at its address still finds it (a graph replay makes a new tensor at the recorded address
+  and runs no Python, so a backward recorded after a replayed forward finds the step that way).
 
 This module imports nothing of moonep, so ``moonep.ep`` can use it without an import cycle.
 """
@@ -20,10 +23,11 @@ import itertools
 import weakref
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _INSTANCES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
-_STEPS: dict = {}  # token data_ptr -> (token, instance id, Dispatched without rows)
+_STEPS: dict = {}  # token data_ptr -> (weak ref of the token's storage, instance id, host state)
 
 
 def register_instance(ep) -> int:
@@ -41,21 +45,16 @@ def instance(op_id: int):
     return ep
 
 
-def _storage_uses(t: torch.Tensor) -> int:
-    # one of the counted references is the storage object made for this query
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
-
-
 def put_step(token: torch.Tensor, op_id: int, handle) -> None:
-    """Remember ``handle`` (a :class:`moonep.Dispatched`) under ``token`` (int64 ``[1]``) and drop entries
-    whose tokens nobody else holds any more."""
-    for key in [k for k, (t, _, _) in _STEPS.items() if _storage_uses(t) <= 1]:
+    """Remember ``handle`` (the step's host state, see ``moonep.ops``) under ``token`` (int64) and drop
+    entries whose tokens died."""
+    for key in [k for k, (r, _, _) in _STEPS.items() if r.expired()]:
         del _STEPS[key]
-    _STEPS[token.data_ptr()] = (token, int(op_id), handle)
+    _STEPS[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), int(op_id), handle)
 
 
 def step(token: torch.Tensor, op_id: int):
-    """The ``Dispatched`` stored under ``token`` for instance ``op_id`` (raises ``ValueError`` otherwise)."""
+    """The host state stored under ``token`` for instance ``op_id`` (raises ``ValueError`` otherwise)."""
     ent = _STEPS.get(token.data_ptr())
     if ent is None or ent[1] != int(op_id):
         raise ValueError("step: expected the step token that moonep::dispatch returned for this ExpertParallel, "

@@ -14,8 +14,12 @@ eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_Ex
 ``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.
 
 State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
-(plan and backend state of one dispatch) is the *step token* ``h.step``, an int64 ``[1]`` tensor that
-``moonep::dispatch`` returns and the later ops take (:mod:`moonep.op_state`).
+(plan and backend state of one dispatch) is the *step token* ``h.step``, an int64 tensor that
+``moonep::dispatch`` returns and the later ops take (:mod:`moonep.op_state` finds the step's host state by
+it).  On the NVLink backend the token *is* the step's device state (destinations, row lists, replica
+tables: :func:`_pack_step`), which the later ops read from it (:func:`_lookup`): every device tensor that
+outlives an op is an output of the op that made it and an input of the ops that read it, as CUDA graph
+trees require; nothing on the host holds one.
 
 Differences from the eager API, all for the compiler's sake: no ``out=`` pools (``prefetch`` and
 ``prefetch_replicas`` return fresh tensors, and :func:`expert_matmul` keeps the step's replicas until its
@@ -52,7 +56,9 @@ class Routed(NamedTuple):
         cu_seqlens: int32 ``[2*epn + 1]``; slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
         slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: empty replica slot).
         assignment: int64 ``[E, R]`` of the plan; replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]``.
-        step: int64 ``[1]``, the step token the other ops take (its value means nothing).
+        step: int64, the step token the other ops take: ``[1]`` (its value means nothing) on the host
+            backends; on NVLink the step's device state, ``[_state_words(ep) + 2*s*K]`` (see
+            :func:`_pack_step`).
         op_id: the ExpertParallel's ``op_id``.
         num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
     """
@@ -108,26 +114,118 @@ class _Rows:
         return False
 
 
+# --------------------------------------------------------------------------------------------- step state
+# The NVLink step's device state travels in the step token (int64, one allocation, so that it is one output
+# of moonep::dispatch: a custom op's outputs may not alias each other):
+#   words [0, L)                  int32 lists: row_first [cap], rec [cap, K], src [cap], tokfirst [R*S]
+#                                 (the layout of NVLinkBackend._step_lists; tokfirst unused when the
+#                                 dispatch ran the two-kernel path), L = that size in words, 256-byte aligned
+#   then                          replica_experts [R, epn], replica_source [R] (the plan's, int64)
+#   then                          dst_rank [s, K], dst_row [s, K] (int64)
+# The host part (step number, generation, s, whether tokfirst is set) stays in op_state's registry.
+class _Packed(NamedTuple):
+    handle: object     # the Dispatched without tensors (routing: an NVLinkStep without tensors; plan None)
+    tokfirst: bool     # whether the step has a tokfirst list
+
+
+def _lists_words(cap: int, K: int, R: int, S: int) -> int:
+    return -(-4 * (cap * (K + 2) + R * S) // 256) * 32
+
+
+def _state_words(ep) -> int:
+    """Words of the NVLink step token besides its ``2*s*K`` destination words; 0 for the other backends
+    (their token is int64 ``[1]``)."""
+    if getattr(ep._backend, "name", None) != "nvlink":
+        return 0
+    R = ep.world_size
+    return _lists_words(ep.capacity, ep.topk, R, ep.max_tokens) + R * (ep.num_experts // R) + R
+
+
+def _pack_step(ep, h, device) -> Tensor:
+    """The NVLink step token of ``h`` (a Dispatched): a copy of its device state, laid out as above."""
+    st, plan = h.routing, h.plan
+    cap, K, R, S, s = ep.capacity, ep.topk, ep.world_size, ep.max_tokens, st.num_tokens
+    epn, L = ep.num_experts // R, _lists_words(ep.capacity, ep.topk, R, ep.max_tokens)
+    token = torch.empty(_state_words(ep) + 2 * s * K, dtype=torch.int64, device=device)
+    lists = token[:L].view(torch.int32)
+    lists[:cap].copy_(st.row_first)
+    lists[cap:cap * (K + 1)].copy_(st.rec.reshape(-1))
+    lists[cap * (K + 1):cap * (K + 2)].copy_(st.src)
+    if st.tokfirst is not None:
+        lists[cap * (K + 2):cap * (K + 2) + R * S].copy_(st.tokfirst.reshape(-1))
+    o = L
+    token[o:o + R * epn].copy_(plan.replica_experts.reshape(-1))
+    token[o + R * epn:o + R * epn + R].copy_(plan.replica_source.reshape(-1))
+    o += R * epn + R
+    token[o:o + s * K].copy_(st.dst_rank.reshape(-1))
+    token[o + s * K:o + 2 * s * K].copy_(st.dst_row.reshape(-1))
+    return token
+
+
+def _host_part(h) -> _Packed:
+    """What the registry keeps of an NVLink step: no tensor."""
+    st = copy.copy(h.routing)  # keeps the step number and instance (plain attributes of StepState)
+    has_tokfirst = st.tokfirst is not None
+    st.dst_rank = st.dst_row = st.row_first = st.rec = st.src = st.tokfirst = st.w32 = st.cu = None
+    return _Packed(dataclasses.replace(h, tokens=None, weights=None, cu_seqlens=None, slot_experts=None,
+                                       num_rows=None, plan=None, routing=st), has_tokfirst)
+
+
+def _unpack_step(ep, packed: _Packed, token: Tensor):
+    """The Dispatched of an NVLink step, its tensors views of ``token`` (what ``_pack_step`` wrote); its
+    ``plan`` has the replica tables only (all that combine, prefetch and reduce read on NVLink)."""
+    h = packed.handle
+    st = copy.copy(h.routing)
+    cap, K, R, S, s = ep.capacity, ep.topk, ep.world_size, ep.max_tokens, st.num_tokens
+    epn, L = ep.num_experts // R, _lists_words(cap, K, R, S)
+    expect(token.dtype == torch.int64 and token.dim() == 1 and token.numel() == _state_words(ep) + 2 * s * K,
+           "step token", f"int64 [{_state_words(ep) + 2 * s * K}]", f"{token.dtype} {list(token.shape)}")
+    token = token.contiguous()
+    lists = token[:L].view(torch.int32)
+    st.row_first, st.rec = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K)
+    st.src = lists[cap * (K + 1):cap * (K + 2)]
+    st.tokfirst = lists[cap * (K + 2):cap * (K + 2) + R * S] if packed.tokfirst else None
+    o = L + R * epn + R
+    st.dst_rank, st.dst_row = token[o:o + s * K].view(s, K), token[o + s * K:o + 2 * s * K].view(s, K)
+    plan = SimpleNamespace(replica_experts=token[L:L + R * epn].view(R, epn),
+                           replica_source=token[L + R * epn:L + R * epn + R])
+    return dataclasses.replace(h, plan=plan, routing=st)
+
+
+def _lookup(token: Tensor, op_id: int):
+    """``(ep, h)``: the instance and the step's Dispatched (without rows) of ``token``."""
+    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    if isinstance(h, _Packed):
+        h = _unpack_step(ep, h, token)
+    return ep, h
+
+
 # --------------------------------------------------------------------------------------------- dispatch
 @torch.library.custom_op("moonep::dispatch", mutates_args=())
 def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, capacity: int, num_experts: int,
-              world_size: int) -> tuple[
+              world_size: int, state_words: int) -> tuple[
         Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``ExpertParallel.dispatch`` -> (tokens ``[cap, H]``, weights ``[cap]``, cu_seqlens int32 ``[2epn+1]``,
     slot_experts int64 ``[2epn]``, assignment int64 ``[E, R]``, replica_experts int64 ``[R, epn]``,
-    recv_counts int64 ``[R]``, step token int64 ``[1]``). Collective.
+    recv_counts int64 ``[R]``, step token int64 ``[1]``, NVLink: ``[state_words + 2*s*K]``). Collective.
 
-    ``capacity``, ``num_experts``, ``world_size``: the instance's (checked), so that the fake implementation
-    needs no lookup and a compiled graph's cache key holds its output shapes."""
+    ``capacity``, ``num_experts``, ``world_size``, ``state_words`` (:func:`_state_words`): the instance's
+    (checked), so that the fake implementation needs no lookup and a compiled graph's cache key holds its
+    output shapes."""
     ep = op_state.instance(op_id)
-    expect((ep.capacity, ep.num_experts, ep.world_size) == (capacity, num_experts, world_size), "moonep::dispatch",
-           f"the sizes of ExpertParallel op id {op_id}", (capacity, num_experts, world_size))
+    sizes = (capacity, num_experts, world_size, state_words)
+    expect((ep.capacity, ep.num_experts, ep.world_size, _state_words(ep)) == sizes, "moonep::dispatch",
+           f"the sizes of ExpertParallel op id {op_id}", sizes)
     _check_ep(ep)
     with _Rows(ep._backend):
         h = ep.dispatch(x, topk_idx, topk_weights)
     dev = x.device
-    token = torch.zeros(1, dtype=torch.int64, device=dev)
-    op_state.put_step(token, op_id, dataclasses.replace(h, tokens=None, weights=None))
+    if state_words:  # NVLink: the token carries the step's device state; the registry none of it
+        token = _pack_step(ep, h, dev)
+        op_state.put_step(token, op_id, _host_part(h))
+    else:
+        token = torch.zeros(1, dtype=torch.int64, device=dev)
+        op_state.put_step(token, op_id, dataclasses.replace(h, tokens=None, weights=None))
     plan = h.plan
     return (_fresh(h.tokens, x), _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
             h.slot_experts.to(dev, torch.int64, copy=True), plan.assignment.to(dev, torch.int64, copy=True),
@@ -136,12 +234,13 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, cap
 
 
 @_dispatch.register_fake
-def _(x, topk_idx, topk_weights, op_id, capacity, num_experts, world_size):
+def _(x, topk_idx, topk_weights, op_id, capacity, num_experts, world_size, state_words):
     E, R, epn, cap = num_experts, world_size, num_experts // world_size, capacity
+    words = state_words + 2 * x.shape[0] * topk_idx.shape[1] if state_words else 1
     i64 = dict(dtype=torch.int64)
     return (x.new_empty(cap, x.shape[1]), topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
             x.new_empty(2 * epn, **i64), x.new_empty(E, R, **i64), x.new_empty(R, epn, **i64), x.new_empty(R, **i64),
-            x.new_empty(1, **i64))
+            x.new_empty(words, **i64))
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -156,7 +255,7 @@ def _dispatch_bwd(ctx, g_tokens, g_weights, *_ints):
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     gx, gw = _dispatch_backward(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
                                 ctx.w_dtype, want_x, want_w)
-    return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None
+    return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None, None
 
 
 _dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -168,7 +267,7 @@ def _dispatch_backward(g_tokens: Optional[Tensor], g_weights: Optional[Tensor], 
                        w_dtype: torch.dtype, want_x: bool, want_w: bool) -> tuple[Tensor, Tensor]:
     """``_DispatchFn.backward``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> (``gx [s, H]``, ``gw [s, K]``);
     an unwanted gradient is an empty placeholder. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     dev = token.device
     if g_tokens is None:  # eager autograd materialises the unused output's gradient as zeros too
         g_tokens = torch.zeros(capacity, hidden, dtype=x_dtype, device=dev)
@@ -197,7 +296,8 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
         :class:`Routed`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
         ``topk_weights`` (the backward is a combine, as in eager).
     """
-    out = _dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts, ep.world_size)
+    out = _dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts, ep.world_size,
+                    _state_words(ep))
     return Routed(*out, ep.op_id, x.shape[0])
 
 
@@ -206,7 +306,7 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
 def _combine(expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, num_tokens: int) -> Tensor:
     """``ExpertParallel.combine``: ``expert_out [cap, H]``, ``weights [cap]`` -> ``[s, H]`` in
     ``expert_out``'s dtype. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     return _fresh(ep.combine(expert_out, dataclasses.replace(h, weights=weights)), expert_out)
 
 
@@ -236,7 +336,7 @@ def _combine_backward(gy: Tensor, expert_out: Tensor, weights: Tensor, token: Te
                       want_w: bool) -> tuple[Tensor, Tensor]:
     """``_CombineFn.backward``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
     empty placeholder. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     ctx = SimpleNamespace(ep=ep, st=h.routing, saved_tensors=(expert_out, weights),
                           needs_input_grad=(want_out, want_w))
     g_out, g_w, *_ = _CombineFn.backward(ctx, gy)
@@ -260,7 +360,7 @@ def combine(expert_out: Tensor, h: Routed) -> Tensor:
 @torch.library.custom_op("moonep::prefetch", mutates_args=())
 def _prefetch(local_weight: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``ExpertParallel.prefetch`` without a pool: ``[epn, *D]`` -> ``[2*epn, *D]``. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     return _fresh(ep.prefetch(h, local_weight), local_weight)
 
 
@@ -285,7 +385,7 @@ _prefetch.register_autograd(_prefetch_bwd, setup_context=_prefetch_setup)
 @torch.library.custom_op("moonep::prefetch_backward", mutates_args=())
 def _prefetch_backward(g: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``_PrefetchFn.backward``: ``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` at home. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     return _fresh(_PrefetchFn.backward(SimpleNamespace(ep=ep, plan=h.plan), g)[0], g)
 
 
@@ -305,12 +405,17 @@ def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
 def _prefetch_replicas(local_weights: list[Tensor], token: Tensor, op_id: int) -> list[Tensor]:
     """``ExpertParallel.prefetch_replicas`` of each weight ``[epn, *D]`` in order, into fresh zeroed
     ``[epn, *D]`` tensors. One collective per weight."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     outs = []
     for w in local_weights:
         # zeroed here: a slot the plan leaves empty is zero whatever the memory held (CUDA graph replays)
         out = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
         outs.append(ep.prefetch_replicas(h, w, out))
+        # NVLink keeps a per-pool replica table (a device tensor) for an `out` it may see again; this `out`
+        # is fresh each time, and the backend must hold no device tensor past the op (CUDA graph pools)
+        pool_prev = getattr(ep._backend, "_pool_prev", None)
+        if pool_prev is not None:
+            pool_prev.pop(out.data_ptr(), None)
     return outs
 
 
@@ -329,7 +434,7 @@ def prefetch_replicas(h: Routed, *local_weights: Tensor) -> list:
 @torch.library.custom_op("moonep::reduce_grad", mutates_args=())
 def _reduce_grad(grad: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``ExpertParallel.reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     return _fresh(ep.reduce_grad(h, grad), grad)
 
 
@@ -347,7 +452,7 @@ def reduce_grad(h: Routed, grad: Tensor) -> Tensor:
 @torch.library.custom_op("moonep::reduce_replicas", mutates_args=())
 def _reduce_replicas(home_grad: Tensor, replica_grad: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``ExpertParallel.reduce_replicas``: ``[epn, *D]`` twice -> ``[epn, *D]``. Collective."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     return _fresh(ep.reduce_replicas(h, home_grad, replica_grad), home_grad, replica_grad)
 
 
@@ -412,7 +517,7 @@ def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weigh
                             want_w: bool) -> tuple[Tensor, Tensor]:
     """``_ExpertMatmul.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like ``home_weight``, the replica
     rows' part added at home: collective); an unwanted gradient is an empty placeholder."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
+    ep, h = _lookup(token, op_id)
     ctx = SimpleNamespace(saved_tensors=(a, home_weight, cu_seqlens), rep=_Kept(replicas, ep, h), transpose=transpose,
                           impl=impl, needs_input_grad=(want_a, want_w))
     ga, gw, *_ = _ExpertMatmul.backward(ctx, g)

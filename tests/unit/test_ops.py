@@ -49,3 +49,58 @@ def test_ops_match_eager_and_release_steps():
     ops.dispatch(ep, *_problem(3, 0))  # storing a step drops the released ones
     assert op_state.live_steps() <= 1, op_state.live_steps()
     ep.close()
+
+
+def _nvlink_like(s, tokfirst, seed):
+    """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
+    from types import SimpleNamespace
+
+    from moonep.handles import Dispatched, NVLinkStep
+
+    cap, Kn, R, Sn, En = 37, 3, 2, 11, 6
+    ep = SimpleNamespace(capacity=cap, topk=Kn, world_size=R, max_tokens=Sn, num_experts=En,
+                         _backend=SimpleNamespace(name="nvlink"))
+    g = torch.Generator().manual_seed(seed)
+    i32 = lambda *shape: torch.randint(-1, 1000, shape, generator=g, dtype=torch.int32)  # noqa: E731
+    i64 = lambda *shape: torch.randint(-1, 1000, shape, generator=g, dtype=torch.int64)  # noqa: E731
+    st = NVLinkStep(s, i64(s, Kn), i64(s, Kn), generation=5, zero_copy=False, row_first=i32(cap),
+                    rec=i32(cap, Kn), src=i32(cap), tokfirst=i32(R * Sn) if tokfirst else None,
+                    w32=torch.rand(s, Kn, generator=g), cu=i32(2 * En // R + 1))
+    st.step, st.instance = 7, 3
+    plan = SimpleNamespace(replica_experts=i64(R, En // R), replica_source=i64(R))
+    h = Dispatched(torch.zeros(cap, 4), torch.zeros(cap), st.cu, i64(2 * En // R), torch.tensor(9), plan, st)
+    return ep, h
+
+
+def test_nvlink_step_state_travels_in_the_token():
+    """The NVLink step state goes through the step token (so that no device tensor outlives an op unless it
+    is an op output: CUDA graph pools); the registry keeps no tensor; the token has the fake's size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for s, tokfirst in ((5, True), (5, False), (0, True)):
+        ep, h = _nvlink_like(s, tokfirst, s)
+        token = ops._pack_step(ep, h, torch.device("cpu"))
+        packed = ops._host_part(h)
+        held = [v for v in vars(packed.handle).values() if isinstance(v, torch.Tensor)]
+        held += [v for v in vars(packed.handle.routing).values() if isinstance(v, torch.Tensor)]
+        assert not held and packed.handle.plan is None and packed.tokfirst == tokfirst
+        got = ops._unpack_step(ep, packed, token)
+        st, want = got.routing, h.routing
+        assert (st.step, st.instance, st.generation, st.zero_copy, st.num_tokens) == (7, 3, 5, False, s)
+        for name in ("dst_rank", "dst_row", "row_first", "rec", "src"):
+            a, b = getattr(st, name), getattr(want, name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+            assert a.untyped_storage().data_ptr() == token.untyped_storage().data_ptr(), name
+        assert (st.tokfirst is None) == (not tokfirst)
+        if tokfirst:
+            assert torch.equal(st.tokfirst, want.tokfirst)
+        assert st.w32 is None and st.cu is None
+        for name in ("replica_experts", "replica_source"):
+            assert torch.equal(getattr(got.plan, name), getattr(h.plan, name)), name
+        words = ops._state_words(ep)
+        assert token.numel() == words + 2 * s * ep.topk
+        with FakeTensorMode():
+            x = torch.empty(s, 4)
+            idx, w = torch.empty(s, ep.topk, dtype=torch.int64), torch.empty(s, ep.topk)
+            out = torch.ops.moonep.dispatch(x, idx, w, 1, ep.capacity, ep.num_experts, ep.world_size, words)
+            assert out[-1].shape == token.shape and out[-1].dtype == torch.int64
