@@ -1,4 +1,4 @@
-"""FP8 dispatch against bf16 dispatch on one GPU, one rank, NVLink backend (issue #23's speed item).
+"""FP8 dispatch against bf16 dispatch on one GPU, one rank, NVLink backend.
 
     python3 benchmarks/bench_fp8_dispatch.py --out benchmarks/results/fp8_dispatch_h200.json
 
@@ -8,7 +8,7 @@ Reported, in microseconds:
   ``data_path_us`` is what moves the tokens: the quantiser (fp8 only) plus the dispatch kernels; the routing
   kernels (route_gather, planner) are the same for both and reported apart;
 * ``call_graph_us``: a whole ``ep.dispatch`` replayed from a CUDA graph (device time only).
-Acceptance (issue #23): fp8 data path <= 0.65 x bf16 data path.  The JSON records the command, the commit and
+Target: fp8 data path <= 0.65 x bf16 data path.  The JSON records the command, the commit and
 the machine.
 """
 from __future__ import annotations

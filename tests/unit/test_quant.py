@@ -1,4 +1,4 @@
-"""moonep.quant: FP8 (e4m3fn) quantiser, one float32 scale per token per 128 channels (issue #23).
+"""moonep.quant: FP8 (e4m3fn) quantiser, one float32 scale per token per 128 channels.
 
 The oracle is a reference written here in numpy, independently of moonep and of torch's fp8 cast: the e4m3
 rounding is a nearest-value search in the table of all e4m3 values (ties to the even code), the power-of-two
