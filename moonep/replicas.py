@@ -40,13 +40,8 @@ def _fetch_replicas(plan, rank: int, flat: torch.Tensor, transport: Transport):
 
 def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Transport) -> torch.Tensor:
     """``[epn, *D]`` home weights -> ``[2*epn, *D]``: home experts, then replica slots (zero if empty)."""
-    epn = local_weight.shape[0]
-    flat = local_weight.reshape(epn, -1)
-    got, mine = _fetch_replicas(plan, rank, flat, transport)
-    replicas = flat.new_zeros((epn, flat.shape[1]))
-    if mine:
-        replicas[torch.tensor(mine, device=flat.device)] = got
-    return torch.cat([flat, replicas]).reshape(2 * epn, *local_weight.shape[1:])
+    out = local_weight.new_empty((2 * local_weight.shape[0], *local_weight.shape[1:]))
+    return prefetch_weights_into(plan, rank, local_weight, transport, out)
 
 
 def home_is_view(local_weight: torch.Tensor, out: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..layers.parallel import all_reduce_grads
 from .hf import EPDenseExperts, EPExperts, find_moe_modules, patch_hf_moe
 
 RTOL = 1e-4      # |patched - unpatched| <= RTOL * max|unpatched|, logits and every gradient
@@ -82,16 +83,7 @@ def _sum_over_ranks(model, rt) -> None:
     """All-reduce (sum) every gradient of the unpatched ``model``, missing ones as zeros."""
     if rt is None or rt.world_size == 1:
         return
-    ps = list(model.parameters())
-    for p in ps:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.reshape(-1) for p in ps])
-    dist.all_reduce(flat, group=rt.group)
-    off = 0
-    for p in ps:
-        p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-        off += p.numel()
+    all_reduce_grads(list(model.parameters()), rt.group)
 
 
 def _grad_diff(ref, model, rt) -> float:

@@ -154,20 +154,27 @@ def sync_grads(model: torch.nn.Module, average: bool = True) -> None:
     shard = [p for k, p in params if k in stacked or any(k.startswith(q) for q in prefixes)]
     shard_ids = {id(p) for p in shard}
     rep = [p for _, p in params if id(p) not in shard_ids]
-    for p in rep:
-        if p.grad is None:  # every rank must contribute the same layout
-            p.grad = torch.zeros_like(p)
-    if rep:
-        flat = torch.cat([p.grad.reshape(-1) for p in rep])
-        dist.all_reduce(flat, group=rt.group)
-        off = 0
-        for p in rep:
-            p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-            off += p.numel()
+    all_reduce_grads(rep, rt.group)
     if average:
         for p in rep + shard:
             if p.grad is not None:
                 p.grad.div_(rt.world_size)
+
+
+def all_reduce_grads(params: list, group) -> None:
+    """Sum the gradients of ``params`` over ``group``, in one flat all-reduce; a missing gradient counts as
+    zeros (every rank must contribute the same layout). Collective."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if not params:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    off = 0
+    for p in params:
+        p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
+        off += p.numel()
 
 
 def balancer_step(model: torch.nn.Module) -> None:
