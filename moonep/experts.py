@@ -447,8 +447,8 @@ class Replicas:
     def weights_for_backward(self) -> torch.Tensor:
         """The slots again: still in the pool, kept, or fetched again (collective, the same on every rank:
         every rank makes the same fetches in the same order)."""
-        if self.pool.generation(self.key, self.index) == self.generation or self.pool.backward == "keep":
-            return self.weights()
+        if self.index == -1 or self.pool.generation(self.key, self.index) == self.generation:
+            return self.weights()  # kept in its own buffer, or still in the pool
         self.generation = self.pool._bump(self.key, self.index)
         self.ep.prefetch_replicas(self.h, self.home.detach(), self.buffer, in_backward=True)
         return self.buffer
@@ -531,8 +531,10 @@ class ReplicaPool:
         expect(isinstance(name, str), "name", "a str naming the projection", type(name).__name__)
         expect(isinstance(home_weight, torch.Tensor), "home_weight", "a torch.Tensor", type(home_weight).__name__)
         key = (name, tuple(home_weight.shape), home_weight.dtype, home_weight.device)
-        keep = self.backward == "keep" and torch.is_grad_enabled() and home_weight.requires_grad
-        if keep:  # this layer's own buffer, alive until its backward
+        # whether home_weight itself requires grad does not matter: module_slots differentiates the experts'
+        # parameters, views of a stacked home_weight that requires none
+        keep = self.backward == "keep" and torch.is_grad_enabled()
+        if keep:  # this layer's own buffer (index -1), alive until its backward
             index, buf = -1, torch.zeros(home_weight.shape, dtype=home_weight.dtype, device=home_weight.device)
         else:
             index, buf = self._buffer(key, home_weight)

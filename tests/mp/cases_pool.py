@@ -72,7 +72,7 @@ def _two_projections(rt, kind, dtype, transpose, pool, seed=0):
     a = torch.tanh(a)
     out = expert_matmul(a, h.cu_seqlens, W2l, r2, transpose=transpose)
     # what a model's next layer does: fetch into the same slots before this layer's backward
-    pool.fetch(ep, h, W1l.detach().clone().requires_grad_(), "w1")
+    pool.fetch(ep, h, (W1l.detach() + 1).requires_grad_(), "w1")  # other weights
     y = ep.combine(out, h)
     (y * gy[sl].to(dev, dtype)).sum().backward()
     _close("y", y, yr.detach()[sl], dtype)
@@ -228,8 +228,8 @@ def case_module_slots_vs_dense(rt):
             h = ep.dispatch(xl, idx[sl].to(dev), w[sl].to(dev, dtype))
             reps = {n: pool.fetch(ep, h, t, n) for n, t in stacked.items()}
             out = module_slots(home[0], h.tokens, h.cu_seqlens, home, reps, H)
-            for n, t in stacked.items():  # a later layer reuses the slots before this backward
-                pool.fetch(ep, h, t.clone().requires_grad_(), n)
+            for n, t in stacked.items():  # a later layer (stacked too) reuses the slots before this backward
+                pool.fetch(ep, h, t + 1, n)  # other weights: a stale slot would change the gradients
             y = ep.combine(out, h)
             (y * gy[sl].to(dev, dtype)).sum().backward()
             _close("y", y, yr.detach()[sl], dtype)
