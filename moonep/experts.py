@@ -265,7 +265,6 @@ class _ExpertBias(torch.autograd.Function):
 
 
 def _gather_slots(slot, b_home, b_rep):
-    epn = b_home.shape[0]
     table = torch.cat([b_home, b_rep, b_home.new_zeros((1,) + tuple(b_home.shape[1:]))])  # [2*epn + 1, N]: small
     return table.index_select(0, slot)
 
