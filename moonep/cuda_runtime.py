@@ -83,6 +83,8 @@ PROGRAMS: dict[str, Program] = {
     "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16",
                       "moonep_quant_wire_f32", "moonep_quant_wire_bf16", "moonep_quant_wire_f16"),
                      lambda: _flag("MOONEP_QUANT_SOFT_CVT")),
+    # float32 expert GEMMs with the slot offsets read on the device, launched by moonep/experts_cuda.py
+    "slot_gemm": Program(("slot_gemm.cu",), ("moonep_slot_gemm_f32", "moonep_slot_wgrad_f32")),
 }
 
 # Dynamic shared memory a kernel may use without the opt-in is 48 KiB minus its static shared memory; the

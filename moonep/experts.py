@@ -21,9 +21,9 @@ each layer's replicas in its own buffer until its backward instead (``epn`` expe
 layer, no second fetch).
 
 The GEMM is ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) with device offsets on CUDA (no
-host sync), a loop over slots elsewhere.  A grouped GEMM starts its first group at row 0, so the replica
-rows are moved to the front of a scratch buffer (and their results back) by index ops: activations of
-``cap`` rows, never weights.  Padding rows are zero in the output and in the gradients.
+host sync; float32: moonep's own kernels in :mod:`moonep.experts_cuda`), a loop over slots elsewhere.  A
+grouped GEMM starts its first group at row 0, so the replica rows are moved to the front of a scratch
+buffer (and their results back) by index ops: activations of ``cap`` rows, never weights.  Padding rows are zero in the output and in the gradients.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
 
@@ -42,6 +43,8 @@ _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once:
 
 # --------------------------------------------------------------------------------------------- GEMMs
 def _grouped_ok(a: torch.Tensor, *ws: torch.Tensor) -> bool:
+    if experts_cuda.usable(a):  # float32: moonep's kernels (torch's grouped GEMM takes bf16/fp16)
+        return True
     if _GMM is None or a.device.type != "cuda" or (a.device.type, a.dtype) in _FAILED:
         return False
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -66,6 +69,8 @@ def _live(out: torch.Tensor, end) -> torch.Tensor:
 # Grouped (CUDA, device offsets) and loop versions of: the product of every slot's rows (``rows``), the same
 # with the home weights and the replicas apart (``two``), and the weight gradient of ``two`` (``wgrad``).
 def _rows_grouped(a, cu, w):
+    if experts_cuda.usable(a):
+        return experts_cuda.slot_gemm(a, cu, w)
     return _live(_GMM(a, w, offs=cu[1:].to(torch.int32)), cu[-1])
 
 
@@ -77,6 +82,8 @@ def _rows_loop(a, cu, w):
 
 
 def _two_grouped(a, cu, w_home, w_rep):
+    if experts_cuda.usable(a):
+        return experts_cuda.slot_gemm(a, cu, w_home, w_rep)
     epn, offs = w_home.shape[0], cu[1:].to(torch.int32)
     home = _GMM(a, w_home, offs=offs[:epn])          # rows past cu[epn] are not written
     # a grouped GEMM's first group starts at row 0: the replica rows go to the front of a scratch copy
@@ -91,6 +98,8 @@ def _two_loop(a, cu, w_home, w_rep):
 
 
 def _wgrad_rows_grouped(a, g, cu):
+    if experts_cuda.usable(a):
+        return experts_cuda.slot_wgrad(a, g, cu)
     return _GMM(a.t(), g, offs=cu[1:].to(torch.int32))
 
 
@@ -100,6 +109,9 @@ def _wgrad_rows_loop(a, g, cu):
 
 
 def _wgrad_grouped(a, g, cu, epn):
+    if experts_cuda.usable(a):
+        gw = experts_cuda.slot_wgrad(a, g, cu)
+        return gw[:epn], gw[epn:]
     offs = cu[1:].to(torch.int32)
     gh = _GMM(a.t(), g, offs=offs[:epn])
     gr = _GMM(_shift(a, cu[epn]).t(), _shift(g, cu[epn]), offs=offs[epn:] - offs[epn - 1])

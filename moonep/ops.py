@@ -43,8 +43,9 @@ from .errors import expect
 from .experts import (_ExpertMatmul, _SlotMatmul, _operands, _rows_grouped, _rows_loop, _run, _two_grouped,
                       _two_loop)
 
-__all__ = ["Routed", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad", "reduce_replicas",
-           "expert_matmul", "slot_matmul", "get_ep", "latent_experts", "qb_record"]
+__all__ = ["Routed", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
+           "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "get_ep", "latent_experts",
+           "qb_record"]
 
 
 class Routed(NamedTuple):
@@ -593,6 +594,64 @@ def slot_matmul(a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str = "auto") ->
     ``w [G, D, N]`` -> ``[cap, N]``); differentiable with respect to ``a`` and ``w``.  Not collective."""
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     return _slot_matmul(a, cu_seqlens, w, impl)
+
+
+# --------------------------------------------------------------------------------------------- planner
+class Planned(NamedTuple):
+    """What :func:`plan_and_destinations` returns: the :class:`moonep.planner.Plan` fields and the layout.
+
+    Attributes:
+        assignment: int64 ``[E, R]``; replica_experts: int64 ``[R, epn]``; replica_source: int64 ``[R]``;
+        recv_counts: int64 ``[R]``; expert_counts: int64 ``[E]`` (see :class:`moonep.planner.Plan`).
+        dst_rank, dst_row: int64 ``[s, K]``, every local copy's destination (-1 where ``topk_idx`` is -1).
+        error: int32 ``[]``, the plan's device-side validation flags (CUDA; 0 on CPU, where bad counts raise).
+    """
+
+    assignment: Tensor
+    replica_experts: Tensor
+    replica_source: Tensor
+    recv_counts: Tensor
+    expert_counts: Tensor
+    dst_rank: Tensor
+    dst_row: Tensor
+    error: Tensor
+
+
+@torch.library.custom_op("moonep::plan_and_destinations", mutates_args=())
+def _plan_and_destinations(counts: Tensor, topk_idx: Tensor, rank: int, slack: float, align: int) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``moonep.layout.plan_and_destinations`` (one kernel launch on CUDA); fresh outputs (on CUDA the plan's
+    tensors share one workspace, and a custom op's outputs may not alias)."""
+    from .layout import plan_and_destinations as run
+    plan, dst_rank, dst_row = run(counts, rank, topk_idx, slack=slack, align=align)
+    err = plan.error if plan.error is not None else torch.zeros((), dtype=torch.int32, device=counts.device)
+    return tuple(t.to(torch.int64 if i < 7 else torch.int32).clone() for i, t in enumerate(
+        (plan.assignment, plan.replica_experts, plan.replica_source, plan.recv_counts, plan.expert_counts,
+         dst_rank, dst_row, err.reshape(()))))
+
+
+@_plan_and_destinations.register_fake
+def _(counts, topk_idx, rank, slack, align):
+    R, E = counts.shape
+    i64 = dict(dtype=torch.int64, device=counts.device)
+    return (torch.empty(E, R, **i64), torch.empty(R, E // R, **i64), torch.empty(R, **i64), torch.empty(R, **i64),
+            torch.empty(E, **i64), torch.empty(topk_idx.shape, **i64), torch.empty(topk_idx.shape, **i64),
+            torch.empty((), dtype=torch.int32, device=counts.device))
+
+
+def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack: float = 0.0,
+                          align: int = 1) -> Planned:
+    """:func:`moonep.layout.plan_and_destinations` as ``moonep::plan_and_destinations``: the balanced plan of a
+    step's global routing counts and this rank's token destinations, one node of a compiled graph (not a
+    collective: every rank passes the same ``counts``).
+
+    Args:
+        counts: int32/int64 ``[R, E]`` (``E % R == 0``), the routing counts of every source rank.
+        rank: this rank; topk_idx: int32/int64 ``[s, K]`` its expert ids (-1: masked), counted in ``counts[rank]``.
+    Returns:
+        :class:`Planned`.  Not differentiable.
+    """
+    return Planned(*_plan_and_destinations(counts, topk_idx, int(rank), float(slack), int(align)))
 
 
 # --------------------------------------------------------------------------------------------- layers

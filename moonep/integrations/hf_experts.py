@@ -28,7 +28,7 @@ def _slot_linear(a: torch.Tensor, cu: torch.Tensor, w, rw, b, rb, transposed: bo
 
 
 def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tensor, home: dict,
-                       replicas: dict) -> torch.Tensor:
+                       replicas: dict, matmul=None) -> torch.Tensor:
     """The expert maths of a transformers fused experts module, over the dispatched slots.
 
     Args:
@@ -38,13 +38,18 @@ def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tens
             (``up_proj [epn, I, H]`` without a gate; ``[epn, H, 2I]`` when ``ex.is_transposed``),
             ``down_proj [epn, H, I]`` (``[epn, I, H]``), optionally ``*_bias [epn, N]``; the dtype of ``rows``.
         replicas: the :class:`moonep.Replicas` of each, from :meth:`moonep.ReplicaPool.fetch`.
+        matmul: ``(a, home_weight, replicas, transpose) -> [cap, N]``, the slot GEMM (default
+            :func:`moonep.expert_matmul`; compiled: :func:`moonep.ops.expert_matmul`, biases refused).
     Returns:
         ``[cap, H]``: ``f_{e_j}(row)`` for each row of slot ``j``; rows past ``cu_seqlens[-1]`` are zero.
     """
     t = ex.moonep_transposed
     up = "gate_up_proj" if ex.moonep_gated else "up_proj"
-    lin = lambda a, n: _slot_linear(a, cu_seqlens, home[n], replicas[n], home.get(n + "_bias"),  # noqa: E731
-                                    replicas.get(n + "_bias"), t)
+    if matmul is None:
+        lin = lambda a, n: _slot_linear(a, cu_seqlens, home[n], replicas[n], home.get(n + "_bias"),  # noqa: E731
+                                        replicas.get(n + "_bias"), t)
+    else:
+        lin = lambda a, n: matmul(a, home[n], replicas[n], not t)  # noqa: E731
     h = lin(rows, up)
     h = _gate(ex, h) if ex.moonep_gated else ex.act_fn(h)
     out = lin(h, "down_proj")
@@ -114,10 +119,27 @@ class EPRoutedExperts(EPExperts):
             ident = idx >= self.moonep_identity_from
             extra = (w * ident).sum(-1, keepdim=True) * x
             idx = idx.masked_fill(ident, -1)
-        ep = self.moonep_ep.get(x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
-        h = ep.dispatch(x, idx, w)
-        y = ep.combine(self._expert_out(ep, h), h)
+        if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
+            y = self._compiled_experts(x, idx, w)
+        else:
+            ep = self.moonep_ep.get(x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
+            h = ep.dispatch(x, idx, w)
+            y = ep.combine(self._expert_out(ep, h), h)
         return (y if extra is None else y + extra).to(x.dtype)
+
+    def _compiled_experts(self, x, idx, w):
+        """``forward``'s dispatch, experts and combine through :mod:`moonep.ops` (under ``torch.compile``): the
+        replicas of each step are kept until its backward (not pooled)."""
+        from .. import ops
+        home = {n: self._home(n) for n in self.sharded_params}
+        expect(not any(n.endswith("_bias") for n in home), "experts", "no expert biases under torch.compile "
+               "(run this model eagerly)", sorted(n for n in home if n.endswith("_bias")))
+        ep = ops.get_ep(self.moonep_ep, x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
+        h = ops.dispatch(ep, x, idx, w)
+        replicas = dict(zip(home, ops.prefetch_replicas(h, *home.values())))
+        out = fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas,
+                                 matmul=lambda a, hw, rw, t: ops.expert_matmul(h, a, hw, rw, transpose=t))
+        return ops.combine(out, h)
 
 
 class EPDenseExperts(EPExperts):

@@ -45,26 +45,39 @@ def test_latent_moe_fullgraph_local(backend):
         for i, (a, b) in enumerate(zip(got, want)):
             if backend == "aot_eager" and i != 1:  # dx: its three contributions are added in another order
                 assert torch.equal(a, b), (s, i)
-            else:
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            else:  # inductor's generated elementwise and reduction code rounds differently
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.skipif(not cuda_runtime.available(), reason="needs CuPy (the balancer's CUDA kernels)")
-def test_balancer_route_fullgraph():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_balancer_route_fullgraph(backend):
     """QuantileBalancer.route compiles without graph breaks on CUDA (its recording kernel is a custom op) and
-    gives bitwise the eager picks, weights and histogram."""
+    gives the eager picks and histogram bitwise; the weights bitwise with aot_eager, close with inductor (its
+    fused normalisation rounds differently)."""
     torch._dynamo.reset()
     a, b = QuantileBalancer(16, 4, device="cuda"), QuantileBalancer(16, 4, device="cuda")
-    route = torch.compile(lambda s: b.route(s), fullgraph=True)
+    route = torch.compile(lambda s: b.route(s), backend=backend, fullgraph=True)
     for step in range(3):
         for mb in range(2):
             s = torch.rand(100 + 7 * mb, 16, device="cuda")
             ia, wa = a.route(s)
             ib, wb = route(s)
-            assert torch.equal(ia, ib) and torch.equal(wa, wb), (step, mb)
+            assert torch.equal(ia, ib), (step, mb)
+            if backend == "aot_eager":
+                assert torch.equal(wa, wb), (step, mb)
+            else:
+                torch.testing.assert_close(wa, wb, rtol=1e-6, atol=1e-6)
             assert torch.equal(a._counts, b._counts) and torch.equal(a._lo, b._lo), (step, mb)
         a.step(), b.step()  # eager, outside the compiled region
         assert torch.equal(a.bias, b.bias), step
     torch._dynamo.reset()
     n = torch._dynamo.explain(lambda s: b.route(s))(torch.rand(10, 16, device="cuda")).graph_break_count
     assert n == 0, n
+
+
+def test_plan_op_fullgraph():
+    """moonep::plan_and_destinations on CUDA (one kernel launch), compiled: the eager bits, no graph break."""
+    from tests.unit.test_ops import plan_op_matches_eager
+
+    plan_op_matches_eager("cuda")

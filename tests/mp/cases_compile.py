@@ -200,3 +200,67 @@ def case_latent_moe_inductor(rt):
     torch._dynamo.reset()
     _compare_layer(rt, lambda m: torch.compile(m, mode="reduce-overhead", fullgraph=True), 20, False,
                    "reduce-overhead", steps=4, warmup=True)
+
+
+# --------------------------------------------------------------------------------------------- HF Mixtral
+def _mixtral_blocks(rt):
+    """Two patched copies (eager, to compile) of a tiny Mixtral's first sparse MoE block, the same weights."""
+    from moonep.integrations import patch_hf_moe
+    from tests.mp.layers_reference import tiny_hf
+
+    blocks = []
+    for _ in range(2):
+        torch.manual_seed(41)
+        model = tiny_hf("mixtral", num_experts=4 * rt.world_size).to(_dtype(rt)).to(rt.device)
+        patch_hf_moe(model, rt, max_tokens=20)
+        blocks.append(model.model.layers[0].mlp)
+    return blocks
+
+
+def _block_step(rt, m, s, seed):
+    g = torch.Generator().manual_seed(3000 + seed)
+    x = torch.randn(1, s, 32, generator=g, dtype=_dtype(rt)).to(rt.device).requires_grad_()
+    m.zero_grad()
+    y = m(x)
+    y.square().sum().backward()
+    return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()]
+
+
+def _compare_block(rt, compile_fn, exact: bool, tag: str, steps=3):
+    eager, mod = _mixtral_blocks(rt)
+    _block_step(rt, eager, 4, 99), _block_step(rt, mod, 4, 99)  # builds the ExpertParallel eagerly
+    compiled = compile_fn(mod)
+    names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
+    for step in range(steps):
+        s = _sizes(rt.world_size, step)[rt.rank]
+        want, got = _block_step(rt, eager, s, step), _block_step(rt, compiled, s, step)
+        ctx = f"{tag} rank {rt.rank} step {step} s={s}"
+        for name, a, b in zip(names, got, want):
+            if exact and name != "dx":
+                _equal(name, a, b, ctx)
+            else:  # dx: the router's and the experts' contributions are added in another order
+                _close(name, a, b, ctx, 1e-5 if _dtype(rt) == torch.float32 else 1e-10)
+    return mod
+
+
+def case_hf_mixtral_block(rt):
+    """A patched transformers Mixtral sparse MoE block compiled with fullgraph=True: aot_eager bitwise (output,
+    parameter gradients), no graph break; on CUDA also inductor and CUDA graphs (cudagraphs backend: bitwise;
+    reduce-overhead: close)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return
+    torch._dynamo.reset()
+    mod = _compare_block(rt, lambda m: torch.compile(m, backend="aot_eager", fullgraph=True), True, "aot_eager")
+    s = _sizes(rt.world_size, 1)[rt.rank]
+    n = _breaks(mod, torch.randn(1, s, 32, dtype=_dtype(rt), device=rt.device))
+    assert n == 0, f"graph breaks: {n}"
+    if not _cuda(rt):
+        return
+    for backend, exact in (("inductor", False), ("cudagraphs", True)):
+        torch._dynamo.reset()
+        _compare_block(rt, lambda m: torch.compile(m, backend=backend, fullgraph=True), exact, backend)
+    torch._dynamo.reset()
+    _compare_block(rt, lambda m: torch.compile(m, mode="reduce-overhead", fullgraph=True), False, "reduce-overhead",
+                   steps=4)

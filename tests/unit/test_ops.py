@@ -104,3 +104,37 @@ def test_nvlink_step_state_travels_in_the_token():
             idx, w = torch.empty(s, ep.topk, dtype=torch.int64), torch.empty(s, ep.topk)
             out = torch.ops.moonep.dispatch(x, idx, w, 1, ep.capacity, ep.num_experts, ep.world_size, words)
             assert out[-1].shape == token.shape and out[-1].dtype == torch.int64
+
+
+def plan_op_matches_eager(device):
+    """moonep::plan_and_destinations compiled with fullgraph=True (no graph break) gives the eager plan and
+    destinations bitwise, for routings that change shape between calls (cold experts, everything on one)."""
+    from moonep.layout import plan_and_destinations
+
+    torch._dynamo.reset()
+    R, E_, K_ = 4, 16, 3
+    fn = torch.compile(lambda c, i: ops.plan_and_destinations(c, 2, i, align=4), fullgraph=True, dynamic=True)
+    for seed, s in ((0, 21), (1, 5), (2, 0), (3, 40)):
+        g = torch.Generator().manual_seed(seed)
+        counts = torch.randint(0, 9, (R, E_), generator=g)
+        counts[:, :4] = 0 if seed == 1 else counts[:, :4]        # rank 0's experts cold
+        idx = torch.stack([torch.randperm(E_, generator=g)[:K_] for _ in range(s)]) if s else \
+            torch.zeros(0, K_, dtype=torch.int64)
+        if seed == 3:
+            idx[:, 0] = 7                                        # everything to one expert
+            idx[:, 1:] = torch.where(idx[:, 1:] == 7, 8, idx[:, 1:])
+        counts[2] = torch.zeros(E_, dtype=torch.int64).scatter_add_(0, idx.reshape(-1), torch.ones(s * K_).long())
+        counts, idx = counts.to(device), idx.to(device)
+        got = fn(counts, idx)
+        plan, dst_rank, dst_row = plan_and_destinations(counts, 2, idx, align=4)
+        want = (plan.assignment, plan.replica_experts, plan.replica_source, plan.recv_counts, plan.expert_counts,
+                dst_rank, dst_row)
+        for name, a, b in zip(ops.Planned._fields, got, want):
+            assert torch.equal(a, b.to(torch.int64)), (seed, name)
+        assert int(got.error) == 0, seed
+    n = torch._dynamo.explain(lambda c, i: ops.plan_and_destinations(c, 2, i))(counts, idx).graph_break_count
+    assert n == 0, n
+
+
+def test_plan_op_matches_eager():
+    plan_op_matches_eager("cpu")

@@ -1,0 +1,135 @@
+// Float32 slot GEMMs with the slot offsets read on the device: the expert GEMMs of moonep/experts.py for
+// float32 on CUDA, where torch has no grouped GEMM.  The alternative, a loop of one cuBLAS GEMM per slot,
+// reads the offsets on the host: a sync, and no CUDA-graph capture.
+//
+// Rows are grouped by slot: slot j owns rows cu[j] .. cu[j+1]-1 of a [cap, D]; rows from cu[G] on are padding.
+// A slot's weight is home[j] for j < n_home, else rep[j - n_home] (the home experts in place, the replicas
+// in the pool), each read through strides, so transposed views need no copy.
+// Every output element is one float32 sum in increasing k (fixed order: the same bits every call).
+
+#define SG_T 64       // output tile: SG_T x SG_T, 256 threads with 4 x 4 each
+#define SG_K 16       // k step of one shared-memory stage
+
+typedef long long sg_i64;
+
+struct SgWeights {
+  const float* home;
+  const float* rep;
+  sg_i64 hs0, hs1, hs2;   // home strides (slot, k, n) in elements
+  sg_i64 rs0, rs1, rs2;   // replica strides
+  int n_home;
+};
+
+__device__ __forceinline__ float sg_w(const SgWeights& w, int j, int k, int n) {
+  return j < w.n_home ? w.home[j * w.hs0 + k * w.hs1 + n * w.hs2]
+                      : w.rep[(j - w.n_home) * w.rs0 + k * w.rs1 + n * w.rs2];
+}
+
+// out[r, :] = a[r, :] @ W_slot(r) for every row r < cu[G]; rows cu[G] .. cap-1 are set to zero.
+// Grid: x = ceil(N / SG_T), y >= ceil(cap / SG_T) + G + 1: block y is the t-th 64-row tile of the slot rows
+// (tiles never straddle slots), or after them a tile of padding rows.  Block: 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moonep_slot_gemm_f32(
+    const float* __restrict__ a, sg_i64 lda, const int* __restrict__ cu, int G, const float* home, sg_i64 hs0,
+    sg_i64 hs1, sg_i64 hs2, int n_home, const float* rep, sg_i64 rs0, sg_i64 rs1, sg_i64 rs2,
+    float* __restrict__ out, sg_i64 ldo, int cap, int D, int N) {
+  __shared__ float As[SG_K][SG_T + 4];
+  __shared__ float Bs[SG_K][SG_T + 4];
+  const SgWeights w{home, rep, hs0, hs1, hs2, rs0, rs1, rs2, n_home};
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4, n0 = blockIdx.x * SG_T;
+  int t = blockIdx.y, slot = -1, r0 = 0, r1 = 0;
+  for (int j = 0; j < G; ++j) {
+    const int lo = cu[j], n = cu[j + 1] - lo, nt = (n + SG_T - 1) / SG_T;
+    if (t < nt) {
+      slot = j, r0 = lo + t * SG_T, r1 = min(r0 + SG_T, lo + n);
+      break;
+    }
+    t -= nt;
+  }
+  if (slot < 0) {  // a padding tile
+    r0 = cu[G] + t * SG_T;
+    r1 = min(r0 + SG_T, cap);
+    for (int e = tid; e < SG_T * SG_T; e += 256) {
+      const int r = r0 + e / SG_T, n = n0 + e % SG_T;
+      if (r < r1 && n < N) out[r * ldo + n] = 0.f;
+    }
+    return;
+  }
+  float acc[4][4] = {};
+  for (int k0 = 0; k0 < D; k0 += SG_K) {
+    for (int e = tid; e < SG_K * SG_T; e += 256) {
+      const int kk = e % SG_K, rr = e / SG_K;      // A: k fastest (row-major a)
+      const int r = r0 + rr, k = k0 + kk;
+      As[kk][rr] = (r < r1 && k < D) ? a[r * lda + k] : 0.f;
+      const int nn = e % SG_T, kb = e / SG_T;      // B: n fastest
+      const int n = n0 + nn, kw = k0 + kb;
+      Bs[kb][nn] = (n < N && kw < D) ? sg_w(w, slot, kw, n) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < SG_K; ++kk) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i], bv[i] = Bs[kk][tx * 4 + i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], bv[q], acc[i][q]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = r0 + ty * 4 + i;
+    if (r >= r1) continue;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = n0 + tx * 4 + q;
+      if (n < N) out[r * ldo + n] = acc[i][q];
+    }
+  }
+}
+
+// Weight gradient of every slot: out[j] = a[rows of j]^T @ g[rows of j], out float32 [G, D, N] contiguous
+// (zero for an empty slot).  a: [cap, D] (row stride lda), g: [cap, N] (row stride ldg).
+// Grid: (ceil(N / SG_T), ceil(D / SG_T), G); block: 256 threads.
+extern "C" __global__ void __launch_bounds__(256) moonep_slot_wgrad_f32(
+    const float* __restrict__ a, sg_i64 lda, const float* __restrict__ g, sg_i64 ldg, const int* __restrict__ cu,
+    float* __restrict__ out, int D, int N) {
+  __shared__ float As[SG_K][SG_T + 4];
+  __shared__ float Bs[SG_K][SG_T + 4];
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int n0 = blockIdx.x * SG_T, d0 = blockIdx.y * SG_T, j = blockIdx.z;
+  const int lo = cu[j], hi = cu[j + 1];
+  float acc[4][4] = {};
+  for (int k0 = lo; k0 < hi; k0 += SG_K) {  // k runs over the slot's rows
+    for (int e = tid; e < SG_K * SG_T; e += 256) {
+      const int c = e % SG_T, kk = e / SG_T;   // both operands: columns fastest (row-major a and g)
+      const int r = k0 + kk;
+      As[kk][c] = (r < hi && d0 + c < D) ? a[r * lda + d0 + c] : 0.f;
+      Bs[kk][c] = (r < hi && n0 + c < N) ? g[r * ldg + n0 + c] : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < SG_K; ++kk) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i], bv[i] = Bs[kk][tx * 4 + i];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], bv[q], acc[i][q]);
+    }
+    __syncthreads();
+  }
+  float* o = out + (sg_i64)j * D * N;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int d = d0 + ty * 4 + i;
+    if (d >= D) continue;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = n0 + tx * 4 + q;
+      if (n < N) o[(sg_i64)d * N + n] = acc[i][q];
+    }
+  }
+}
