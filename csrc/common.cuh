@@ -548,3 +548,206 @@ __device__ __forceinline__ void put_row_lists(const Ctx* c, unsigned firsts, int
 
 __device__ __forceinline__ int warp_id_global() { return (blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
 __device__ __forceinline__ int num_warps_global() { return (gridDim.x * blockDim.x) >> 5; }
+
+// ---------------------------------------------------------------------------------------------------
+// FP8 (e4m3fn) rows: one float32 scale per token per 128 channels (the rule: csrc/quant.cu, moonep/quant.py).
+// Shared by the quantiser (quant.cu) and the fp8 dispatch (dispatch.cu), so both give the same bits.
+// ---------------------------------------------------------------------------------------------------
+#define Q8_GROUP 128                 // channels per scale
+#define Q8_MAX 448.0f                // largest finite e4m3fn
+#define Q8_AMAX_MIN_BITS 0x04E00000u // 448 * 2^-126 = 1.75 * 2^-118 (float32 bits)
+#define Q8_NAN_BITS 0x7fc00000u      // the scale of a bad group (torch's float('nan'))
+#define Q8_NAN_CODE 0x7Fu            // e4m3fn NaN, positive (torch's cast of float('nan'))
+#define Q8_FLT_MAX 3.40282347e38f
+
+__host__ __device__ __forceinline__ unsigned q8_f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  unsigned u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+__host__ __device__ __forceinline__ float q8_u2f(unsigned u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// Scale of a group from its amax (finite, >= 0); *inv = 1/scale, both rounded to nearest.
+__host__ __device__ __forceinline__ float q8_scale(float amax, bool pow2, float* inv) {
+  const float a = fmaxf(amax, q8_u2f(Q8_AMAX_MIN_BITS));
+  float s;
+  if (pow2) {
+    // a = f * 2^E, f in [1, 2): a <= 448 * 2^e = 1.75 * 2^(e+8) holds first at e = E - 8 when f <= 1.75
+    // (mantissa bits <= 0x600000), else at e = E - 7. a >= 1.75 * 2^-118 keeps e >= -126 (a normal float).
+    const unsigned b = q8_f2u(a);
+    const int e = (int)(b >> 23) - 127 - 8 + ((b & 0x7fffffu) > 0x600000u ? 1 : 0);
+    s = q8_u2f((unsigned)(e + 127) << 23);
+  } else {
+#ifdef __CUDA_ARCH__
+    s = __fdiv_rn(a, Q8_MAX);
+#else
+    s = a / Q8_MAX;
+#endif
+  }
+#ifdef __CUDA_ARCH__
+  *inv = __frcp_rn(s);
+#else
+  *inv = 1.0f / s;
+#endif
+  return s;
+}
+
+// e4m3fn code of a finite y with |y| <= 448, round to nearest even (the sign of zero kept): the portable
+// conversion, bit-equal to torch's cast (tests/unit/test_quant.py checks it on the host against torch).
+__host__ __device__ __forceinline__ unsigned q8_e4m3_soft(float y) {
+  const unsigned u = q8_f2u(y), sign = (u >> 24) & 0x80u, a = u & 0x7fffffffu;
+  unsigned m;
+  if (a >= 0x3c800000u) {  // |y| >= 2^-6: a normal e4m3 value; drop 20 mantissa bits, ties to even
+    m = ((a + 0x7ffffu + ((a >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);  // a carry moves into the exponent
+  } else {                 // subnormal e4m3 (steps of 2^-9): |y| * 2^9 = f * 2^-sh, rounded to an integer
+    const unsigned e = a >> 23, f = (a & 0x7fffffu) | (e ? 0x800000u : 0u);
+    const int sh = 141 - (int)(e ? e : 1);  // >= 21, as e <= 120
+    if (sh > 24) {
+      m = 0;  // |y| * 2^9 < 1/2
+    } else {
+      const unsigned r = f & ((1u << sh) - 1u), half = 1u << (sh - 1);
+      m = f >> sh;
+      m += (r > half || (r == half && (m & 1u))) ? 1u : 0u;  // may reach 8: 2^-6, the smallest normal
+    }
+  }
+  return sign | m;
+}
+
+// Two clamped values -> 16 bits (lo in the low byte). sm_89+: one hardware conversion, round to nearest even
+// as well (satfinite never triggers after the clamp); MOONEP_QUANT_SOFT_CVT forces the portable one.
+__device__ __forceinline__ unsigned q8_pack2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(MOONEP_QUANT_SOFT_CVT)
+  unsigned short d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));  // a -> high byte, b -> low
+  return d;
+#else
+  return q8_e4m3_soft(lo) | (q8_e4m3_soft(hi) << 8);
+#endif
+}
+
+// v * inv rounded once, clamped.  The GPU may flush a subnormal v (bf16/fp32 inputs below 2^-126) to zero;
+// that matters only in a group of tiny amax (inv > 2^100: otherwise |v * inv| < 2^-26 rounds to a signed
+// zero in e4m3 anyway, and flushing keeps the sign).  There (`tiny`, uniform over the group's lanes)
+// v = m * 2^-149 is multiplied as (m * 2^-100) * (inv * 2^-49): both factors normal and exact, one rounding.
+__device__ __forceinline__ float q8_quant1(float v, float inv, bool tiny) {
+  const unsigned u = __float_as_uint(v);
+  float y;
+  if (tiny && (u & 0x7f800000u) == 0u && (u & 0x007fffffu) != 0u) {
+    const float m = __fmul_rn((float)(u & 0x007fffffu), 7.888609052210118e-31f);  // m * 2^-100
+    y = copysignf(__fmul_rn(m, __fmul_rn(inv, 1.7763568394002505e-15f)), v);        // * inv * 2^-49
+  } else {
+    y = __fmul_rn(v, inv);
+  }
+  return fminf(fmaxf(y, -Q8_MAX), Q8_MAX);
+}
+
+// |v|, with inf/nan turned into +inf: the max over a group is then +inf exactly when the group is bad
+// (fmaxf alone would drop a NaN).
+__device__ __forceinline__ float q8_abs(float v) {
+  const float m = fabsf(v);
+  return m <= Q8_FLT_MAX ? m : __uint_as_float(0x7f800000u);
+}
+
+// Codes and scale of one 16-byte word of a token row (VEC = 8 bf16/fp16 or 4 fp32 channels), called by every
+// lane of the warp: lanes 32*k + [0, L) with L = 128/VEC hold one group of 128 channels, whose amax is an
+// xor-shuffle reduction among them.  c: VEC/4 words of four codes.  Returns the group's scale (NaN for a
+// group with inf/nan, whose codes are then all 0x7F) and sets *bad for it.
+template <int DT>
+__device__ __forceinline__ float q8_word(const int4 w, bool pow2, unsigned* c, bool* bad) {
+  constexpr int VEC = DT == DT_F32 ? 4 : 8;
+  constexpr int L = Q8_GROUP / VEC;
+  float v[VEC];
+  unpack16<DT>(w, v);
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, q8_abs(v[j]));
+#pragma unroll
+  for (int o = L / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
+  const bool b = !(amax <= Q8_FLT_MAX);
+  float inv, scale = q8_scale(amax, pow2, &inv);
+  const bool tiny = inv > 1.2676506002282294e30f;  // 2^100: subnormal inputs count (see q8_quant1)
+#pragma unroll
+  for (int j = 0; j < VEC; j += 4) {
+    const unsigned lo = q8_pack2(q8_quant1(v[j], inv, tiny), q8_quant1(v[j + 1], inv, tiny));
+    const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv, tiny), q8_quant1(v[j + 3], inv, tiny));
+    c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
+  }
+  *bad = b;
+  return b ? __uint_as_float(Q8_NAN_BITS) : scale;
+}
+
+// Bytes of an fp8 wire row (moonep/fp8.py wire_bytes): H codes, H/128 float32 scales, zeros to a multiple of 16.
+__host__ __device__ __forceinline__ i64 q8_wire_bytes(i64 H) { return (H + 4 * (H / Q8_GROUP) + 15) & ~(i64)15; }
+
+// One warp quantises one token row x [H] (dtype DT, 16-byte aligned, H % 128 == 0) and stores the wire row
+// (wb = q8_wire_bytes(H) bytes) into each of the n rows dsts[0..n) (16-byte aligned, local or peer memory):
+// lane l loads 16-byte word w0 + 32u + l, four words per lane in flight; the codes of a word (8 or 4 bytes)
+// are stored by their lane, coalesced; the scales are gathered in registers (lane l keeps the scale of group
+// 32b + l) and stored as one coalesced run per 32 groups, after the last one with the zero padding.
+// n == 0 only reads and checks.  Returns, on every lane, whether a group held inf/nan.
+template <int DT>
+__device__ __forceinline__ bool warp_quant_fanout(char* const* dsts, int n, const void* x, int H, i64 wb, bool pow2,
+                                                  int lane) {
+  constexpr int VEC = DT == DT_F32 ? 4 : 8;  // channels per 16-byte word
+  constexpr int L = Q8_GROUP / VEC;          // lanes per group
+  constexpr int GPW = 32 / L;                // groups per warp-wide word (2 or 1)
+  constexpr int U = 4;                       // words per lane in flight
+  const int nw = H / VEC, G = H / Q8_GROUP, tail = (int)((wb - H) >> 2);  // tail: scale + padding words
+  const int4* src = (const int4*)x;
+  bool bad_any = false;
+  float sreg = 0.f;
+  for (int w0 = 0; w0 < nw; w0 += 32 * U) {  // warp-uniform
+    int4 v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = w0 + u * 32 + lane;
+      v[u] = j < nw ? __ldg(src + j) : make_int4(0, 0, 0, 0);  // a group's lanes are in or out together
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j0 = w0 + u * 32;
+      if (j0 >= nw) break;  // warp-uniform
+      const int j = j0 + lane;
+      unsigned c[VEC / 4];
+      bool bad;
+      const float sc = q8_word<DT>(v[u], pow2, c, &bad);
+      const bool live = j < nw;
+      bad_any |= live && bad;
+      const int g0 = j0 / L;  // the word's first group
+#pragma unroll
+      for (int h = 0; h < GPW; ++h) {
+        const float sh = __shfl_sync(FULL_MASK, sc, h * L);
+        if (g0 + h < G && ((g0 + h) & 31) == lane) sreg = sh;
+      }
+      if (live) {
+        for (int t = 0; t < n; ++t) {
+          char* d = dsts[t] + (i64)j * VEC;
+          if constexpr (VEC == 8) *(uint2*)d = make_uint2(c[0], c[1]);
+          else *(unsigned*)d = c[0];
+        }
+      }
+      const int gl = min(g0 + GPW, G) - 1;  // the word's last group
+      if (((gl + 1) & 31) == 0 || gl == G - 1) {  // warp-uniform: groups [gb, gl] are complete
+        const int gb = gl & ~31, end = gl == G - 1 ? tail : gl + 1;
+        for (int t = 0; t < n; ++t) {
+          float* d = (float*)(dsts[t] + H);
+          for (int k = gb + lane; k < end; k += 32) d[k] = k < G && k - gb < 32 ? sreg : 0.f;
+        }
+      }
+    }
+  }
+  return __any_sync(FULL_MASK, bad_any);
+}

@@ -10,7 +10,63 @@
 // The receiver's expand kernel then copies each first row into the token's other rows (local HBM), zeroes
 // rows nobody wrote this epoch (alignment padding, unused capacity) and exports step-local copies of the
 // row lists, so later combines and backward passes never read symmetric metadata again.
+//
+// FP8 dispatch (qdt = the dtype code of x, mode 0 only): the sender reads each token's [H] row once and
+// quantises it in registers (warp_quant_fanout, common.cuh), storing the fp8 wire row (moonep/fp8.py: codes,
+// scales, padding; row_bytes = q8_wire_bytes(H)) wherever the bytes path stores the token's row; the receivers
+// move wire rows as bytes.  qdt = -1: rows are moved as bytes (token dtype rows, pre-packed wire rows, mode 1).
+// A non-finite x: the sender records ERR_NONFINITE_X for itself and writes the data epoch into its slot of
+// every peer's xbad words (u64 [R] at off_xbad, before the signal that publishes its rows), and each peer
+// records it after that signal, so every rank raises it (xrep: the last epoch recorded, so once per kernel).
 #include "common.cuh"
+
+// fp8: record a non-finite x of rank `rank` as this rank's input error, once per data epoch de.
+__device__ __forceinline__ void xbad_record(const Ctx* c, u64* xrep, u64 de, int rank) {
+  if (atomicMax(xrep, de) < de) set_input_error(c, ERR_NONFINITE_X | (rank << 8));
+}
+
+// fp8: this rank's x holds inf/nan (every lane of the warp); `peers`: tell every peer (before the signal).
+__device__ __forceinline__ void xbad_mark(const Ctx* c, i64 off_xbad, u64* xrep, u64 de, bool peers, int lane) {
+  const int R = (int)c->R, me = (int)c->rank;
+  if (peers)
+    for (int p = lane; p < R; p += 32)
+      if (p != me) ((u64*)(c->base[p] + off_xbad))[me] = de;
+  if (lane == 0) xbad_record(c, xrep, de, me);
+}
+
+// fp8, one thread, after every peer's signal of data epoch de: record the first peer that marked its x.
+__device__ __forceinline__ void xbad_check(const Ctx* c, i64 off_xbad, u64* xrep, u64 de) {
+  const u64* xb = (const u64*)(c->base[c->rank] + off_xbad);
+  for (int p = 0; p < (int)c->R; ++p)
+    if (p != (int)c->rank && ld_cg_u64(xb + p) == de) {
+      xbad_record(c, xrep, de, p);
+      return;
+    }
+}
+
+// Source token i into the n rows dsts[0..n): QDT < 0 copies its row of row_bytes bytes; QDT = DT_* quantises
+// its [H] row of that dtype into wire rows of row_bytes bytes (n == 0: only checks it).  Returns (every
+// lane) whether the token held inf/nan (fp8 only).
+template <int QDT>
+__device__ __forceinline__ bool put_token(char* const* dsts, int n, const char* x, int i, i64 row_bytes, int vec,
+                                          int H, bool pow2, int lane) {
+  if constexpr (QDT < 0) {
+    warp_fanout(dsts, n, x + (i64)i * row_bytes, row_bytes, vec, lane);
+    return false;
+  } else {
+    return warp_quant_fanout<QDT>(dsts, n, x + (i64)i * H * (QDT == DT_F32 ? 4 : 2), H, row_bytes, pow2, lane);
+  }
+}
+
+// The kernels below take (qdt, pow2, off_xbad, xrep) last and run the body instantiated for qdt: the bytes
+// path (qdt -1) is the same code as without fp8.
+#define QDT_SWITCH(qdt, CALL) \
+  switch (qdt) {               \
+    case DT_BF16: CALL(DT_BF16); break; \
+    case DT_F16: CALL(DT_F16); break;   \
+    case DT_F32: CALL(DT_F32); break;   \
+    default: CALL(-1);                  \
+  }
 
 // Source side of dispatch.  One warp per token.
 //   mode 0: forward; rows go to the main receive buffers, with meta/msrc/w/tag.
@@ -21,10 +77,14 @@
 //   so the receiver's expand kernel only has to expand rows that came from peers; remote destinations
 //   always get the token once, in its first row there.  Used when the receive buffer is the output
 //   (zero-copy and mode 1).
-extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const char* x, i64 row_bytes, int vec,
-                                                int s, const i64* dst_rank, const i64* dst_row, const float* w,
-                                                int barrier, int local_expand) {
-  __shared__ char* s_dst[MAX_WARPS][32];
+// fp8 (qdt >= 0): x is [s, H] of dtype qdt, quantised into wire rows of row_bytes bytes; a token without any
+//   destination is read and checked too.
+template <int QDT>
+__device__ __forceinline__ void dispatch_send_impl(const Ctx* c, int mode, const char* x, i64 row_bytes, int vec,
+                                                   int s, const i64* dst_rank, const i64* dst_row, const float* w,
+                                                   int barrier, int local_expand, bool pow2, i64 off_xbad, u64* xrep,
+                                                   char* (*s_dst)[32]) {
+  const u64 de = QDT >= 0 ? ld_volatile(&c->ctr[CTR_DATA]) + 1 : 0;  // the data epoch finish_send signals
   u64 ne;
   bool ok = maybe_entry_barrier(c, barrier, &ne);
   if (ok) {
@@ -60,11 +120,24 @@ extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const ch
       if (mode == 0)  // K-aligned row lists at the first row of every destination rank
         put_row_lists(c, __ballot_sync(FULL_MASK, is_first), r, row, K, lane, [](int, int) {});
       __syncwarp();
-      warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
+      if (put_token<QDT>(s_dst[wib], n, x, i, row_bytes, vec, (int)c->H, pow2, lane))
+        xbad_mark(c, off_xbad, xrep, de, true, lane);
       __syncwarp();
     }
   }
   finish_send(c, ne, mode == 0);
+}
+
+extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const char* x, i64 row_bytes, int vec,
+                                                int s, const i64* dst_rank, const i64* dst_row, const float* w,
+                                                int barrier, int local_expand, int qdt, int pow2, i64 off_xbad,
+                                                u64* xrep) {
+  __shared__ char* s_dst[MAX_WARPS][32];
+#define SEND_CALL(Q) \
+  dispatch_send_impl<Q>(c, mode, x, row_bytes, vec, s, dst_rank, dst_row, w, barrier, local_expand, pow2 != 0, \
+                        off_xbad, xrep, s_dst)
+  QDT_SWITCH(mode == 0 ? qdt : -1, SEND_CALL)
+#undef SEND_CALL
 }
 
 // Receiver side of dispatch: wait for every peer, then expand first rows into the other rows.
@@ -75,10 +148,14 @@ extern "C" __global__ void moonep_dispatch_send(const Ctx* c, int mode, const ch
 // local_expand: the send kernel already wrote every row of tokens from this rank (only when dst is the
 //   source buffer).  One warp per row: unwritten rows are zeroed; the warp of a token's first row reads
 //   it once and stores it into the token's other rows (and into the row itself when copying).
+// xrep (fp8 dispatch, else null): record a peer's non-finite x marked in xbad (off_xbad) by its send kernel.
 extern "C" __global__ void moonep_dispatch_expand(const Ctx* c, int mode, char* dst, float* w_out, int* row_first,
-                                                  int* rec, int* src, i64 row_bytes, int vec, int local_expand) {
+                                                  int* rec, int* src, i64 row_bytes, int vec, int local_expand,
+                                                  i64 off_xbad, u64* xrep) {
   __shared__ char* s_dst[MAX_WARPS][32];
   if (!wait_data(c)) return;
+  if (xrep != nullptr && blockIdx.x == 0 && threadIdx.x == 0)
+    xbad_check(c, off_xbad, xrep, ld_volatile(&c->ctr[CTR_DATA]));
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, K = (int)c->K, me = (int)c->rank;
   const i64 cap = c->cap, S = c->S;
   const char* sbuf = mode == 0 ? c->base[me] + c->off_recv : c->gbase[me];
@@ -155,12 +232,15 @@ extern "C" __global__ void moonep_dispatch_expand(const Ctx* c, int mode, char* 
 //   are zeroed here by the local blocks after A (no other kernel, no tag pass over every row).
 //   mode 0: forward (main receive buffer; dst = it (zero-copy) or a fresh tensor; w: fp32 [s, K]).
 //   mode 1: backward of combine (gradient receive buffer; row_first/rec/src/tokfirst are the forward's).
-extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
+//   fp8 (qdt >= 0, mode 0): x is [s, H] of dtype qdt; the NVLink blocks and A quantise each token into the rows
+//   they write (row_bytes: wire rows).  With R > 1 the NVLink blocks also read and check the tokens without a
+//   remote row, so that a non-finite x reaches the peers before the chunk signals; block nnv checks the
+//   peers' marks after the last chunk.  With R == 1, A checks the tokens without any row.
+template <int QDT>
+__device__ __forceinline__ void dispatch_fused_impl(
     const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
     const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src,
-    int* tokfirst, const int* zero_from) {
-  __shared__ char* s_dst[MAX_WARPS][32];
-  __shared__ int s_fat;
+    int* tokfirst, const int* zero_from, bool pow2, i64 off_xbad, u64* xrep, char* (*s_dst)[32], int& s_fat) {
   const int lane = threadIdx.x & 31, wib = threadIdx.x >> 5, wpb = blockDim.x >> 5;
   const int K = (int)c->K, R = (int)c->R, me = (int)c->rank;
   const i64 cap = c->cap, S = c->S;
@@ -205,8 +285,14 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
             ((int*)(c->base[lane + 32] + c->off_flist))[(i64)me * S + i] = f_hi;
         }
         __syncwarp();
-        if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
-          warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
+        if constexpr (QDT < 0) {
+          if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
+            warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
+          }
+        } else if (n > 0 || R > 1) {
+          const int nq = (MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS) ? 0 : n;
+          if (put_token<QDT>(s_dst[wib], nq, x, i, row_bytes, vec, (int)c->H, pow2, lane))
+            xbad_mark(c, off_xbad, xrep, de, true, lane);
         }
         __syncwarp();
       }
@@ -241,6 +327,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         const unsigned lm = __ballot_sync(FULL_MASK, local);
         if (lm == 0u) {
           if (mode == 0 && lane == 0) tokfirst[(i64)me * S + i] = -1;
+          if (QDT >= 0 && R == 1 && put_token<QDT>(s_dst[wib], 0, x, i, row_bytes, vec, (int)c->H, pow2, lane))
+            xbad_mark(c, off_xbad, xrep, de, false, lane);
           continue;
         }
         const int f = __shfl_sync(FULL_MASK, row, __ffs(lm) - 1);
@@ -257,7 +345,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         if (local) s_dst[wib][__popc(lm & ((1u << lane) - 1u))] = dst + (i64)row * row_bytes;
         __syncwarp();
         const int n = (MOONEP_DIAG & DIAG_FUSED_NO_OWN_ROWS) ? 0 : __popc(lm);
-        warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
+        if (put_token<QDT>(s_dst[wib], n, x, i, row_bytes, vec, (int)c->H, pow2, lane))
+          xbad_mark(c, off_xbad, xrep, de, false, lane);
         __syncwarp();
       }
       if (mode == 0)  // own source slots without a token
@@ -286,8 +375,12 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
       }
     }
     // B. tokens from peers, chunk by chunk: warp q takes (peer, source token) pairs q, q + nlw, ...
+    bool waited = true;
     for (int ch = 0; ch < nch; ++ch) {
-      if (!wait_chunk(c, ch, de)) break;
+      if (!wait_chunk(c, ch, de)) {
+        waited = false;
+        break;
+      }
       int lo, hi;
       chunk_range(S, nch, ch, (int)S, &lo, &hi);
       const int nt = hi - lo;
@@ -329,8 +422,22 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
         __syncwarp();
       }
     }
+    if (QDT >= 0 && R > 1 && waited && (int)blockIdx.x == nnv && threadIdx.x == 0) xbad_check(c, off_xbad, xrep, de);
   }
   finish_fused(c, ne, de, mode == 0);
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
+    const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
+    const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src,
+    int* tokfirst, const int* zero_from, int qdt, int pow2, i64 off_xbad, u64* xrep) {
+  __shared__ char* s_dst[MAX_WARPS][32];
+  __shared__ int s_fat;
+#define FUSED_CALL(Q)                                                                                           \
+  dispatch_fused_impl<Q>(c, mode, x, row_bytes, vec, s, dst_rank, dst_row, w, barrier, nnv, nch, dst, w_out,   \
+                         row_first, rec, src, tokfirst, zero_from, pow2 != 0, off_xbad, xrep, s_dst, s_fat)
+  QDT_SWITCH(mode == 0 ? qdt : -1, FUSED_CALL)
+#undef FUSED_CALL
 }
 
 // Mode 0 epilogue of the fused dispatch: rows whose tag is not of this dispatch (nobody wrote them) get

@@ -2,9 +2,10 @@
 
 ``ExpertParallel(..., dispatch_dtype=torch.float8_e4m3fn)`` moves every token as one **wire row** of bytes:
 
-    [ q: H e4m3fn codes | scales: H/128 float32 ]       wire_bytes(H) = H + 4 * H/128 = 1.03125 * H
+    [ q: H e4m3fn codes | scales: H/128 float32 | zeros ]   wire_bytes(H) = H + 4 * H/128, rounded up to 16
 
-(:mod:`moonep.quant` gives the quantisation rule).  Every backend moves these rows as raw bytes with its
+(:mod:`moonep.quant` gives the quantisation rule; the padding, 0 to 12 bytes, none when ``H % 512 == 0``, keeps
+every row 16-byte aligned for the kernels' vector stores).  Every backend moves these rows as raw bytes with its
 ordinary row machinery (one row per token and destination rank, expanded into the token's slot rows
 there), so the plan, the slot layout and the static shapes are those of the token dtype.  ``h.tokens`` and
 ``h.scales`` are views of the received ``[cap, wire_bytes(H)]`` rows (row stride ``wire_bytes(H)``, not
@@ -34,14 +35,15 @@ _WIRE_KERNEL = {torch.float32: "moonep_quant_wire_f32", torch.bfloat16: "moonep_
 
 
 def wire_bytes(H: int) -> int:
-    """Bytes of one wire row: ``H`` fp8 codes plus ``H/128`` float32 scales."""
-    return H + 4 * (H // GROUP)
+    """Bytes of one wire row: ``H`` fp8 codes, ``H/128`` float32 scales, zeros up to a multiple of 16 bytes
+    (``q8_wire_bytes`` in csrc/common.cuh)."""
+    return (H + 4 * (H // GROUP) + 15) // 16 * 16
 
 
 def split_wire(rows: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of uint8 wire rows ``[n, wire_bytes(H)]``: ``(q float8_e4m3fn [n, H], scales float32 [n, H/128])``."""
     q = rows[:, :H].view(FP8)
-    scales = rows[:, H:].view(torch.float32)  # row stride wire_bytes(H) is a multiple of 4 bytes
+    scales = rows[:, H:H + 4 * (H // GROUP)].view(torch.float32)  # row stride wire_bytes(H): a multiple of 16
     return q, scales
 
 
@@ -59,16 +61,20 @@ def check_pair(x, H: int, device, max_rows: int) -> None:
 def pack_pair(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``(q fp8 [s, H], scales float32 [s, H/128])`` -> uint8 wire rows ``[s, wire_bytes(H)]`` (a copy)."""
     s, H = q.shape
+    G = H // GROUP
     out = torch.empty((s, wire_bytes(H)), dtype=torch.uint8, device=q.device)
     out[:, :H] = q.view(torch.uint8)
-    out[:, H:] = scales.contiguous().view(torch.uint8)
+    out[:, H:H + 4 * G] = scales.contiguous().view(torch.uint8)
+    if out.shape[1] > H + 4 * G:
+        out[:, H + 4 * G:] = 0
     return out
 
 
 def quantize_wire(x: torch.Tensor, *, pow2_scales: bool = False, check_finite: bool | None = None,
                   flag: torch.Tensor | None = None, code: int = 1) -> torch.Tensor:
     """Quantise ``x`` straight into wire rows (one kernel on CUDA, :func:`moonep.quant.quantize_fp8` + a copy
-    elsewhere); bitwise the codes and scales of ``quantize_fp8``.
+    elsewhere); bitwise the codes and scales of ``quantize_fp8``.  The host backends send these rows; the
+    NVLink backend quantises inside its dispatch kernels instead (same bits).
 
     Args:
         x: bf16, fp16 or fp32 ``[s, H]``, ``H`` a positive multiple of 128 (else ``ValueError`` naming

@@ -1,7 +1,8 @@
 """FP8 (e4m3fn) quantisation of token rows, one float32 scale per token per 128 channels.
 
-The rule, computed with the same float32 operations by the torch path below (CPU, and CUDA without CuPy) and
-by the CUDA kernel of ``csrc/quant.cu``, so that both give the same bits:
+The rule, computed with the same float32 operations by the torch path below (CPU, and CUDA without CuPy), by
+the CUDA kernel of ``csrc/quant.cu`` and by the NVLink fp8 dispatch, which quantises while it sends (their
+shared helpers are in ``csrc/common.cuh``), so that all give the same bits:
 
 * ``amax`` = max ``|x|`` over a group of ``block`` consecutive channels of one token (exact in any order);
 * ``a = max(amax, AMAX_MIN)`` with ``AMAX_MIN = 448 * 2**-126``;

@@ -32,6 +32,9 @@ bit-identical):
                 step's first row of every source token, through which ``moonep_combine_reduce`` walks
                 tokens; rows nobody writes are zeroed in the same launch when ``align == 1`` (they are
                 the rows past this rank's count), else by ``moonep_dispatch_zero`` after it (tags)
+    fp8         ``dispatch_dtype=torch.float8_e4m3fn``: the same kernels read the float tokens and quantise
+                them in registers into fp8 wire rows (``moonep.fp8``) wherever they would store a token row;
+                the receivers move wire rows as bytes; no quantiser pass (csrc/dispatch.cu)
     combine     ``moonep_combine_fused``: blocks [0, 2*num_sms) reduce the tokens received from peers and
                 push one partial per (token, rank), chunk by chunk; the other blocks compute, per chunk as
                 it arrives, y for this rank's tokens in rank order, this rank's own partial computed on the
@@ -99,6 +102,17 @@ _ERR_INPUT = {abi.ERR_BAD_IDX: "topk_idx: expected expert ids in [-1, {E})",
               abi.ERR_NONFINITE_X: "x: expected finite values (fp8 dispatch)"}
 _GATHERS = ("moonep_gather", "moonep_route_gather")
 _p = cuda_runtime.ptr   # kernel argument for a tensor's address (None: null)
+_BYTES = (np.int32(-1), np.int32(0), np.int64(0), np.uint64(0))  # dispatch kernels' fp8 arguments: rows as bytes
+
+
+class _QuantInSend:
+    """fp8 dispatch of a float ``x`` on NVLink: the dispatch kernels quantise it while sending (no wire rows
+    in between).  ``x``: contiguous, 16-byte aligned, detached."""
+
+    __slots__ = ("x", "pow2")
+
+    def __init__(self, x, pow2: bool):
+        self.x, self.pow2 = x, bool(pow2)
 
 
 def nvlink_available(rt) -> tuple[bool, str]:
@@ -195,7 +209,8 @@ class NVLinkBackend(Backend):
         sizes = dict(esig=R * 8, dsig=R * 8, ctr=_CTR_WORDS * 8, derr=16, gather=2 * R * self.E2 * 8,
                      recv=self.cap * self.H * self.es, w=self.cap * 4, tag=self.cap * 8,
                      meta=self.cap * K * 4, msrc=self.cap * 4, acc=2 * self.acc_half,
-                     gwacc=2 * self.gw_half, csig=_MAX_CHUNKS * R * 8, flist=R * self.S * 4)
+                     gwacc=2 * self.gw_half, csig=_MAX_CHUNKS * R * 8, flist=R * self.S * 4,
+                     xbad=R * 8)  # fp8: the data epoch of each peer's last non-finite x (a kernel argument)
         self.off, total = {}, 0
         for name, n in sizes.items():
             self.off[name] = total
@@ -205,10 +220,11 @@ class NVLinkBackend(Backend):
         self.main = SymmetricBuffer(total, self.device, self.rank, R, self._gather_obj)
         self.herr = HostWords(4, self.device)
         self.recv = self.main.view(self.off["recv"], (self.cap, self.H), ep.dtype)
-        # fp8 dispatch: the same area as [cap, H + 4*H/128] bytes of wire rows (<= H * es: es >= 2 there)
+        # fp8 dispatch: the same area as [cap, wire_bytes(H)] bytes of wire rows (<= H * es: es >= 2 there)
         self.recv_wire = (self.main.view(self.off["recv"], (self.cap, fp8.wire_bytes(self.H)), torch.uint8)
                           if getattr(ep, "fp8", False) else None)
-        self._xflag = torch.zeros(1, dtype=torch.int32, device=self.device)  # unfused route: x's non-finite bit
+        self._xflag = torch.zeros(1, dtype=torch.int32, device=self.device)  # unfused route: a pair's non-finite bit
+        self._xrep = torch.zeros(1, dtype=torch.int64, device=self.device)   # fp8: last data epoch of a recorded bad x
         self.wbuf = self.main.view(self.off["w"], (self.cap,), torch.float32)
         self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
         self._grad_views = {}
@@ -422,49 +438,68 @@ class NVLinkBackend(Backend):
         return tokens, weights.to(topk_weights.dtype)
 
     def wire_rows(self, x, pow2_scales: bool):
-        """fp8 dispatch: one quantiser launch into wire rows (pairs: a copy); a non-finite group ORs
-        ERR_NONFINITE_X into the flags the counts gather of this step reports (no host sync)."""
-        flag = self._scratch[self.E:self.E + 1] if self.fused_route else self._xflag
+        """fp8 dispatch.  A float ``x`` is quantised by the dispatch kernels as they send it (``_QuantInSend``);
+        a non-finite group there is recorded as ERR_NONFINITE_X on every rank (csrc/dispatch.cu, xbad), no host
+        sync.  A pair is packed into wire rows (a copy), its non-finite scales ORed into the routing flags of
+        this step's counts gather."""
         if isinstance(x, (tuple, list)):
+            flag = self._scratch[self.E:self.E + 1] if self.fused_route else self._xflag
             flag.bitwise_or_((~torch.isfinite(x[1])).any().to(torch.int32) * abi.ERR_NONFINITE_X)
             return fp8.pack_pair(x[0], x[1])
-        self.mark("gap")
-        wire = fp8.quantize_wire(x, pow2_scales=pow2_scales, check_finite=False, flag=flag, code=abi.ERR_NONFINITE_X)
-        self.mark("moonep_quant_wire")
-        return wire
+        x = x.detach().contiguous()
+        if x.data_ptr() % 16:  # the kernels read 16-byte words
+            x = x.clone()
+        return _QuantInSend(x, pow2_scales)
 
-    def _out_rows(self, x, zero_copy: bool):
+    def _fp8_args(self, q) -> tuple:
+        """The dispatch kernels' trailing (qdt, pow2, off_xbad, xrep): quantise ``q.x`` (a ``_QuantInSend``),
+        or move rows as bytes (``q`` None)."""
+        if q is None:
+            return _BYTES
+        return (np.int32(_DT[q.x.dtype]), np.int32(q.pow2), np.int64(self.off["xbad"]), _p(self._xrep))
+
+    def _out_rows(self, x, zero_copy: bool, wire: bool = False):
         """Where dispatch lands: the receive buffer (zero-copy) or fresh tensors, rows like ``x``'s
-        (token dtype ``[cap, H]``, or fp8 wire rows uint8 ``[cap, wire_bytes(H)]``)."""
+        (token dtype ``[cap, H]``), or fp8 wire rows uint8 ``[cap, wire_bytes(H)]`` (``wire``, or a uint8 ``x``)."""
+        wire = wire or x.dtype == torch.uint8
         if zero_copy:
-            return (self.recv_wire if x.dtype == torch.uint8 else self.recv), self.wbuf
-        return (torch.empty((self.cap, x.shape[1]), dtype=x.dtype, device=self.device),
+            return (self.recv_wire if wire else self.recv), self.wbuf
+        shape = (self.cap, fp8.wire_bytes(self.H)) if wire else (self.cap, x.shape[1])
+        return (torch.empty(shape, dtype=torch.uint8 if wire else x.dtype, device=self.device),
                 torch.empty(self.cap, dtype=torch.float32, device=self.device))
 
     def _dispatch_rows(self, x, w32, st: NVLinkStep, zero_copy: bool):
-        """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])`` (fp8: ``x`` and ``tokens`` are
-        uint8 wire rows, moved as bytes by the same kernels)."""
+        """Forward dispatch.  Returns ``(tokens [cap, H], weights fp32 [cap])``.  fp8: ``tokens`` are uint8 wire
+        rows; ``x`` is a ``_QuantInSend`` (quantised by the kernels while they send it) or pre-packed uint8 wire
+        rows (moved as bytes)."""
         self.check(inputs=False)
-        x = x.contiguous()
-        rb = x.shape[1] * x.element_size()
+        q = x if isinstance(x, _QuantInSend) else None
+        if q is not None:
+            x, rb = q.x, fp8.wire_bytes(self.H)
+        else:
+            x = x.contiguous()
+            rb = x.shape[1] * x.element_size()
+        fa = self._fp8_args(q)
         self.generation += 1
         st.generation, st.zero_copy = self.generation, zero_copy
         # Right after this step's counts gather (plan_step), every peer has passed an entry barrier after
         # its last read of the receive buffers: no second barrier.  Same call sequence on every rank.
         barrier = 0 if self._last_op in _GATHERS else 1
         if self.fused_dispatch:
-            return self._dispatch_fused(x, w32, st, zero_copy, rb, barrier)
+            return self._dispatch_fused(x, w32, st, zero_copy, rb, barrier, q)
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(0), _p(x), np.int64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
-                      _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0)))
-        tokens, weights = self._out_rows(x, zero_copy)
+                      _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0))
+                     + fa)
+        tokens, weights = self._out_rows(x, zero_copy, q is not None)
         st.row_first = torch.empty(self.cap, dtype=torch.int32, device=self.device)
         st.rec = torch.empty((self.cap, self.K), dtype=torch.int32, device=self.device)
         st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
         st.tokfirst = None  # a backward of this step takes the two-kernel path too
         self._launch("moonep_dispatch_expand", self.sm_count,
                      (np.int32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
-                      np.int64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0)))
+                      np.int64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0))
+                     + fa[2:])
         return tokens, weights
 
     def _step_lists(self, st: NVLinkStep) -> None:
@@ -474,8 +509,8 @@ class NVLinkBackend(Backend):
         st.row_first, st.rec = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K)
         st.src, st.tokfirst = lists[cap * (K + 1):cap * (K + 2)], lists[cap * (K + 2):]
 
-    def _dispatch_fused(self, x, w32, st: NVLinkStep, zero_copy: bool, rb: int, barrier: int):
-        tokens, weights = self._out_rows(x, zero_copy)
+    def _dispatch_fused(self, x, w32, st: NVLinkStep, zero_copy: bool, rb: int, barrier: int, q=None):
+        tokens, weights = self._out_rows(x, zero_copy, q is not None)
         self._step_lists(st)
         vec = np.int32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
         cu = st.cu
@@ -486,7 +521,8 @@ class NVLinkBackend(Backend):
         self._launch("moonep_dispatch_fused", self.grid_fused,
                      (np.int32(0), _p(x), np.int64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
                       _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
-                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst), zero_from))
+                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst), zero_from)
+                     + self._fp8_args(q))
         if not zero_from:
             self._launch("moonep_dispatch_zero", self.sm_count,
                          (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
@@ -509,15 +545,15 @@ class NVLinkBackend(Backend):
                          (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
                           np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1),
                           np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), np.uint64(0), _p(st.row_first),
-                          _p(st.rec), _p(st.src), _p(st.tokfirst), np.uint64(0)))
+                          _p(st.rec), _p(st.src), _p(st.tokfirst), np.uint64(0)) + _BYTES)
             return out
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
-                      _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1), np.int32(1)))
+                      _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1), np.int32(1)) + _BYTES)
         out = self._grad_views[gy.dtype]
         self._launch("moonep_dispatch_expand", self.sm_count,
                      (np.int32(1), _p(out), np.uint64(0), _p(st.row_first), _p(st.rec), _p(st.src),
-                      np.int64(rb), np.int32(_vec(rb, out.data_ptr())), np.int32(1)))
+                      np.int64(rb), np.int32(_vec(rb, out.data_ptr())), np.int32(1)) + _BYTES[2:])
         return out
 
     # -- combine ---------------------------------------------------------------------------------------

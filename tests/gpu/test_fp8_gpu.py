@@ -1,5 +1,6 @@
-"""FP8 dispatch on one CUDA rank, NVLink backend: the wire quantiser against the torch path (bitwise), no host
-sync (sync-debug "error"), CUDA-graph capture and replay, and a non-finite x reported lazily.  Skipped
+"""FP8 dispatch on one CUDA rank, NVLink backend: the rows the dispatch kernels quantise while sending (and the
+host backends' wire quantiser) against the torch path (bitwise), no host sync (sync-debug "error"), CUDA-graph
+capture and replay, and a non-finite x reported lazily (also in a token without any destination).  Skipped
 without CUDA."""
 import pytest
 import torch
@@ -46,6 +47,68 @@ def test_wire_kernel_bitwise_torch_path(dtype, pow2):
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
     fp8.quantize_wire(bad, check_finite=False, flag=flag, code=16)
     assert int(flag) == 16
+
+
+def _wire_of_rows(h):
+    """The received wire rows [cap, wire_bytes(H)] behind h.tokens / h.scales (padding included)."""
+    cap, h_ = h.tokens.shape
+    wb = fp8.wire_bytes(h_)
+    return h.tokens.view(torch.uint8).as_strided((cap, wb), (wb, 1))
+
+
+@pytest.mark.parametrize("fused", ["route,dispatch", "route", "0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [384, 512])
+def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
+    """Every received row is the wire row of its token (quantised by the dispatch kernels), in both kernel
+    paths, zero-copy or not, plain or power-of-two scales; rows without a token are zero."""
+    g = torch.Generator().manual_seed(hidden)
+    s = S - 3
+    x = torch.randn(s, hidden, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-12, 10, (s, hidden // 128), generator=g).double()).repeat_interleave(128, 1)
+    x = x.to(dtype)
+    x[4] = 0
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)])
+    idx[torch.rand(s, K, generator=g) < 0.2] = -1
+    idx[7] = -1  # a token without any destination
+    w = torch.rand(s, K, generator=g)
+    x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+    for pow2 in (False, True):
+        q, sc, _ = _quantize_torch(x.cpu(), 128, pow2)
+        want = fp8.pack_pair(q, sc)
+        for zero_copy in (True, False):
+            with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=hidden, max_tokens=S, dtype=dtype,
+                                       transport="nvlink", zero_copy=zero_copy, dispatch_dtype=FP8,
+                                       pow2_scales=pow2) as ep, torch.no_grad():
+                ep._backend.set_fused(fused)
+                for _ in range(2):  # a second call over the same buffers
+                    h = ep.dispatch(x, idx, w)
+                    ep.synchronize()
+                    rows = _wire_of_rows(h).cpu()
+                    rf = h.routing.row_first.long().cpu()
+                    used = rf >= 0
+                    tok = h.routing.src.long().cpu()[rf[used]]
+                    ctx = f"fused={fused} dtype={dtype} H={hidden} pow2={pow2} zero_copy={zero_copy}"
+                    assert int(used.sum()) == int((idx >= 0).sum()), ctx
+                    assert torch.equal(rows[used], want[tok]), ctx
+                    assert not bool(rows[~used].any()), ctx
+
+
+@pytest.mark.parametrize("fused", ["route,dispatch", "0"])
+def test_nonfinite_x_in_a_token_without_destination(rt, fused):
+    x, idx, w = _problem(5)
+    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.bfloat16,
+                               transport="nvlink", dispatch_dtype=FP8) as ep:
+        ep._backend.set_fused(fused)
+        xb, ib = x.clone(), idx.clone()
+        xb[3, 100] = float("nan")
+        ib[3] = -1
+        with pytest.raises(ValueError, match="x: expected finite values"):
+            ep.dispatch(xb, ib, w)
+            ep.synchronize()
+        h = ep.dispatch(x, idx, w)
+        ep.synchronize()  # reported once: the next call is clean
+        assert bool(torch.isfinite(h.scales).all())
 
 
 def _mlp(rows, cu, W):

@@ -74,6 +74,25 @@ def _close(name, got, ref, rel, ctx):
     assert err <= rel * scale, f"{name} {ctx}: max error {err:.3g} > {rel:g} x {scale:.3g}"
 
 
+def _check_nvlink_rows(h, q, sc, sizes, S):
+    """NVLink: every row holding a token is, byte for byte, that token's wire row (codes and scale bits of
+    quantize_fp8, quantised by the sender while it sends, or sent pre-packed), padding zero; other rows zero."""
+    from moonep import fp8
+
+    st = h.routing
+    cap, H = h.tokens.shape
+    wb = fp8.wire_bytes(H)
+    wire = h.tokens.view(torch.uint8).as_strided((cap, wb), (wb, 1)).cpu()
+    rf = st.row_first.long().cpu()
+    used = rf >= 0
+    src = st.src.long().cpu()[rf[used]]  # src_rank * S + source token
+    first = torch.tensor([sum(sizes[:r]) for r in range(len(sizes))], dtype=torch.long)
+    g = first[src // S] + src % S
+    want = fp8.pack_pair(q[g], sc[g])
+    assert torch.equal(wire[used], want), "fp8 rows differ from the wire rows of their tokens"
+    assert not bool(wire[~used].any()), "rows without a token are not zero"
+
+
 def _run(rt, E, K, H, kind, transport, dtype, mask=0.0, seed=0, pre=False, pow2=False, S=12, F=6):
     R, dev = rt.world_size, rt.device
     sizes = _sizes(R, S)
@@ -103,6 +122,8 @@ def _run(rt, E, K, H, kind, transport, dtype, mask=0.0, seed=0, pre=False, pow2=
     xh = dequantize_fp8(q, sc, dtype=torch.float32).double()
     if pow2:
         assert bool((torch.frexp(sc).mantissa == 0.5).all()), ctx
+    if transport == "nvlink":
+        _check_nvlink_rows(h, q, sc, sizes, S)
     # element bound of quantisation on the received rows (unused rows: zero codes and scales)
     n = int(cu[-1])
     assert torch.equal(h.scales[n:].cpu(), torch.zeros_like(h.scales[n:].cpu())), ctx
