@@ -29,6 +29,7 @@ wire only (no fp8 dispatch).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from types import SimpleNamespace
@@ -95,6 +96,22 @@ def _fresh(out: Tensor, *inputs: Tensor) -> Tensor:
 
 def _none_or(t: Tensor, wanted: bool):
     return t if wanted else None
+
+
+def _backward_only():
+    """Context for the collective of a backward rule while AOTAutograd traces the joint graph: its nodes are
+    tagged so that the partitioner keeps them in the backward graph.  Without the tag, a rank whose tangents
+    are empty (no tokens) gets backward collectives that depend on no tangent, which the partitioner may move
+    into the forward graph: that rank would then run them in another order than its peers (a deadlock).
+    Outside tracing, and with a torch that lacks the tag, it does nothing."""
+    try:
+        from torch._functorch._aot_autograd.graph_capture_wrappers import set_partitioner_tag_must_be_in_backward
+        from torch.fx import traceback as fx_traceback
+    except ImportError:
+        return contextlib.nullcontext()
+    if not fx_traceback.has_preserved_node_meta():
+        return contextlib.nullcontext()
+    return set_partitioner_tag_must_be_in_backward()
 
 
 class _Rows:
@@ -254,8 +271,9 @@ def _dispatch_setup(ctx, inputs, output):
 def _dispatch_bwd(ctx, g_tokens, g_weights, *_ints):
     (token,) = ctx.saved_tensors
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    gx, gw = _dispatch_backward(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
-                                ctx.w_dtype, want_x, want_w)
+    with _backward_only():
+        gx, gw = _dispatch_backward(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
+                                    ctx.w_dtype, want_x, want_w)
     return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None, None
 
 
@@ -325,7 +343,8 @@ def _combine_setup(ctx, inputs, output):
 def _combine_bwd(ctx, gy):
     expert_out, weights, token = ctx.saved_tensors
     want_o, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    g_out, g_w = _combine_backward(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
+    with _backward_only():
+        g_out, g_w = _combine_backward(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
     return _none_or(g_out, want_o), _none_or(g_w, want_w), None, None, None
 
 
@@ -377,7 +396,8 @@ def _prefetch_setup(ctx, inputs, output):
 
 def _prefetch_bwd(ctx, g):
     (token,) = ctx.saved_tensors
-    return _prefetch_backward(g, token, ctx.op_id), None, None
+    with _backward_only():
+        return _prefetch_backward(g, token, ctx.op_id), None, None
 
 
 _prefetch.register_autograd(_prefetch_bwd, setup_context=_prefetch_setup)
@@ -491,7 +511,9 @@ def _expert_matmul_setup(ctx, inputs, output):
 def _expert_matmul_bwd(ctx, g):
     a, cu, home, rep, token = ctx.saved_tensors
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    ga, gw = _expert_matmul_backward(g, a, cu, home, rep, token, ctx.op_id, ctx.transpose, ctx.impl, want_a, want_w)
+    with _backward_only():
+        ga, gw = _expert_matmul_backward(g, a, cu, home, rep, token, ctx.op_id, ctx.transpose, ctx.impl, want_a,
+                                         want_w)
     return _none_or(ga, want_a), None, _none_or(gw, want_w), None, None, None, None, None
 
 

@@ -158,7 +158,8 @@ def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, w
         _layer_step(rt, mod, 4, 99)
     compiled = compile_fn(mod)
     names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
-    tol = 1e-5 if _dtype(rt) == torch.float32 else 1e-10
+    # exact modes: only dx is compared with a tolerance; inductor's generated code rounds differently
+    tol = (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10
     for step in range(steps):
         s = _sizes(rt.world_size, step)[rt.rank]
         want, st_want = _layer_step(rt, eager, s, step)
@@ -247,7 +248,7 @@ def _compare_block(rt, compile_fn, exact: bool, tag: str, steps=3):
             if exact and name != "dx":
                 _equal(name, a, b, ctx)
             else:  # dx: the router's and the experts' contributions are added in another order
-                _close(name, a, b, ctx, 1e-5 if _dtype(rt) == torch.float32 else 1e-10)
+                _close(name, a, b, ctx, (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10)
     return mod
 
 
