@@ -138,3 +138,50 @@ def plan_op_matches_eager(device):
 
 def test_plan_op_matches_eager():
     plan_op_matches_eager("cpu")
+
+
+def test_backward_collectives_stay_in_the_backward_graph():
+    """A rank with no tokens has empty tangents, which the compiler may replace with constants (seen with
+    inductor on CUDA); its backward collectives then depend on no tangent.  They must still be partitioned
+    into the backward graph, or that rank runs them in the forward, in another order than its peers.  The
+    constant is put in by hand here (the partition function), then AOTAutograd's min-cut partitioner runs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
+    W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
+    placed = {}
+
+    def partition(joint, inputs, **kw):
+        g = joint.graph
+        for n in list(g.nodes):
+            if n.target is torch.ops.moonep.combine_backward.default:
+                gy = n.args[0]
+                with g.inserting_before(n):
+                    const = g.call_function(torch.ops.aten.zeros.default, (list(gy.meta["val"].shape),),
+                                            {"dtype": gy.meta["val"].dtype})
+                const.meta = {k: v for k, v in gy.meta.items() if k in ("val", "tensor_meta")}
+                const.meta["partitioner_tag"] = "is_backward"
+                n.replace_input_with(gy, const)
+        g.eliminate_dead_code()
+        joint.recompile()
+        fw, bw = min_cut_rematerialization_partition(joint, inputs, **kw)
+        for name, mod in (("forward", fw), ("backward", bw)):
+            placed[name] = [n.target.__name__ for n in mod.graph.nodes
+                            if getattr(n.target, "namespace", None) == "moonep"]
+        return fw, bw
+
+    keep = lambda gm, _: make_boxed_func(gm)  # noqa: E731
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
+
+    def through_ops(x, idx, w):
+        h = ops.dispatch(ep, x, idx, w)
+        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h)
+
+    x, idx, w = _problem(0, 1)
+    torch.compile(through_ops, backend=backend, fullgraph=True)(x, idx, w).sum().backward()
+    assert not any(n.endswith("_backward") or n.startswith("reduce") for n in placed["forward"]), placed
+    assert "combine_backward.default" in placed["backward"], placed
+    ep.close()
