@@ -10,7 +10,7 @@ peers, the backend) inside its body, so Dynamo never traces host work, host sync
 op is one node of the graph, whatever the backend.  Its fake implementation gives the static output shapes
 (``cap = moonep.layout.capacity(max_tokens, topk, R, E, align, slack)`` rows).  Autograd is registered
 with ``register_autograd``, and each backward is a custom op too whose body calls the backward of the
-eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul``,
+eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul``, ``_ExpertBias``,
 ``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.
 
 State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
@@ -41,12 +41,12 @@ from torch import Tensor
 from . import op_state
 from .ep import _CombineFn, _DispatchFn, _PrefetchFn
 from .errors import expect
-from .experts import (_ExpertMatmul, _SlotMatmul, _operands, _rows_grouped, _rows_loop, _run, _two_grouped,
-                      _two_loop)
+from .experts import (_ExpertBias, _ExpertMatmul, _SlotMatmul, _gather_slots, _operands, _row_slots, _rows_grouped,
+                      _rows_loop, _run, _two_grouped, _two_loop)
 
 __all__ = ["Routed", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
-           "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "get_ep", "latent_experts",
-           "qb_record"]
+           "reduce_replicas", "expert_matmul", "expert_bias", "slot_matmul", "plan_and_destinations", "get_ep",
+           "latent_experts", "qb_record"]
 
 
 class Routed(NamedTuple):
@@ -568,6 +568,64 @@ def expert_matmul(h: Routed, a: Tensor, home_weight: Tensor, replicas: Tensor, *
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     return _expert_matmul(a, h.cu_seqlens, home_weight, replicas, h.step, h.op_id, transpose, impl)
+
+
+@torch.library.custom_op("moonep::expert_bias", mutates_args=())
+def _expert_bias(out: Tensor, cu_seqlens: Tensor, home_bias: Tensor, replicas: Tensor, token: Tensor,
+                 op_id: int) -> Tensor:
+    """``moonep.expert_bias``: ``out [cap, N]`` plus each row's slot bias (home biases, then replicas)."""
+    return out + _gather_slots(_row_slots(cu_seqlens, out.shape[0]), home_bias, replicas).to(out.dtype)
+
+
+@_expert_bias.register_fake
+def _(out, cu_seqlens, home_bias, replicas, token, op_id):
+    return out.new_empty(out.shape)
+
+
+def _expert_bias_setup(ctx, inputs, output):
+    out, cu, home, rep, token, op_id = inputs
+    ctx.op_id = op_id
+    ctx.save_for_backward(cu, home, token)
+
+
+def _expert_bias_bwd(ctx, g):
+    cu, home, token = ctx.saved_tensors
+    gb = None
+    if ctx.needs_input_grad[2]:
+        with _backward_only():
+            gb = _expert_bias_backward(g, cu, home, token, ctx.op_id)
+    return g, None, gb, None, None, None
+
+
+_expert_bias.register_autograd(_expert_bias_bwd, setup_context=_expert_bias_setup)
+
+
+@torch.library.custom_op("moonep::expert_bias_backward", mutates_args=())
+def _expert_bias_backward(g: Tensor, cu_seqlens: Tensor, home_bias: Tensor, token: Tensor, op_id: int) -> Tensor:
+    """``_ExpertBias.backward``: the bias gradient of every slot, the replica slots' added at home (collective)."""
+    ep, h = _lookup(token, op_id)
+    rep = SimpleNamespace(home=home_bias, reduce=lambda gh, gr: ep.reduce_replicas(h, gh, gr, in_backward=True))
+    ctx = SimpleNamespace(rep=rep, slot=_row_slots(cu_seqlens, g.shape[0]), needs_input_grad=(True, True))
+    return _fresh(_ExpertBias.backward(ctx, g)[1], home_bias)
+
+
+@_expert_bias_backward.register_fake
+def _(g, cu_seqlens, home_bias, token, op_id):
+    return home_bias.new_empty(home_bias.shape)
+
+
+def expert_bias(h: Routed, out: Tensor, home_bias: Tensor, replicas: Tensor) -> Tensor:
+    """:func:`moonep.expert_bias` as ``moonep::expert_bias``.
+
+    Args:
+        out: ``[cap, N]`` rows grouped by slot (an :func:`expert_matmul` result).
+        home_bias: ``[epn, N]`` this rank's home experts' biases; replicas: ``[epn, N]`` from
+            :func:`prefetch_replicas`.
+    Returns:
+        ``[cap, N]`` in ``out.dtype``; padding rows get no bias.  Differentiable with respect to ``out`` and
+        ``home_bias`` (the replica rows' bias gradient is added at home: collective in the backward).
+    """
+    return _expert_bias(out, h.cu_seqlens, home_bias, replicas, h.step, h.op_id)
 
 
 @torch.library.custom_op("moonep::slot_matmul", mutates_args=())

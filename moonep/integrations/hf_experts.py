@@ -28,7 +28,7 @@ def _slot_linear(a: torch.Tensor, cu: torch.Tensor, w, rw, b, rb, transposed: bo
 
 
 def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tensor, home: dict,
-                       replicas: dict, matmul=None) -> torch.Tensor:
+                       replicas: dict, linear=None) -> torch.Tensor:
     """The expert maths of a transformers fused experts module, over the dispatched slots.
 
     Args:
@@ -38,18 +38,18 @@ def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tens
             (``up_proj [epn, I, H]`` without a gate; ``[epn, H, 2I]`` when ``ex.is_transposed``),
             ``down_proj [epn, H, I]`` (``[epn, I, H]``), optionally ``*_bias [epn, N]``; the dtype of ``rows``.
         replicas: the :class:`moonep.Replicas` of each, from :meth:`moonep.ReplicaPool.fetch`.
-        matmul: ``(a, home_weight, replicas, transpose) -> [cap, N]``, the slot GEMM (default
-            :func:`moonep.expert_matmul`; compiled: :func:`moonep.ops.expert_matmul`, biases refused).
+        linear: ``(a, weight, weight_replicas, bias, bias_replicas, transposed) -> [cap, N]``, one projection
+            of every slot (default: :func:`moonep.expert_matmul` and :func:`moonep.expert_bias`; compiled: their
+            :mod:`moonep.ops` counterparts).
     Returns:
         ``[cap, H]``: ``f_{e_j}(row)`` for each row of slot ``j``; rows past ``cu_seqlens[-1]`` are zero.
     """
     t = ex.moonep_transposed
     up = "gate_up_proj" if ex.moonep_gated else "up_proj"
-    if matmul is None:
-        lin = lambda a, n: _slot_linear(a, cu_seqlens, home[n], replicas[n], home.get(n + "_bias"),  # noqa: E731
-                                        replicas.get(n + "_bias"), t)
-    else:
-        lin = lambda a, n: matmul(a, home[n], replicas[n], not t)  # noqa: E731
+    if linear is None:
+        linear = lambda a, w, rw, b, rb, tr: _slot_linear(a, cu_seqlens, w, rw, b, rb, tr)  # noqa: E731
+    lin = lambda a, n: linear(a, home[n], replicas[n], home.get(n + "_bias"), replicas.get(n + "_bias"),  # noqa: E731
+                              t)
     h = lin(rows, up)
     h = _gate(ex, h) if ex.moonep_gated else ex.act_fn(h)
     out = lin(h, "down_proj")
@@ -132,14 +132,15 @@ class EPRoutedExperts(EPExperts):
         replicas of each step are kept until its backward (not pooled)."""
         from .. import ops
         home = {n: self._home(n) for n in self.sharded_params}
-        expect(not any(n.endswith("_bias") for n in home), "experts", "no expert biases under torch.compile "
-               "(run this model eagerly)", sorted(n for n in home if n.endswith("_bias")))
         ep = ops.get_ep(self.moonep_ep, x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
         h = ops.dispatch(ep, x, idx, w)
         replicas = dict(zip(home, ops.prefetch_replicas(h, *home.values())))
-        out = fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas,
-                                 matmul=lambda a, hw, rw, t: ops.expert_matmul(h, a, hw, rw, transpose=t))
-        return ops.combine(out, h)
+
+        def linear(a, wt, rw, b, rb, transposed):
+            out = ops.expert_matmul(h, a, wt, rw, transpose=not transposed)
+            return out if b is None else ops.expert_bias(h, out, b, rb)
+
+        return ops.combine(fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas, linear), h)
 
 
 class EPDenseExperts(EPExperts):

@@ -271,3 +271,48 @@ def case_hf_mixtral_block(rt):
     _compare_block(rt, lambda m: torch.compile(m, **_CUDAGRAPHS), True, "cudagraphs")
     torch._dynamo.reset()
     _compare_block(rt, lambda m: torch.compile(m, **_REDUCE_OVERHEAD), False, "reduce-overhead", steps=4)
+
+
+def case_hf_gpt_oss_experts_with_biases(rt):
+    """A patched transformers GPT-OSS experts module (expert biases, its own clamped gate) compiled with
+    aot_eager and fullgraph=True: bitwise output and parameter gradients against the eager patched module,
+    replica biases included (their gradient is added at home in the backward)."""
+    if importlib.util.find_spec("transformers") is None:
+        return
+    import transformers
+
+    from moonep.integrations import hf_tiny, patch_hf_moe
+
+    R, dt = rt.world_size, _dtype(rt)
+    mods = []
+    for _ in range(2):
+        cfg = hf_tiny.tiny_config("gpt_oss")
+        cfg.num_local_experts = 4 * R
+        torch.manual_seed(43)
+        model = transformers.GptOssForCausalLM(cfg).to(dt).to(rt.device)
+        patch_hf_moe(model, rt, max_tokens=20)
+        mods.append(model.model.layers[0].mlp.experts)
+    eager, mod = mods
+    Hd = cfg.hidden_size
+    assert any(n.endswith("_bias") for n, _ in mod.named_parameters())
+
+    def step(m, s, seed):
+        g = torch.Generator().manual_seed(4000 + seed)
+        x = torch.randn(s, Hd, generator=g, dtype=dt).to(rt.device).requires_grad_()
+        # every rank's choices on rank 0's experts: the other ranks get replicas (and their biases)
+        idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(s)]) if s else \
+            torch.zeros(0, 2, dtype=torch.int64)
+        w = torch.rand(s, 2, generator=g, dtype=dt)
+        m.zero_grad()
+        y = m(x, idx.to(rt.device), w.to(rt.device))
+        y.square().sum().backward()
+        return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()]
+
+    step(eager, 4, 99), step(mod, 4, 99)  # builds the ExpertParallel eagerly
+    torch._dynamo.reset()
+    compiled = torch.compile(mod, backend="aot_eager", fullgraph=True)
+    names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
+    for st in range(3):
+        s = _sizes(R, st)[rt.rank]
+        for name, a, b in zip(names, step(compiled, s, st), step(eager, s, st)):
+            _equal(name, a, b, f"gpt_oss rank {rt.rank} step {st} s={s}")
