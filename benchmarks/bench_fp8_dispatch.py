@@ -1,6 +1,7 @@
 """FP8 dispatch against bf16 dispatch on one GPU, one rank, NVLink backend.
 
     python3 benchmarks/bench_fp8_dispatch.py --out benchmarks/results/fp8_dispatch_h200.json
+    MOONEP_FP8_WIDE=1 python3 benchmarks/bench_fp8_dispatch.py --out ...   # the 16-byte-store fanout
 
 Same process, same device, same routing: 4096 tokens, hidden 7168, top-8 of 256 experts by default.
 Reported, in microseconds:
@@ -12,12 +13,14 @@ Reported, in microseconds:
 * ``call_graph_us``: a whole ``ep.dispatch`` replayed from a CUDA graph (device time only).
 Target: fp8 ``dispatch_us`` <= 0.65 x bf16 ``dispatch_us``.  The fp8 rows received are also checked bitwise
 against ``moonep.quant.quantize_fp8`` of the token each row holds (``fp8_rows_bitwise``).  The JSON records
-the command, the commit and the machine.
+the command, the commit, the machine and, in its config, the send fanout the "ep" program was compiled with
+(``fp8_fanout``: "default" or "wide"; ``ep_defines``: its compile-time switches; csrc/common.cuh).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from bench_ep_gpu import _PHASES  # noqa: E402
 from bench_planner import graph_time  # noqa: E402
 
 import moonep  # noqa: E402
+from moonep import cuda_runtime  # noqa: E402
 from moonep.bench.provenance import command, git_commit, machine  # noqa: E402
 from moonep.quant import quantize_fp8  # noqa: E402
 
@@ -73,6 +77,15 @@ def _check_fp8_rows(h, x) -> bool:
     ok = ok and torch.equal(scales[used].view(torch.int32), sc.view(torch.int32)[tok])
     ok = ok and not bool(codes[~used].any()) and not bool(scales[~used].view(torch.int32).any())
     return bool(ok)
+
+
+def _fanout() -> dict:
+    """The fp8 send fanout of this process's "ep" program (its switches are read when it is compiled, from the
+    same environment as now): MOONEP_FP8_WIDE as set, and what reached the compile options."""
+    defines = [o for o in cuda_runtime.compile_options("ep") if o.startswith("-D")]
+    wide = [o.split("=", 1)[1] for o in defines if o.startswith("-DMOONEP_FP8_WIDE=")]
+    return dict(fp8_fanout="wide" if wide else "default", fp8_wide_env=os.environ.get("MOONEP_FP8_WIDE"),
+                fp8_wide_words=(8 if wide[0] == "1" else int(wide[0])) if wide else 0, ep_defines=defines)
 
 
 def measure(rt, dtype, fp8, x, idx, w, E, iters):
@@ -124,7 +137,8 @@ def main(argv=None) -> int:
     call_ratio = res["fp8"]["call_graph_us"] / min(res["bf16"]["call_graph_us"], res["bf16_again"]["call_graph_us"])
     fused = not res["fp8"]["quantiser_kernels"]
     out = dict(benchmark="fp8_dispatch", command=command(), commit=git_commit(), machine=machine(),
-               config=dict(tokens=s, hidden=H, experts=E, topk=K, ranks=1, transport="nvlink", iters=args.iters),
+               config=dict(tokens=s, hidden=H, experts=E, topk=K, ranks=1, transport="nvlink", iters=args.iters,
+                           **_fanout()),
                results=res, fp8_over_bf16_dispatch=round(ratio, 3), fp8_over_bf16_call=round(call_ratio, 3),
                quantisation_fused=fused, fp8_rows_bitwise=res["fp8"]["fp8_rows_bitwise"],
                target="fp8 dispatch (quantisation included) <= 0.65 x bf16 dispatch",

@@ -661,26 +661,29 @@ __device__ __forceinline__ float q8_abs(float v) {
   return m <= Q8_FLT_MAX ? m : __uint_as_float(0x7f800000u);
 }
 
-// Codes and scale of one 16-byte word of a token row (VEC = 8 bf16/fp16 or 4 fp32 channels), called by every
-// lane of the warp: lanes 32*k + [0, L) with L = 128/VEC hold one group of 128 channels, whose amax is an
-// xor-shuffle reduction among them.  c: VEC/4 words of four codes.  Returns the group's scale (NaN for a
-// group with inf/nan, whose codes are then all 0x7F) and sets *bad for it.
-template <int DT>
-__device__ __forceinline__ float q8_word(const int4 w, bool pow2, unsigned* c, bool* bad) {
+// Codes and scale of NW consecutive 16-byte words of a token row (N = NW * VEC channels, VEC = 8 bf16/fp16 or
+// 4 fp32 per word), called by every lane of the warp: lanes 32*k + [0, L) with L = 128/N hold one group of 128
+// channels, whose amax is an xor-shuffle reduction among them.  c: N/4 words of four codes.  Returns the group's
+// scale (NaN for a group with inf/nan, whose codes are then all 0x7F) and sets *bad for it.
+template <int DT, int NW>
+__device__ __forceinline__ float q8_words(const int4* w, bool pow2, unsigned* c, bool* bad) {
   constexpr int VEC = DT == DT_F32 ? 4 : 8;
-  constexpr int L = Q8_GROUP / VEC;
-  float v[VEC];
-  unpack16<DT>(w, v);
+  constexpr int N = NW * VEC;
+  constexpr int L = Q8_GROUP / N;
+  static_assert(L >= 1 && L <= 32 && L * N == Q8_GROUP, "a group spans whole lanes of one warp");
+  float v[N];
+#pragma unroll
+  for (int k = 0; k < NW; ++k) unpack16<DT>(w[k], v + k * VEC);
   float amax = 0.f;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) amax = fmaxf(amax, q8_abs(v[j]));
+  for (int j = 0; j < N; ++j) amax = fmaxf(amax, q8_abs(v[j]));
 #pragma unroll
   for (int o = L / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
   const bool b = !(amax <= Q8_FLT_MAX);
   float inv, scale = q8_scale(amax, pow2, &inv);
   const bool tiny = inv > 1.2676506002282294e30f;  // 2^100: subnormal inputs count (see q8_quant1)
 #pragma unroll
-  for (int j = 0; j < VEC; j += 4) {
+  for (int j = 0; j < N; j += 4) {
     const unsigned lo = q8_pack2(q8_quant1(v[j], inv, tiny), q8_quant1(v[j + 1], inv, tiny));
     const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv, tiny), q8_quant1(v[j + 3], inv, tiny));
     c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
@@ -689,8 +692,89 @@ __device__ __forceinline__ float q8_word(const int4 w, bool pow2, unsigned* c, b
   return b ? __uint_as_float(Q8_NAN_BITS) : scale;
 }
 
+// One 16-byte word per lane (L = 16 bf16/fp16 or 32 fp32 lanes per group).
+template <int DT>
+__device__ __forceinline__ float q8_word(const int4 w, bool pow2, unsigned* c, bool* bad) {
+  return q8_words<DT, 1>(&w, pow2, c, bad);
+}
+
 // Bytes of an fp8 wire row (moonep/fp8.py wire_bytes): H codes, H/128 float32 scales, zeros to a multiple of 16.
 __host__ __device__ __forceinline__ i64 q8_wire_bytes(i64 H) { return (H + 4 * (H / Q8_GROUP) + 15) & ~(i64)15; }
+
+// Lane (g & 31) keeps the scale of group g (returns sreg, updated): sc is the scale each lane's group got, the
+// warp-wide word holds groups [g0, g0 + 32/L), L lanes each.
+template <int L>
+__device__ __forceinline__ float q8_keep_scales(int G, int g0, float sc, float sreg, int lane) {
+#pragma unroll
+  for (int h = 0; h < 32 / L; ++h) {
+    const float sh = __shfl_sync(FULL_MASK, sc, h * L);
+    if (g0 + h < G && ((g0 + h) & 31) == lane) sreg = sh;
+  }
+  return sreg;
+}
+
+// After that word: once groups up to a multiple of 32 (or the last one) are kept, each destination gets them as
+// one coalesced run, after the last one the zero padding (tail: scale + padding words of a row).  Warp-uniform.
+template <int L>
+__device__ __forceinline__ void q8_store_scales(char* const* dsts, int n, int H, int G, int tail, int g0, float sreg,
+                                                int lane) {
+  const int gl = min(g0 + 32 / L, G) - 1;  // the word's last group
+  if (((gl + 1) & 31) == 0 || gl == G - 1) {  // warp-uniform: groups [gb, gl] are complete
+    const int gb = gl & ~31, end = gl == G - 1 ? tail : gl + 1;
+    for (int t = 0; t < n; ++t) {
+      float* d = (float*)(dsts[t] + H);
+      for (int k = gb + lane; k < end; k += 32) d[k] = k < G && k - gb < 32 ? sreg : 0.f;
+    }
+  }
+}
+
+// MOONEP_FP8_WIDE (a compile-time switch of the "ep" program; unset or 0: the fanout below): lane l
+// quantises the 16 channels of chunk c0 + 32u + l (NW = 2 bf16/fp16 or 4 fp32 words) and stores their 16 codes with
+// one 16-byte store per destination, as the bf16 path does (512 codes per warp-wide store, 4 groups of 8 lanes,
+// amax in 3 shuffles); WORDS 16-byte words per lane in flight (MOONEP_FP8_WIDE=1: 8, N > 1: N).  Same bytes.
+#if defined(MOONEP_FP8_WIDE) && MOONEP_FP8_WIDE
+#define Q8_WIDE_WORDS (MOONEP_FP8_WIDE > 1 ? MOONEP_FP8_WIDE : 8)
+#endif
+
+template <int DT, int WORDS>
+__device__ __forceinline__ bool warp_quant_fanout_wide(char* const* dsts, int n, const void* x, int H, i64 wb,
+                                                       bool pow2, int lane) {
+  constexpr int VEC = DT == DT_F32 ? 4 : 8;              // channels per 16-byte word
+  constexpr int NW = 16 / VEC;                           // words per chunk of 16 channels
+  constexpr int U = WORDS / NW > 1 ? WORDS / NW : 1;     // chunks per lane in flight
+  constexpr int L = Q8_GROUP / 16;                       // lanes per group
+  const int nc = H / 16, G = H / Q8_GROUP, tail = (int)((wb - H) >> 2);
+  const int4* src = (const int4*)x;
+  bool bad_any = false;
+  float sreg = 0.f;
+  for (int c0 = 0; c0 < nc; c0 += 32 * U) {  // warp-uniform
+    int4 v[U][NW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = c0 + u * 32 + lane;
+#pragma unroll
+      for (int k = 0; k < NW; ++k)  // a group's lanes are in or out together (H % 128 == 0)
+        v[u][k] = j < nc ? __ldg(src + (i64)j * NW + k) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j0 = c0 + u * 32;
+      if (j0 >= nc) break;  // warp-uniform
+      const int j = j0 + lane;
+      unsigned c[4];
+      bool bad;
+      const float sc = q8_words<DT, NW>(v[u], pow2, c, &bad);
+      const bool live = j < nc;
+      bad_any |= live && bad;
+      sreg = q8_keep_scales<L>(G, j0 / L, sc, sreg, lane);
+      if (live) {
+        for (int t = 0; t < n; ++t) *(uint4*)(dsts[t] + (i64)j * 16) = make_uint4(c[0], c[1], c[2], c[3]);
+      }
+      q8_store_scales<L>(dsts, n, H, G, tail, j0 / L, sreg, lane);
+    }
+  }
+  return __any_sync(FULL_MASK, bad_any);
+}
 
 // One warp quantises one token row x [H] (dtype DT, 16-byte aligned, H % 128 == 0) and stores the wire row
 // (wb = q8_wire_bytes(H) bytes) into each of the n rows dsts[0..n) (16-byte aligned, local or peer memory):
@@ -701,9 +785,11 @@ __host__ __device__ __forceinline__ i64 q8_wire_bytes(i64 H) { return (H + 4 * (
 template <int DT>
 __device__ __forceinline__ bool warp_quant_fanout(char* const* dsts, int n, const void* x, int H, i64 wb, bool pow2,
                                                   int lane) {
+#ifdef Q8_WIDE_WORDS
+  return warp_quant_fanout_wide<DT, Q8_WIDE_WORDS>(dsts, n, x, H, wb, pow2, lane);
+#else
   constexpr int VEC = DT == DT_F32 ? 4 : 8;  // channels per 16-byte word
   constexpr int L = Q8_GROUP / VEC;          // lanes per group
-  constexpr int GPW = 32 / L;                // groups per warp-wide word (2 or 1)
   constexpr int U = 4;                       // words per lane in flight
   const int nw = H / VEC, G = H / Q8_GROUP, tail = (int)((wb - H) >> 2);  // tail: scale + padding words
   const int4* src = (const int4*)x;
@@ -726,12 +812,7 @@ __device__ __forceinline__ bool warp_quant_fanout(char* const* dsts, int n, cons
       const float sc = q8_word<DT>(v[u], pow2, c, &bad);
       const bool live = j < nw;
       bad_any |= live && bad;
-      const int g0 = j0 / L;  // the word's first group
-#pragma unroll
-      for (int h = 0; h < GPW; ++h) {
-        const float sh = __shfl_sync(FULL_MASK, sc, h * L);
-        if (g0 + h < G && ((g0 + h) & 31) == lane) sreg = sh;
-      }
+      sreg = q8_keep_scales<L>(G, j0 / L, sc, sreg, lane);
       if (live) {
         for (int t = 0; t < n; ++t) {
           char* d = dsts[t] + (i64)j * VEC;
@@ -739,15 +820,9 @@ __device__ __forceinline__ bool warp_quant_fanout(char* const* dsts, int n, cons
           else *(unsigned*)d = c[0];
         }
       }
-      const int gl = min(g0 + GPW, G) - 1;  // the word's last group
-      if (((gl + 1) & 31) == 0 || gl == G - 1) {  // warp-uniform: groups [gb, gl] are complete
-        const int gb = gl & ~31, end = gl == G - 1 ? tail : gl + 1;
-        for (int t = 0; t < n; ++t) {
-          float* d = (float*)(dsts[t] + H);
-          for (int k = gb + lane; k < end; k += 32) d[k] = k < G && k - gb < 32 ? sreg : 0.f;
-        }
-      }
+      q8_store_scales<L>(dsts, n, H, G, tail, j0 / L, sreg, lane);
     }
   }
   return __any_sync(FULL_MASK, bad_any);
+#endif
 }

@@ -1,7 +1,16 @@
 """FP8 dispatch on one CUDA rank, NVLink backend: the rows the dispatch kernels quantise while sending (and the
 host backends' wire quantiser) against the torch path (bitwise), no host sync (sync-debug "error"), CUDA-graph
 capture and replay, and a non-finite x reported lazily (also in a token without any destination).  Skipped
-without CUDA."""
+without CUDA.
+
+The send kernels' fanout variant is compiled into the "ep" program once per process: ``MOONEP_FP8_WIDE=1``
+(csrc/common.cuh) selects the 16-byte-store one.  A plain run checks the default here and the wide one in a
+child process (``test_wide_fanout_in_a_child``); ``MOONEP_FP8_WIDE=1 pytest tests/gpu/test_fp8_gpu.py`` runs
+everything on the wide one."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -9,7 +18,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import moonep  # noqa: E402
-from moonep import fp8  # noqa: E402
+from moonep import cuda_runtime, fp8  # noqa: E402
+from moonep.config import env_int  # noqa: E402
 from moonep.quant import _quantize_torch  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
@@ -58,7 +68,7 @@ def _wire_of_rows(h):
 
 @pytest.mark.parametrize("fused", ["route,dispatch", "route", "0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hidden", [384, 512])
+@pytest.mark.parametrize("hidden", [384, 512, 640])
 def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
     """Every received row is the wire row of its token (quantised by the dispatch kernels), in both kernel
     paths, zero-copy or not, plain or power-of-two scales; rows without a token are zero."""
@@ -92,6 +102,22 @@ def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
                     assert int(used.sum()) == int((idx >= 0).sum()), ctx
                     assert torch.equal(rows[used], want[tok]), ctx
                     assert not bool(rows[~used].any()), ctx
+
+
+def test_fanout_variant_compiled():
+    """MOONEP_FP8_WIDE reaches the "ep" program's compile options exactly when it is set (and not 0)."""
+    wide = env_int("MOONEP_FP8_WIDE", 0, lo=0)
+    assert any(o.startswith("-DMOONEP_FP8_WIDE=") for o in cuda_runtime.compile_options("ep")) == bool(wide)
+
+
+@pytest.mark.skipif(bool(env_int("MOONEP_FP8_WIDE", 0, lo=0)), reason="this process runs the wide fanout")
+def test_wide_fanout_in_a_child():
+    """The bitwise and non-finite checks again, in a process that compiles the wide fanout."""
+    env = dict(os.environ, MOONEP_FP8_WIDE="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "dispatch_rows_bitwise or nonfinite or variant_compiled"],
+                       env=env, capture_output=True, text=True, timeout=1200)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("fused", ["route,dispatch", "0"])

@@ -3,9 +3,11 @@ stores its wire row into n destination rows) executed on the host: csrc/common.c
 shim in which 32 threads are the 32 lanes of one warp (every shuffle is an exchange through a barrier).  The
 rows it writes must be, byte for byte, the wire rows of the torch path (codes and scales of
 ``quantize_fp8``, zero padding), in every destination, for every group layout (bf16: two groups per warp
-word, fp32: one; batches of 32 scales; a last word half out of range), and it must report inf/nan.  fp16
-differs from bf16 only in the unpacking (its conversion is inline PTX), so it is left to the GPU tests.
-CPU only; skipped without g++."""
+word, fp32: one; batches of 32 scales; a last word half out of range), and it must report inf/nan.  Each
+check runs on every compiled variant (``VARIANTS``): the default fanout and the ``MOONEP_FP8_WIDE`` one
+(16 codes and one 16-byte store per lane, four groups per warp-wide store), at its default depth and at the
+shallowest.  fp16 differs from bf16 only in the unpacking (its conversion is inline PTX), so it is left to
+the GPU tests.  CPU only; skipped without g++."""
 from __future__ import annotations
 
 import ctypes
@@ -29,9 +31,11 @@ SHIM = r'''
 #define __shared__ static
 struct int4 { int x, y, z, w; };
 struct uint2 { unsigned x, y; };
+struct uint4 { unsigned x, y, z, w; };
 struct float4 { float x, y, z, w; };
 static inline int4 make_int4(int a, int b, int c, int d) { return {a, b, c, d}; }
 static inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 static inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 struct Dim3 { unsigned x, y, z; };
 static thread_local Dim3 threadIdx;
@@ -89,6 +93,11 @@ static void* run_lane(void* a) {
   return nullptr;
 }
 extern "C" long long wire_bytes(long long H) { return q8_wire_bytes(H); }
+#ifdef Q8_WIDE_WORDS
+extern "C" int wide_words() { return Q8_WIDE_WORDS; }
+#else
+extern "C" int wide_words() { return 0; }
+#endif
 extern "C" void emulate(int dt, const void* x, int H, long long wb, int pow2, int n, unsigned char* out, int* bad) {
   pthread_barrier_init(&g_bar, nullptr, 32);
   char* d[32];
@@ -108,22 +117,27 @@ extern "C" void emulate(int dt, const void* x, int H, long long wb, int pow2, in
 '''
 
 DT = {torch.float32: 0, torch.bfloat16: 1}  # csrc/common.cuh DT_F32, DT_BF16
+# variant -> (the value of -DMOONEP_FP8_WIDE, or None; the 16-byte words per lane in flight it compiles to)
+VARIANTS = {"default": (None, 0), "wide": (1, 8), "wide2": (2, 2)}
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def lib(request, tmp_path_factory):
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("needs g++")
-    d = tmp_path_factory.mktemp("q8send")
+    define, words = VARIANTS[request.param]
+    d = tmp_path_factory.mktemp(f"q8send_{request.param}")
     (d / "emu.cpp").write_text(SHIM + f'#include "{cuda_runtime.csrc_dir() / "common.cuh"}"\n' + HARNESS)
     so = d / "libemu.so"
-    r = subprocess.run([gxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread",
+    flags = [] if define is None else [f"-DMOONEP_FP8_WIDE={define}"]
+    r = subprocess.run([gxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", *flags,
                         str(d / "emu.cpp"), "-o", str(so)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lib = ctypes.CDLL(str(so))
     lib.wire_bytes.restype = ctypes.c_longlong
     lib.wire_bytes.argtypes = [ctypes.c_longlong]
+    assert lib.wide_words() == words  # the switch reached the fanout
     return lib
 
 
@@ -155,7 +169,7 @@ def test_wire_bytes_agree(lib):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("H", [128, 256, 384, 640, 4224, 4096 + 384, 7168])
+@pytest.mark.parametrize("H", [128, 256, 384, 512, 640, 4224, 4096 + 384, 7168])
 def test_send_rows_are_the_wire_rows(lib, dtype, H):
     g = torch.Generator().manual_seed(H)
     for pow2 in (False, True):
@@ -163,6 +177,8 @@ def test_send_rows_are_the_wire_rows(lib, dtype, H):
              generator=g).double()).repeat_interleave(128)).to(dtype)
         if H >= 256:
             x[128:256] = 0  # a zero group
+        if H >= 512:
+            x[384:512] = x[384:512] * 2.0 ** -122  # a tiny group, subnormal inputs in it
         want = want_row(x, pow2)
         for n in (0, 1, 3):
             rows, bad = send(lib, x, pow2, n)
@@ -176,8 +192,10 @@ def test_send_rows_are_the_wire_rows(lib, dtype, H):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("bad_at", [0, 130, -1])
-def test_send_reports_non_finite(lib, dtype, bad_at):
-    H = 4224  # 33 groups: the last one alone in its scale batch (and, bf16, in the warp's last word)
+@pytest.mark.parametrize("H", [640, 4224])
+def test_send_reports_non_finite(lib, dtype, bad_at, H):
+    # 4224: 33 groups, the last one alone in its scale batch (and in the warp's last word); 640: a last warp
+    # word with one group of five (wide) or half out of range (default, bf16)
     x = torch.randn(H, generator=torch.Generator().manual_seed(5)).to(dtype)
     x[bad_at] = float("nan") if bad_at else float("inf")
     rows, bad = send(lib, x, False, 2)
