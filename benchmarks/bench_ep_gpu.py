@@ -73,13 +73,13 @@ _PHASES = {"validate": "validate", "moonep_gather": "gather", "planner": "planne
            "moonep_dispatch_zero": "zero", "moonep_combine_fused": "combine"}
 
 
-def _phases(eng, step, iters):
-    """Per-phase microseconds per step, from CUDA events the engine records around every kernel."""
+def phase_sums(eng, step) -> dict:
+    """Microseconds per phase of ``step()`` (its calls' kernels grouped by :data:`_PHASES`), from the CUDA
+    events the engine records around every launch."""
     torch.cuda.synchronize()
     eng.profile = []
     try:
-        for _ in range(iters):
-            step()
+        step()
         torch.cuda.synchronize()
         marks = eng.profile
     finally:
@@ -88,6 +88,12 @@ def _phases(eng, step, iters):
     for (_, a), (label, b) in zip(marks, marks[1:]):
         key = _PHASES.get(label, label)
         acc[key] = acc.get(key, 0.0) + a.elapsed_time(b) * 1e3
+    return acc
+
+
+def _phases(eng, step, iters):
+    """Per-phase microseconds per step, averaged over ``iters`` steps."""
+    acc = phase_sums(eng, lambda: [step() for _ in range(iters)])
     return {k: round(v / iters, 1) for k, v in acc.items()}
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_ep_gpu import _PHASES  # noqa: E402
+from bench_ep_gpu import phase_sums  # noqa: E402
 from bench_planner import graph_time  # noqa: E402
 
 import moonep  # noqa: E402
@@ -43,21 +43,9 @@ _ROUTE = ("route_gather", "planner", "layout", "validate", "gather")
 def _kernel_times(eng, step, iters):
     """Per-kernel device times [us] of ``iters`` calls of ``step``, from the CUDA events the backend records
     around every launch: ({label: median}, {label: mean})."""
-    torch.cuda.synchronize()
     per = {}
     for _ in range(iters):
-        eng.profile = []
-        try:
-            step()
-            torch.cuda.synchronize()
-            marks = eng.profile
-        finally:
-            eng.profile = None
-        acc = {}
-        for (_, a), (label, b) in zip(marks, marks[1:]):
-            key = _PHASES.get(label, label)
-            acc[key] = acc.get(key, 0.0) + a.elapsed_time(b) * 1e3
-        for k, v in acc.items():
+        for k, v in phase_sums(eng, step).items():
             per.setdefault(k, []).append(v)
     med = {k: round(float(np.median(v)), 1) for k, v in per.items()}
     mean = {k: round(float(np.mean(v)), 1) for k, v in per.items()}
