@@ -98,20 +98,25 @@ def _none_or(t: Tensor, wanted: bool):
     return t if wanted else None
 
 
+@contextlib.contextmanager
 def _backward_only():
-    """Context for the collective of a backward rule while AOTAutograd traces the joint graph: its nodes are
-    tagged so that the partitioner keeps them in the backward graph.  Without the tag, a rank whose tangents
-    are empty (no tokens) gets backward collectives that depend on no tangent, which the partitioner may move
-    into the forward graph: that rank would then run them in another order than its peers (a deadlock).
-    Outside tracing, and with a torch that lacks the tag, it does nothing."""
-    try:
-        from torch._functorch._aot_autograd.graph_capture_wrappers import set_partitioner_tag_must_be_in_backward
-        from torch.fx import traceback as fx_traceback
-    except ImportError:
-        return contextlib.nullcontext()
+    """Context for the collective of a backward rule while AOTAutograd traces the joint graph: its nodes get
+    the partitioner tag "must_be_in_backward" (read by torch's min-cut and default partitioners since 2.5).
+    Without it, a rank whose tangents are empty (no tokens) gets backward collectives that depend on no
+    tangent, which the partitioner may move into the forward graph: that rank would then run them in another
+    order than its peers (a deadlock).  Outside tracing (no node metadata being recorded) it does nothing."""
+    from torch.fx import traceback as fx_traceback
+
     if not fx_traceback.has_preserved_node_meta():
-        return contextlib.nullcontext()
-    return set_partitioner_tag_must_be_in_backward()
+        yield
+        return
+    meta = fx_traceback.current_meta
+    saved = meta.get("partitioner_tag")
+    meta["partitioner_tag"] = "must_be_in_backward"
+    try:
+        yield
+    finally:
+        meta["partitioner_tag"] = saved
 
 
 class _Rows:
