@@ -52,17 +52,24 @@ def _timeout_delta(timeout) -> datetime.timedelta:
 
 
 def _poll(req, seconds: float, keep=()) -> bool:
-    """Test ``req`` until it completes (True) or ``seconds`` pass (False: ``req`` and ``keep`` stay alive)."""
+    """Test ``req`` until it completes (True) or ``seconds`` pass (False: ``req`` and ``keep`` stay alive).
+
+    Never ``Wait``/``Free``: a request a peer never matches is kept (with its buffers), not waited on; an
+    MPI error raised by ``Test`` leaves them kept too, so MPI never writes into freed memory."""
     t0 = time.monotonic()
     deadline = t0 + seconds
     spins = 0
-    while not req.Test():
-        spins += 1
-        if spins > 1000:  # spin briefly, then yield the core (ranks may share cores)
-            time.sleep(1e-3 if time.monotonic() - t0 > 1.0 else 1e-4)
-        if time.monotonic() > deadline:
-            _ABANDONED.append((req, keep))
-            return False
+    try:
+        while not req.Test():
+            spins += 1
+            if spins > 1000:  # spin briefly, then yield the core (ranks may share cores)
+                time.sleep(1e-3 if time.monotonic() - t0 > 1.0 else 1e-4)
+            if time.monotonic() > deadline:
+                _ABANDONED.append((req, keep))
+                return False
+    except BaseException:
+        _ABANDONED.append((req, keep))
+        raise
     return True
 
 

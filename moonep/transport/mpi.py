@@ -29,6 +29,10 @@ behind never reaches a later one, so a new instance built after a failure works.
   late at a call its peers gave up on simply pairs with their next ``all_gather_object`` call.
 * After a timeout or an MPI error the instance refuses every later call at once (its peers' messages of
   the failed call may still arrive); build a new ``ExpertParallel``.
+* Nothing here waits outside a call's own deadline, and nothing runs at garbage collection: no
+  finalizer, no ``Wait``, no communicator ``Free`` (collective: it would block on a peer that skipped the
+  failed call).  Requests given up on stay, with their buffers, in a module-level list (``_ABANDONED``),
+  checked only with ``Test``; :meth:`MPITransport.close` is local.  The communicator is the runtime's.
 """
 from __future__ import annotations
 
@@ -64,8 +68,20 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.view(_WIRE_VIEW.get(t.dtype, t.dtype)).numpy()
 
 
+def _nap(spins: int, waited: float) -> None:
+    """Between polls: spin briefly for latency, then sleep, longer the longer the wait (up to 1 ms).
+
+    A waiting rank must leave the cores to the ranks still working (they may share cores): short sleeps
+    wake it thousands of times a second, each wake-up preempting a rank that has work to do."""
+    if spins > 1000:
+        time.sleep(min(1e-3, max(1e-4, waited / 100)))
+
+
 def _abandon(reqs, bufs) -> None:
-    """Keep requests that may still complete (and what they read or write) alive; drop finished ones."""
+    """Keep requests that may still complete (and what they read or write) alive; drop finished ones.
+
+    Never ``Wait``/``Free`` them: a peer that skipped the call never matches them, and a dropped request
+    would leave MPI writing into a buffer that Python has freed."""
     _ABANDONED.append((list(reqs), bufs))
     if len(_ABANDONED) > 256:
         keep = []
@@ -95,6 +111,21 @@ def _cancel(recvs, sends, bufs) -> None:
         except Exception:  # noqa: BLE001 (completed already, or a failed peer)
             pass
     _abandon(list(recvs) + list(sends), bufs)
+
+
+def _post(comm, recv_bufs, send_bufs, peers, tag):
+    """Post one receive from and one send to each of ``peers``; if posting fails part way, what was posted
+    is abandoned (kept alive with its buffers) before the error propagates."""
+    recvs, sends = [], []
+    try:
+        for b, p in zip(recv_bufs, peers):
+            recvs.append(comm.Irecv(b, source=p, tag=tag))
+        for b, p in zip(send_bufs, peers):
+            sends.append(comm.Isend(b, dest=p, tag=tag))
+    except BaseException:
+        _cancel(recvs, sends, (recv_bufs, send_bufs))
+        raise
+    return recvs, sends
 
 
 def _tag_space(comm, MPI):
@@ -161,8 +192,7 @@ class MPITransport(Transport):
         try:
             while not MPI.Request.Testall(reqs):
                 spins += 1
-                if spins > 1000:  # spin briefly for latency, then yield the core (ranks may share cores)
-                    time.sleep(1e-4)
+                _nap(spins, self.timeout - (deadline - time.monotonic()))
                 if time.monotonic() > deadline:
                     missing = [p for p, r in zip(self.peers, recvs) if not r.Test()]
                     _abandon(reqs, bufs)
@@ -182,10 +212,8 @@ class MPITransport(Transport):
         One message per peer per call, also when empty: both sides make the same calls in the same order,
         and MPI keeps messages of one (source, tag) in order, so the k-th message pairs with the k-th call.
         """
-        comm = self.comm
         try:
-            recvs = [comm.Irecv(recv_bufs[i], source=p, tag=tag) for i, p in enumerate(self.peers)]
-            sends = [comm.Isend(send_bufs[i], dest=p, tag=tag) for i, p in enumerate(self.peers)]
+            recvs, sends = _post(self.comm, recv_bufs, send_bufs, self.peers, tag)
         except Exception as exc:  # noqa: BLE001
             raise self._fail(what, f"failed: {exc}") from exc
         self._wait_all(recvs, sends, what, keep)
@@ -210,8 +238,7 @@ class MPITransport(Transport):
         comm, tag, MPI = self.comm, self._header_tag, self._MPI
         deadline = time.monotonic() + self.timeout
         try:
-            recvs = [comm.Irecv(got[p], source=p, tag=tag) for p in self.peers]
-            sends = [comm.Isend(mine, dest=p, tag=tag) for p in self.peers]
+            recvs, sends = _post(comm, [got[p] for p in self.peers], [mine] * len(self.peers), self.peers, tag)
         except Exception as exc:  # noqa: BLE001
             raise self._fail("header exchange", f"failed: {exc}") from exc
         spins = 0
@@ -229,8 +256,7 @@ class MPITransport(Transport):
                         recvs[i] = comm.Irecv(got[self.peers[i]], source=self.peers[i], tag=tag)
                     continue
                 spins += 1
-                if spins > 1000:  # spin briefly for latency, then yield the core (ranks may share cores)
-                    time.sleep(1e-4)
+                _nap(spins, self.timeout - (deadline - time.monotonic()))
                 if time.monotonic() > deadline:
                     missing = [p for p, r in zip(self.peers, recvs) if not r.Test()]
                     raise self._missing("header exchange", missing)
@@ -366,6 +392,8 @@ class MPITransport(Transport):
                             del inbox[p]
                             handle(p, buf)
                             progressed = True
+                            if p in got:  # its answer: leave what follows for the next call
+                                break
                         m = comm.Improbe(source=p, tag=tag, status=status)
                         if m is None:
                             break
@@ -379,8 +407,7 @@ class MPITransport(Transport):
                         break
                 if not progressed:
                     spins += 1
-                    if spins > 1000:
-                        time.sleep(1e-4)
+                    _nap(spins, self.timeout - (deadline - time.monotonic()))
                 if time.monotonic() > deadline:
                     missing = [p for p in peers if p not in got]
                     _abandon([r for _, _, r, _ in sends] + [r for r, _ in inbox.values()],
@@ -398,7 +425,7 @@ class MPITransport(Transport):
             raise self._fail("all_gather_object", f"failed: {exc}") from exc
         # What is still in flight (answers to leftover nonces, which nobody may ever take): kept alive,
         # not waited for.
-        rest = [(r, b) for _, _, r, b in sends if not r.Test()]
+        rest = [(r, b) for _, _, r, b in sends if not r.Test()] + list(inbox.values())
         if rest:
             _abandon([r for r, _ in rest], [b for _, b in rest])
         return got

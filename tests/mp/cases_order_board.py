@@ -5,6 +5,7 @@ import os
 import time
 
 from moonep.errors import MoonepError
+from moonep.testing.mprun import quiet_barrier
 from moonep.guard import HEADER_WORDS, CollectiveGuard
 from moonep.transport.order_board import OrderBoard
 
@@ -76,7 +77,7 @@ def case_board_late_peer_times_out_naming_it(rt):
                 assert "cannot be used any more" in str(e), str(e)
             else:
                 raise AssertionError("a board that timed out was used again")
-        rt.comm.Barrier()
+        quiet_barrier(rt.comm)
     finally:
         b.close()
 
@@ -87,5 +88,5 @@ def case_board_close_removes_the_segment(rt):
     b.exchange([0, 0, 0, 0])
     b.close()
     b.close()  # idempotent
-    rt.comm.Barrier()
+    quiet_barrier(rt.comm)
     assert not os.path.exists(f"/dev/shm/{name.lstrip('/')}"), name

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import moonep
 from ep_reference import dense_reference, make_problem, moe_step, my_slice
 from faults_common import expect_moonep_error, isolated
+from moonep.testing.mprun import quiet_barrier
 
 T = 3.0  # timeout of the isolated runtimes and instances (seconds)
 SLACK = 2.0  # allowed on top of T to raise (2 cores shared by up to 4 ranks)
@@ -62,7 +63,9 @@ def _dispatch_args(sub, ep):
 
 
 def _sync(rt):
-    rt.comm.Barrier()  # the harness's communicator: every rank arrives (the fault phase is over)
+    # The harness's communicator: every rank arrives (the fault phase is over).  Polled with sleeps: ranks
+    # spinning in a blocking barrier starve a late rank still working on a shared core.
+    quiet_barrier(rt.comm)
 
 
 # -- (a) a rank that never arrives at ExpertParallel(...) ------------------------------------------------
@@ -163,12 +166,62 @@ def case_retry_after_stalled_dispatch_torch(rt):
     _retry_case(rt, "torch")
 
 
+GC_BOUND = 15.0  # seconds: ~0.5 s here; a rank starved by spinning peers (4 ranks, 2 cores) took 7 s
+
+
+def _collect_without_mpi(sub, what):
+    """``gc.collect()`` runs no mpi4py call and returns within ``GC_BOUND`` seconds.
+
+    A finalizer that frees a communicator (``Comm.Free`` is collective) or waits on a request would block
+    here when a peer skipped the failed call, and only when a collection happens to run.  Such a call is
+    refused (the profile hook raises before it runs, so the finalizer fails instead of blocking) and
+    reported."""
+    import gc
+    import sys
+
+    seen = []
+
+    def hook(frame, event, arg):
+        if event == "c_call" and type(getattr(arg, "__self__", None)).__module__.startswith("mpi4py"):
+            seen.append(f"{type(arg.__self__).__name__}.{arg.__name__} from {frame.f_code.co_filename}:"
+                        f"{frame.f_lineno} ({frame.f_code.co_name})")
+            raise RuntimeError("an MPI call during garbage collection")
+
+    s0 = _sched()
+    t0 = time.monotonic()
+    sys.setprofile(hook)
+    try:
+        gc.collect()
+    finally:
+        sys.setprofile(None)
+    dt = time.monotonic() - t0
+    s1 = _sched()
+    _timed(what, sub, dt)
+    assert not seen, f"rank {sub.rank}: garbage collection called MPI: {seen}"
+    # On a core vs waiting for one: tells a blocked collection from a starved one.
+    sched = f" (on a core {(s1[0] - s0[0]) / 1e9:.2f}s, waiting for one {(s1[1] - s0[1]) / 1e9:.2f}s)" if s0 else ""
+    assert dt <= GC_BOUND, f"rank {sub.rank}: gc.collect() took {dt:.1f}s{sched}"
+
+
+def _sched():
+    """This thread's (ns on a core, ns runnable but waiting) from Linux schedstat, or None."""
+    import threading
+
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            return [int(v) for v in f.read().split()[:2]]
+    except (OSError, ValueError):
+        return None
+
+
 def case_fresh_instance_after_a_peer_skipped_the_failed_call_mpi(rt):
     """The stalled rank never makes the dispatch its peers timed out in: it drops that instance instead.
     Their header of the failed call waits in its queue; the fresh instance on the same runtime drops it as
-    a leftover of a dead instance and works (and the others' cancelled receives do not take its headers)."""
-    import gc
+    a leftover of a dead instance and works (and the others' cancelled receives do not take its headers).
 
+    The dropped instances are left in reference cycles, so garbage collection (not reference counting)
+    frees them, their transports and what held their given-up requests: it must not touch MPI (a peer
+    skipped the call) and must return promptly, on every rank."""
     sub = isolated(rt, timeout=T)
     late = sub.world_size - 1
     ep = _ep(sub, "mpi")
@@ -177,10 +230,18 @@ def case_fresh_instance_after_a_peer_skipped_the_failed_call_mpi(rt):
     if sub.rank == late:
         time.sleep(T + 1.0)
     else:
-        _expect("mpi dispatch with a peer that skips it", sub, lambda: ep.dispatch(x, idx, w), "dispatch #5",
+        def failing_dispatch(ep=ep):
+            try:
+                ep.dispatch(x, idx, w)
+            except moonep.MoonepError as exc:
+                ep._kept_error = exc  # a cycle through the traceback's frames (which held the requests)
+                raise
+        _expect("mpi dispatch with a peer that skips it", sub, failing_dispatch, "dispatch #5",
                 f"rank {late} did not join")
+        del failing_dispatch
+    ep._self = ep
     del ep
-    gc.collect()
+    _collect_without_mpi(sub, "gc.collect after the skipped call")
     _sync(rt)
     ep2 = _ep(sub, "mpi")
     _check_step(sub, ep2, seed=9)

@@ -77,6 +77,8 @@ def main():
     import moonep
     from faults_common import isolated
 
+    from moonep.testing.mprun import quiet_barrier
+
     rt = moonep.init(device="cpu")
     pairs = rt.world_size // 2
     assert rt.world_size == 2 * len(SCENARIOS), f"run with {2 * len(SCENARIOS)} ranks"
@@ -89,7 +91,7 @@ def main():
             sub = s
     op, transport, victim = SCENARIOS[pair]
     name = f"{op}/{transport}"
-    rt.comm.Barrier()  # every pair set up before anyone dies
+    quiet_barrier(rt.comm)  # every pair set up before anyone dies
     t0 = time.time()
     rec = {"rank": rt.rank, "scenario": name, "event": "no-error"}
     try:
