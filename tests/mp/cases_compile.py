@@ -32,8 +32,15 @@ def _dtype(rt):
     return torch.float32 if _cuda(rt) else torch.float64  # the NVLink kernels move no float64
 
 
-def _sizes(R, step):
-    """Tokens per rank at ``step``: different on every rank, 0 on one rank (R > 1), changing every step."""
+def _sizes(R, step, graphs=False):
+    """Tokens per rank at ``step``: different on every rank, 0 on one rank (R > 1), changing every step.
+
+    ``graphs`` (CUDA graphs): the same count on every rank, repeated, so that each graph is warmed up, then
+    recorded and replayed, with a new count between.  The ranks must go through warm-up, recording and
+    replay together: a replay runs no Python, so it skips the host-side call-order check (the order board)
+    that a peer warming up or recording would wait for."""
+    if graphs:
+        return [(12, 12, 12, 9, 12)[step % 5]] * R
     base = [16, 17, 9, 5, 12, 3, 7, 11]
     sizes = [base[(r + step) % len(base)] for r in range(R)]
     if R > 1:
@@ -101,11 +108,11 @@ def _moe_step(rt, fn, W, s, seed):
     return y.detach(), x.grad, w.grad, W.grad
 
 
-def _compare_moe(rt, compiled, tag):
+def _compare_moe(rt, compiled, tag, graphs=False):
     _, W, eager, through_ops = _moe(rt)
     fn = compiled(through_ops)
-    for step in range(3):
-        s = _sizes(rt.world_size, step)[rt.rank]
+    for step in range(5 if graphs else 3):
+        s = _sizes(rt.world_size, step, graphs)[rt.rank]
         want = _moe_step(rt, eager, W, s, step)
         got = _moe_step(rt, fn, W, s, step)
         for name, a, b in zip(("y", "dx", "dw", "dW"), got, want):
@@ -131,7 +138,7 @@ def case_moe_function_cuda_graphs(rt):
     if not _cuda(rt):
         return
     torch._dynamo.reset()
-    _compare_moe(rt, lambda f: torch.compile(f, **_CUDAGRAPHS), "cudagraphs")
+    _compare_moe(rt, lambda f: torch.compile(f, **_CUDAGRAPHS), "cudagraphs", graphs=True)
 
 
 # --------------------------------------------------------------------------------------------- LatentMoE
@@ -149,7 +156,7 @@ def _layer_step(rt, m, s, seed):
     return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()], dict(m.last_stats)
 
 
-def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, warmup=False):
+def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, warmup=False, graphs=False):
     """Eager layer vs a compiled copy over ``steps`` steps of changing counts; returns the compiled module."""
     E = 2 * rt.world_size if rt.world_size > 1 else 4
     eager, mod = _layer(rt, E, max_tokens), _layer(rt, E, max_tokens)
@@ -161,7 +168,7 @@ def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, w
     # exact modes: only dx is compared with a tolerance; inductor's generated code rounds differently
     tol = (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10
     for step in range(steps):
-        s = _sizes(rt.world_size, step)[rt.rank]
+        s = _sizes(rt.world_size, step, graphs)[rt.rank]
         want, st_want = _layer_step(rt, eager, s, step)
         got, st_got = _layer_step(rt, compiled, s, step)
         ctx = f"{tag} rank {rt.rank} step {step} s={s}"
@@ -205,10 +212,11 @@ def case_latent_moe_inductor(rt):
     _compare_layer(rt, lambda m: torch.compile(m, backend="aot_eager", fullgraph=True), 20, True, "aot_eager",
                    warmup=True)
     torch._dynamo.reset()
-    _compare_layer(rt, lambda m: torch.compile(m, **_CUDAGRAPHS), 20, True, "cudagraphs", steps=4, warmup=True)
+    _compare_layer(rt, lambda m: torch.compile(m, **_CUDAGRAPHS), 20, True, "cudagraphs", steps=5, warmup=True,
+                   graphs=True)
     torch._dynamo.reset()
-    _compare_layer(rt, lambda m: torch.compile(m, **_REDUCE_OVERHEAD), 20, False, "reduce-overhead", steps=4,
-                   warmup=True)
+    _compare_layer(rt, lambda m: torch.compile(m, **_REDUCE_OVERHEAD), 20, False, "reduce-overhead", steps=5,
+                   warmup=True, graphs=True)
 
 
 # --------------------------------------------------------------------------------------------- HF Mixtral
@@ -235,13 +243,13 @@ def _block_step(rt, m, s, seed):
     return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()]
 
 
-def _compare_block(rt, compile_fn, exact: bool, tag: str, steps=3):
+def _compare_block(rt, compile_fn, exact: bool, tag: str, steps=3, graphs=False):
     eager, mod = _mixtral_blocks(rt)
     _block_step(rt, eager, 4, 99), _block_step(rt, mod, 4, 99)  # builds the ExpertParallel eagerly
     compiled = compile_fn(mod)
     names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
     for step in range(steps):
-        s = _sizes(rt.world_size, step)[rt.rank]
+        s = _sizes(rt.world_size, step, graphs)[rt.rank]
         want, got = _block_step(rt, eager, s, step), _block_step(rt, compiled, s, step)
         ctx = f"{tag} rank {rt.rank} step {step} s={s}"
         for name, a, b in zip(names, got, want):
@@ -268,9 +276,10 @@ def case_hf_mixtral_block(rt):
     torch._dynamo.reset()
     _compare_block(rt, lambda m: torch.compile(m, fullgraph=True), False, "inductor")
     torch._dynamo.reset()
-    _compare_block(rt, lambda m: torch.compile(m, **_CUDAGRAPHS), True, "cudagraphs")
+    _compare_block(rt, lambda m: torch.compile(m, **_CUDAGRAPHS), True, "cudagraphs", steps=5, graphs=True)
     torch._dynamo.reset()
-    _compare_block(rt, lambda m: torch.compile(m, **_REDUCE_OVERHEAD), False, "reduce-overhead", steps=4)
+    _compare_block(rt, lambda m: torch.compile(m, **_REDUCE_OVERHEAD), False, "reduce-overhead", steps=5,
+                   graphs=True)
 
 
 def case_hf_gpt_oss_experts_with_biases(rt):
