@@ -43,9 +43,11 @@ _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once:
 
 # --------------------------------------------------------------------------------------------- GEMMs
 def _grouped_ok(a: torch.Tensor, *ws: torch.Tensor) -> bool:
+    if (a.device.type, a.dtype) in _FAILED:
+        return False
     if experts_cuda.usable(a):  # float32: moonep's kernels (torch's grouped GEMM takes bf16/fp16)
         return True
-    if _GMM is None or a.device.type != "cuda" or (a.device.type, a.dtype) in _FAILED:
+    if _GMM is None or a.device.type != "cuda":
         return False
     if a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
@@ -261,7 +263,7 @@ class _ExpertBias(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, b_home, cu, rep):
         slot = _row_slots(cu, out.shape[0])
-        ctx.rep, ctx.slot = rep, slot
+        ctx.rep, ctx.slot, ctx.cu = rep, slot, cu
         return out + _gather_slots(slot, b_home, rep.weights()).to(out.dtype)
 
     @staticmethod
@@ -269,9 +271,12 @@ class _ExpertBias(torch.autograd.Function):
         epn = ctx.rep.home.shape[0]
         gb = None
         if ctx.needs_input_grad[1]:
-            acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)
-            acc.index_add_(0, ctx.slot, g)  # padding rows land in the extra row, dropped
             dt = ctx.rep.home.dtype
+            if experts_cuda.usable(g.float()):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
+                acc = experts_cuda.slot_sums(g, ctx.cu)
+            else:
+                acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)
+                acc.index_add_(0, ctx.slot, g)  # padding rows land in the extra row, dropped
             gb = ctx.rep.reduce(acc[:epn].to(dt), acc[epn:2 * epn].to(dt))
         return g, gb, None, None
 

@@ -12,13 +12,30 @@ import numpy as np
 import torch
 
 from . import cuda_runtime
+from .errors import expect
 
 _TILE = 64
+_MAX_GRID_Y = 65535
 
 
 def usable(a: torch.Tensor) -> bool:
     """True for float32 CUDA rows when the kernels can load (CuPy present)."""
     return a.dtype == torch.float32 and a.device.type == "cuda" and cuda_runtime.available()
+
+
+def _check(name: str, w: torch.Tensor, a: torch.Tensor, D: int) -> None:
+    expect(w.dtype == torch.float32 and w.device == a.device, name, f"float32 on {a.device} (like the rows)",
+           f"{w.dtype} on {w.device}")
+    expect(w.dim() == 3 and w.shape[1] == D, name, f"shape [slots, D={D}, N]", list(w.shape))
+
+
+def _launch(name: str, grid: tuple, args: tuple, device_index: int) -> None:
+    try:
+        cuda_runtime.kernels("slot_gemm", device_index).launch(name, grid, (256, 1, 1), args, any_device=True)
+    except (ImportError, RuntimeError):
+        raise
+    except Exception as exc:  # CuPy's compile and driver errors: the caller falls back on RuntimeError
+        raise RuntimeError(f"moonep: {name}: {exc}") from exc
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -36,36 +53,53 @@ def slot_gemm(a: torch.Tensor, cu: torch.Tensor, w_home: torch.Tensor, w_rep: to
     Returns:
         float32 ``[cap, N]``; rows from ``cu[G]`` on are zero.
     """
-    a, cu = _rows(a), cu.to(torch.int32).contiguous()
+    a, cu = _rows(a), cu.to(a.device, torch.int32).contiguous()
     G = cu.shape[0] - 1
     cap, D = a.shape
     N = w_home.shape[-1]
     rep = w_home if w_rep is None else w_rep
+    _check("w_home", w_home, a, D)
+    _check("w_rep", rep, a, D)
+    n_home = G if w_rep is None else w_home.shape[0]
+    expect(rep.shape[-1] == N and (w_rep is None and w_home.shape[0] == G or
+                                   w_rep is not None and n_home + w_rep.shape[0] == G),
+           "w_home, w_rep", f"{G} slot weights [*, {D}, {N}] in all (cu has {G + 1} offsets)",
+           [list(w_home.shape), None if w_rep is None else list(w_rep.shape)])
     out = torch.empty(cap, N, dtype=torch.float32, device=a.device)
     if cap == 0 or N == 0:
         return out
     p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
     # y: the slot tiles (at most ceil(cap/64) + G of them with the padding tiles), plus one spare
     grid = ((N + _TILE - 1) // _TILE, (cap + _TILE - 1) // _TILE + G + 1, 1)
-    cuda_runtime.kernels("slot_gemm", a.device.index).launch(
-        "moonep_slot_gemm_f32", grid, (256, 1, 1),
-        (p(a), i64(a.stride(0)), p(cu), i32(G), p(w_home), *map(i64, w_home.stride()),
-         i32(G if w_rep is None else w_home.shape[0]), p(rep), *map(i64, rep.stride()),
-         p(out), i64(out.stride(0)), i32(cap), i32(D), i32(N)), any_device=True)
+    expect(grid[1] <= _MAX_GRID_Y, "a", f"at most {(_MAX_GRID_Y - G - 1) * _TILE} rows for the float32 slot "
+           "kernels", f"{cap} rows")
+    _launch("moonep_slot_gemm_f32", grid,
+            (p(a), i64(a.stride(0)), p(cu), i32(G), p(w_home), *map(i64, w_home.stride()), i32(n_home), p(rep),
+             *map(i64, rep.stride()), p(out), i64(out.stride(0)), i32(cap), i32(D), i32(N)), a.device.index)
     return out
 
 
 def slot_wgrad(a: torch.Tensor, g: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """Weight gradient of every slot: float32 ``[G, D, N]`` with ``[j] = a[rows j].T @ g[rows j]`` (zero for an
     empty slot).  a: float32 ``[cap, D]``; g: float32 ``[cap, N]``; cu: int ``[G + 1]``."""
-    a, g, cu = _rows(a), _rows(g), cu.to(torch.int32).contiguous()
+    a, g, cu = _rows(a), _rows(g), cu.to(a.device, torch.int32).contiguous()
     G, D, N = cu.shape[0] - 1, a.shape[1], g.shape[1]
+    expect(g.dtype == torch.float32 and g.device == a.device and g.shape[0] == a.shape[0], "g",
+           f"float32 [{a.shape[0]}, N] on {a.device}", f"{g.dtype} {list(g.shape)} on {g.device}")
     out = torch.empty(G, D, N, dtype=torch.float32, device=a.device)
     if out.numel() == 0:
         return out
     p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
     grid = ((N + _TILE - 1) // _TILE, (D + _TILE - 1) // _TILE, G)
-    cuda_runtime.kernels("slot_gemm", a.device.index).launch(
-        "moonep_slot_wgrad_f32", grid, (256, 1, 1),
-        (p(a), i64(a.stride(0)), p(g), i64(g.stride(0)), p(cu), p(out), i32(D), i32(N)), any_device=True)
+    expect(grid[1] <= _MAX_GRID_Y and G <= _MAX_GRID_Y, "a, cu", f"D <= {_MAX_GRID_Y * _TILE} and at most "
+           f"{_MAX_GRID_Y} slots", f"D={D}, {G} slots")
+    _launch("moonep_slot_wgrad_f32", grid, (p(a), i64(a.stride(0)), p(g), i64(g.stride(0)), p(cu), p(out), i32(D),
+                                            i32(N)), a.device.index)
     return out
+
+
+def slot_sums(g: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    """float32 ``[G, N]``: the sum of each slot's rows of ``g [cap, N]`` (CUDA, any float dtype), in a fixed
+    order (the same bits every call, unlike ``index_add_``'s atomics) and in float32."""
+    g = g.float()
+    return slot_wgrad(g.new_ones(g.shape[0], 1), g, cu)[:, 0]

@@ -610,7 +610,8 @@ def _expert_bias_backward(g: Tensor, cu_seqlens: Tensor, home_bias: Tensor, toke
     """``_ExpertBias.backward``: the bias gradient of every slot, the replica slots' added at home (collective)."""
     ep, h = _lookup(token, op_id)
     rep = SimpleNamespace(home=home_bias, reduce=lambda gh, gr: ep.reduce_replicas(h, gh, gr, in_backward=True))
-    ctx = SimpleNamespace(rep=rep, slot=_row_slots(cu_seqlens, g.shape[0]), needs_input_grad=(True, True))
+    ctx = SimpleNamespace(rep=rep, slot=_row_slots(cu_seqlens, g.shape[0]), cu=cu_seqlens,
+                          needs_input_grad=(True, True))
     return _fresh(_ExpertBias.backward(ctx, g)[1], home_bias)
 
 

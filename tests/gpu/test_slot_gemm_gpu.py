@@ -99,3 +99,25 @@ def test_expert_matmul_float32_uses_the_kernels():
     got = experts_cuda.slot_gemm(a, cu, home, rep)
     want = _two_loop(a, cu, home, rep)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_slot_sums_fixed_order_and_bad_operands_refused():
+    """The bias-gradient sums (slot_sums) are float32 sums in a fixed order: equal to a float64 reference
+    and the same bits on every call, bf16 input included; mismatched operands raise ValueError, a CPU cu
+    is moved to the rows' device."""
+    g = torch.Generator().manual_seed(4)
+    counts, cap, N = [3, 0, 200, 1, 57], 300, 40
+    cu = _offsets(counts)
+    for dt in (torch.float32, torch.bfloat16):
+        gy = torch.randn(cap, N, generator=g).to(dt).cuda()
+        got = experts_cuda.slot_sums(gy, cu)
+        c = cu.tolist()
+        want = torch.stack([gy[c[j]:c[j + 1]].double().sum(0) for j in range(len(counts))])
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+        assert all(torch.equal(got, experts_cuda.slot_sums(gy, cu)) for _ in range(3))
+    a = torch.randn(cap, 16, generator=g).cuda()
+    w = torch.randn(len(counts), 16, 8, generator=g).cuda()
+    assert torch.equal(experts_cuda.slot_gemm(a, cu.cpu(), w), experts_cuda.slot_gemm(a, cu, w))
+    for bad, name in ((w.bfloat16(), "w_home"), (w[:, :8], "w_home"), (w[:3], "w_home, w_rep")):
+        with pytest.raises(ValueError, match=name):
+            experts_cuda.slot_gemm(a, cu, bad)
