@@ -109,7 +109,8 @@ class Launch:
 
 def launch(cases_file: str, n: int, *, timeout: float = 600, case_timeout: float = 120, tag: str = "",
            env: dict | None = None) -> Launch:
-    """Run every case of ``cases_file`` on ``n`` ranks; never outlives ``timeout`` seconds."""
+    """Run every case of ``cases_file`` (several files: comma-separated) on ``n`` ranks; never outlives
+    ``timeout`` seconds."""
     out = tempfile.mkdtemp(prefix="moonep-mp-")
     cmd = mpiexec_cmd(n) + [sys.executable, "-m", "moonep.testing.mprun", str(cases_file), "--out", out,
                             "--case-timeout", str(case_timeout), "--tag", tag]
@@ -147,22 +148,38 @@ def case_names(cases_file: str) -> list[str]:
 
 
 _CACHE: dict = {}
+_GROUPS: dict = {}  # (group, env) -> {cases file: (world sizes, timeout, case timeout)}
 TEARDOWN = "teardown"  # a pseudo-case: the launch as a whole exited cleanly
 
 
-def mp_cases(cases_file: str, nranks, *, timeout: float = 600, case_timeout: float = 120, env=None):
-    """Build a pytest test parametrised over (case, N); one ``mpiexec`` launch per N serves all cases."""
+def mp_cases(cases_file: str, nranks, *, timeout: float = 600, case_timeout: float = 120, env=None,
+             group: str | None = None):
+    """Build a pytest test parametrised over (case, N); one ``mpiexec`` launch per N serves all cases.
+
+    ``group``: the cases files collected with the same group name (and environment) share that launch, so
+    ``import torch`` and the runtime's start are paid once per N for all of them; their case names must
+    differ.  A failing case then also fails the group's later cases at that N."""
     import pytest
 
     names = case_names(cases_file) + [TEARDOWN]
     env = dict(env or {})
+    env_key = tuple(sorted(env.items()))
+    if group is not None:  # registered at collection, so every member is known before any launch
+        members = _GROUPS.setdefault((group, env_key), {})
+        members[cases_file] = (set(nranks), timeout, case_timeout)
 
     @pytest.mark.parametrize("n", list(nranks), ids=lambda n: f"np{n}")
     @pytest.mark.parametrize("case", names)
     def test(case, n):
-        key = (cases_file, n, tuple(sorted(env.items())))
+        files, t_out, t_case = [cases_file], timeout, case_timeout
+        if group is not None:
+            members = _GROUPS[(group, env_key)]
+            files = [f for f, (ns, _, _) in members.items() if n in ns]
+            t_out = max(members[f][1] for f in files)
+            t_case = max(members[f][2] for f in files)
+        key = (tuple(files), n, env_key)
         if key not in _CACHE:
-            _CACHE[key] = launch(cases_file, n, timeout=timeout, case_timeout=case_timeout, env=env)
+            _CACHE[key] = launch(",".join(files), n, timeout=t_out, case_timeout=t_case, env=env)
         status, msg = _CACHE[key].outcome(case, n)
         if status == "skipped":
             pytest.skip(msg)

@@ -71,7 +71,12 @@ def main(argv=None) -> int:
         import moonep
 
         rt = moonep.init(device=args.device)
-        cases = load_cases(args.cases)
+        # several files (comma-separated) share one launch: their cases run in file order
+        cases = [c for path in args.cases.split(",") for c in load_cases(path)]
+        names = [n for n, _ in cases]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"cases: expected unique case names across {args.cases}, got {dup} more than once")
     except BaseException:
         fail("<setup>", traceback.format_exc())
         return 1

@@ -3,4 +3,4 @@ every rank raises ValueError before data moves, quickly, and the next valid step
 transports, float64; see docs/reliability.md.  The nvlink backend: tests/gpu/test_mp_adversarial_gpu.py."""
 from moonep.testing.mp import mp_cases
 
-test_adversarial = mp_cases("tests/mp/cases_adversarial.py", nranks=[2, 3, 4], case_timeout=120)
+test_adversarial = mp_cases("tests/mp/cases_adversarial.py", nranks=[2, 3, 4], group="core", case_timeout=120)

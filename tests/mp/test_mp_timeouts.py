@@ -1,8 +1,8 @@
-"""Every wait has a timeout (tests/mp/cases_timeouts.py at 2, 3 and 4 ranks), plus the waits of
+"""Every wait has a timeout (tests/mp/cases_timeouts.py at 2 and 4 ranks), plus the waits of
 ``moonep.init`` and ``Runtime.shutdown`` under mpiexec: a rank late for init, a rank stalled in shutdown."""
 from moonep.testing.mp import mp_cases
 
-test_timeouts = mp_cases("tests/mp/cases_timeouts.py", nranks=[2, 3, 4], case_timeout=60)
+test_timeouts = mp_cases("tests/mp/cases_timeouts.py", nranks=[2, 4], case_timeout=60)
 
 
 # -- moonep.init and Runtime.shutdown: one small launch each (the job is left broken on purpose) ----------

@@ -180,31 +180,33 @@ def test_moonep_no_cupy(monkeypatch):
         _raises("MOONEP_NO_CUPY", cuda_runtime.available, raw)
 
 
-def _board_verify(raw):
-    """order_board.VERIFY in a fresh process (it is read when the module is imported)."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MOONEP_BOARD_CHECK=raw)
-    code = ("try:\n"
-            "    from moonep.transport import order_board\n"
-            "    print('VERIFY', order_board.VERIFY)\n"
-            "except ValueError as exc:\n"
-            "    print('ERR', exc)\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+def _board_verify(*raws):
+    """order_board.VERIFY for each value of MOONEP_BOARD_CHECK (read when the module is imported: imported
+    afresh for each, in one process)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = ("import importlib, os, sys\n"
+            "for raw in sys.argv[1:]:\n"
+            "    os.environ['MOONEP_BOARD_CHECK'] = raw\n"
+            "    sys.modules.pop('moonep.transport.order_board', None)\n"
+            "    try:\n"
+            "        print('VERIFY', importlib.import_module('moonep.transport.order_board').VERIFY)\n"
+            "    except ValueError as exc:\n"
+            "        print('ERR', exc)\n")
+    r = subprocess.run([sys.executable, "-c", code, *raws], capture_output=True, text=True, timeout=120, env=env,
                        cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    return r.stdout.strip().splitlines()[-1]
+    return r.stdout.strip().splitlines()[-len(raws):]
 
 
 def test_moonep_board_check():
     import platform
 
     x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-    assert _board_verify("1") == "VERIFY True"
-    assert _board_verify("yes") == "VERIFY True"
-    assert _board_verify("0") == f"VERIFY {not x86}"
-    assert _board_verify("") == f"VERIFY {not x86}"
-    for raw in ("abc", "2"):
-        assert _board_verify(raw) == (f"ERR MOONEP_BOARD_CHECK: expected one of 0, 1, true, false, yes, no, "
-                                      f"on, off, got {raw!r}")
+    raws = ("1", "yes", "0", "", "abc", "2")
+    want = ["VERIFY True", "VERIFY True", f"VERIFY {not x86}", f"VERIFY {not x86}"] + [
+        f"ERR MOONEP_BOARD_CHECK: expected one of 0, 1, true, false, yes, no, on, off, got {raw!r}"
+        for raw in ("abc", "2")]
+    assert _board_verify(*raws) == want
 
 
 def test_moonep_nvlink_chunks_and_combine_sms(monkeypatch):
