@@ -10,7 +10,7 @@ peers, the backend) inside its body, so Dynamo never traces host work, host sync
 op is one node of the graph, whatever the backend.  Its fake implementation gives the static output shapes
 (``cap = moonep.layout.capacity(max_tokens, topk, R, E, align, slack)`` rows).  Autograd is registered
 with ``register_autograd``, and each backward is a custom op too whose body calls the backward of the
-eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul``, ``_ExpertBias``,
+eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul`` and ``_ExpertBias``,
 ``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.
 
 State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
@@ -45,8 +45,8 @@ from .experts import (_ExpertBias, _ExpertMatmul, _SlotMatmul, _gather_slots, _o
                       _rows_loop, _run, _two_grouped, _two_loop)
 
 __all__ = ["Routed", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
-           "reduce_replicas", "expert_matmul", "expert_bias", "slot_matmul", "plan_and_destinations", "get_ep",
-           "latent_experts", "qb_record"]
+           "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "get_ep", "latent_experts",
+           "qb_record"]
 
 
 class Routed(NamedTuple):
@@ -494,43 +494,49 @@ def reduce_replicas(h: Routed, home_grad: Tensor, replica_grad: Tensor) -> Tenso
 
 # --------------------------------------------------------------------------------------------- GEMMs
 @torch.library.custom_op("moonep::expert_matmul", mutates_args=())
-def _expert_matmul(a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor, token: Tensor, op_id: int,
-                   transpose: bool, impl: str) -> Tensor:
+def _expert_matmul(a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor, home_bias: Optional[Tensor],
+                   bias_replicas: Optional[Tensor], token: Tensor, op_id: int, transpose: bool, impl: str) -> Tensor:
     """``moonep.expert_matmul``'s product: ``a [cap, D]`` -> ``[cap, N]`` in ``a``'s dtype (home rows times
-    ``home_weight``, replica rows times ``replicas``, both ``[epn, D, N]`` or ``[epn, N, D]`` transposed)."""
+    ``home_weight``, replica rows times ``replicas``, both ``[epn, D, N]`` or ``[epn, N, D]`` transposed),
+    plus each row's slot bias when ``home_bias [epn, N]`` (and ``bias_replicas``) are given."""
     wh, wr = _operands(home_weight, replicas, transpose)
-    return _run(impl, _two_grouped, _two_loop, a, cu_seqlens, wh, wr)
+    out = _run(impl, _two_grouped, _two_loop, a, cu_seqlens, wh, wr)
+    if home_bias is not None:
+        out = out + _gather_slots(_row_slots(cu_seqlens, out.shape[0]), home_bias, bias_replicas).to(out.dtype)
+    return out
 
 
 @_expert_matmul.register_fake
-def _(a, cu_seqlens, home_weight, replicas, token, op_id, transpose, impl):
+def _(a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl):
     return a.new_empty(a.shape[0], home_weight.shape[-2] if transpose else home_weight.shape[-1])
 
 
 def _expert_matmul_setup(ctx, inputs, output):
-    a, cu, home, rep, token, op_id, transpose, impl = inputs
+    a, cu, home, rep, hb, rb, token, op_id, transpose, impl = inputs
     ctx.op_id, ctx.transpose, ctx.impl = op_id, transpose, impl
-    ctx.save_for_backward(a, cu, home, rep, token)
+    ctx.save_for_backward(a, cu, home, rep, hb, rb, token)
 
 
 def _expert_matmul_bwd(ctx, g):
-    a, cu, home, rep, token = ctx.saved_tensors
+    a, cu, home, rep, hb, rb, token = ctx.saved_tensors
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    want_b = hb is not None and ctx.needs_input_grad[4]
     with _backward_only():
-        ga, gw = _expert_matmul_backward(g, a, cu, home, rep, token, ctx.op_id, ctx.transpose, ctx.impl, want_a,
-                                         want_w)
-    return _none_or(ga, want_a), None, _none_or(gw, want_w), None, None, None, None, None
+        ga, gw, gb = _expert_matmul_backward(g, a, cu, home, rep, hb, rb, token, ctx.op_id, ctx.transpose, ctx.impl,
+                                             want_a, want_w, want_b)
+    return (_none_or(ga, want_a), None, _none_or(gw, want_w), None, _none_or(gb, want_b), None, None, None, None,
+            None)
 
 
 _expert_matmul.register_autograd(_expert_matmul_bwd, setup_context=_expert_matmul_setup)
 
 
 class _Kept:
-    """What ``_ExpertMatmul.backward`` asks of its :class:`moonep.Replicas`: the forward's replica weights
-    (kept, so no refetch) and the collective reduce of the replica gradients."""
+    """What ``_ExpertMatmul.backward`` (and ``_ExpertBias.backward``) ask of their :class:`moonep.Replicas`: the
+    forward's replica weights (kept, so no refetch) and the collective reduce of the replica gradients."""
 
-    def __init__(self, rep, ep, h):
-        self.rep, self.ep, self.h = rep, ep, h
+    def __init__(self, rep, ep, h, home=None):
+        self.rep, self.ep, self.h, self.home = rep, ep, h, home
 
     def weights_for_backward(self) -> Tensor:
         return self.rep
@@ -541,97 +547,56 @@ class _Kept:
 
 @torch.library.custom_op("moonep::expert_matmul_backward", mutates_args=())
 def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor,
-                            token: Tensor, op_id: int, transpose: bool, impl: str, want_a: bool,
-                            want_w: bool) -> tuple[Tensor, Tensor]:
-    """``_ExpertMatmul.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like ``home_weight``, the replica
-    rows' part added at home: collective); an unwanted gradient is an empty placeholder."""
+                            home_bias: Optional[Tensor], bias_replicas: Optional[Tensor], token: Tensor, op_id: int,
+                            transpose: bool, impl: str, want_a: bool, want_w: bool,
+                            want_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``_ExpertMatmul.backward``, then ``_ExpertBias.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like
+    ``home_weight``, ``gb`` like ``home_bias``), the replica slots' parts added at home (collective: the
+    weights', then the biases', in one op so that no compiler can order them differently on two ranks); an
+    unwanted gradient is an empty placeholder."""
     ep, h = _lookup(token, op_id)
     ctx = SimpleNamespace(saved_tensors=(a, home_weight, cu_seqlens), rep=_Kept(replicas, ep, h), transpose=transpose,
                           impl=impl, needs_input_grad=(want_a, want_w))
     ga, gw, *_ = _ExpertMatmul.backward(ctx, g)
+    gb = None
+    if want_b:
+        bctx = SimpleNamespace(rep=_Kept(bias_replicas, ep, h, home_bias), slot=_row_slots(cu_seqlens, g.shape[0]),
+                               cu=cu_seqlens, needs_input_grad=(True, True))
+        gb = _ExpertBias.backward(bctx, g)[1]
     return (_fresh(ga, g, a) if want_a else a.new_empty(0),
-            _fresh(gw, home_weight, replicas) if want_w else home_weight.new_empty(0))
+            _fresh(gw, home_weight, replicas) if want_w else home_weight.new_empty(0),
+            _fresh(gb, home_bias, bias_replicas) if want_b else a.new_empty(0))
 
 
 @_expert_matmul_backward.register_fake
-def _(g, a, cu_seqlens, home_weight, replicas, token, op_id, transpose, impl, want_a, want_w):
-    return a.new_empty(a.shape if want_a else (0,)), home_weight.new_empty(home_weight.shape if want_w else (0,))
+def _(g, a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl, want_a,
+      want_w, want_b):
+    return (a.new_empty(a.shape if want_a else (0,)), home_weight.new_empty(home_weight.shape if want_w else (0,)),
+            home_bias.new_empty(home_bias.shape) if want_b else a.new_empty(0))
 
 
 def expert_matmul(h: Routed, a: Tensor, home_weight: Tensor, replicas: Tensor, *, transpose: bool = False,
-                  impl: str = "auto") -> Tensor:
-    """:func:`moonep.expert_matmul` as ``moonep::expert_matmul``.
+                  impl: str = "auto", bias: Optional[Tensor] = None, bias_replicas: Optional[Tensor] = None) -> Tensor:
+    """:func:`moonep.expert_matmul` as ``moonep::expert_matmul``, with :func:`moonep.expert_bias` folded in.
 
     Args:
         a: ``[cap, D]`` rows grouped by slot (``h.tokens`` or an activation of it), ``home_weight``'s dtype.
         home_weight: ``[epn, D, N]`` (``[epn, N, D]`` with ``transpose``), this rank's home experts.
         replicas: ``[epn, D, N]`` (resp. ``[epn, N, D]``) from :func:`prefetch_replicas`, kept until the
             backward (the eager pool's ``backward="keep"``).
+        bias: optional ``[epn, N]`` home experts' biases, with ``bias_replicas [epn, N]`` from
+            :func:`prefetch_replicas`; added to each row by its slot (padding rows get none).  One op for both,
+            so the backward's two collectives (weights', then biases') keep their order on every rank.
     Returns:
-        ``[cap, N]`` in ``a.dtype``; padding rows zero.  Differentiable with respect to ``a`` and
-        ``home_weight`` (the replica rows' weight gradient is added at home: collective in the backward).
+        ``[cap, N]`` in ``a.dtype``; padding rows zero.  Differentiable with respect to ``a``, ``home_weight``
+        and ``bias`` (the replica rows' gradients are added at home: collective in the backward).
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
-    return _expert_matmul(a, h.cu_seqlens, home_weight, replicas, h.step, h.op_id, transpose, impl)
-
-
-@torch.library.custom_op("moonep::expert_bias", mutates_args=())
-def _expert_bias(out: Tensor, cu_seqlens: Tensor, home_bias: Tensor, replicas: Tensor, token: Tensor,
-                 op_id: int) -> Tensor:
-    """``moonep.expert_bias``: ``out [cap, N]`` plus each row's slot bias (home biases, then replicas)."""
-    return out + _gather_slots(_row_slots(cu_seqlens, out.shape[0]), home_bias, replicas).to(out.dtype)
-
-
-@_expert_bias.register_fake
-def _(out, cu_seqlens, home_bias, replicas, token, op_id):
-    return out.new_empty(out.shape)
-
-
-def _expert_bias_setup(ctx, inputs, output):
-    out, cu, home, rep, token, op_id = inputs
-    ctx.op_id = op_id
-    ctx.save_for_backward(cu, home, token)
-
-
-def _expert_bias_bwd(ctx, g):
-    cu, home, token = ctx.saved_tensors
-    gb = None
-    if ctx.needs_input_grad[2]:
-        with _backward_only():
-            gb = _expert_bias_backward(g, cu, home, token, ctx.op_id)
-    return g, None, gb, None, None, None
-
-
-_expert_bias.register_autograd(_expert_bias_bwd, setup_context=_expert_bias_setup)
-
-
-@torch.library.custom_op("moonep::expert_bias_backward", mutates_args=())
-def _expert_bias_backward(g: Tensor, cu_seqlens: Tensor, home_bias: Tensor, token: Tensor, op_id: int) -> Tensor:
-    """``_ExpertBias.backward``: the bias gradient of every slot, the replica slots' added at home (collective)."""
-    ep, h = _lookup(token, op_id)
-    rep = SimpleNamespace(home=home_bias, reduce=lambda gh, gr: ep.reduce_replicas(h, gh, gr, in_backward=True))
-    ctx = SimpleNamespace(rep=rep, slot=_row_slots(cu_seqlens, g.shape[0]), cu=cu_seqlens,
-                          needs_input_grad=(True, True))
-    return _fresh(_ExpertBias.backward(ctx, g)[1], home_bias)
-
-
-@_expert_bias_backward.register_fake
-def _(g, cu_seqlens, home_bias, token, op_id):
-    return home_bias.new_empty(home_bias.shape)
-
-
-def expert_bias(h: Routed, out: Tensor, home_bias: Tensor, replicas: Tensor) -> Tensor:
-    """:func:`moonep.expert_bias` as ``moonep::expert_bias``.
-
-    Args:
-        out: ``[cap, N]`` rows grouped by slot (an :func:`expert_matmul` result).
-        home_bias: ``[epn, N]`` this rank's home experts' biases; replicas: ``[epn, N]`` from
-            :func:`prefetch_replicas`.
-    Returns:
-        ``[cap, N]`` in ``out.dtype``; padding rows get no bias.  Differentiable with respect to ``out`` and
-        ``home_bias`` (the replica rows' bias gradient is added at home: collective in the backward).
-    """
-    return _expert_bias(out, h.cu_seqlens, home_bias, replicas, h.step, h.op_id)
+    expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
+           f"bias {'given' if bias is not None else 'None'}, bias_replicas "
+           f"{'given' if bias_replicas is not None else 'None'}")
+    return _expert_matmul(a, h.cu_seqlens, home_weight, replicas, bias, bias_replicas, h.step, h.op_id, transpose,
+                          impl)
 
 
 @torch.library.custom_op("moonep::slot_matmul", mutates_args=())

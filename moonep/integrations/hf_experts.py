@@ -137,8 +137,7 @@ class EPRoutedExperts(EPExperts):
         replicas = dict(zip(home, ops.prefetch_replicas(h, *home.values())))
 
         def linear(a, wt, rw, b, rb, transposed):
-            out = ops.expert_matmul(h, a, wt, rw, transpose=not transposed)
-            return out if b is None else ops.expert_bias(h, out, b, rb)
+            return ops.expert_matmul(h, a, wt, rw, transpose=not transposed, bias=b, bias_replicas=rb)
 
         return ops.combine(fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas, linear), h)
 
