@@ -25,6 +25,36 @@ __device__ __forceinline__ float sg_w(const SgWeights& w, int j, int k, int n) {
                       : w.rep[(j - w.n_home) * w.rs0 + k * w.rs1 + n * w.rs2];
 }
 
+// One SG_K step of a thread's 4 x 4 outputs from the shared tiles (k increasing: the fixed summation order).
+__device__ __forceinline__ void sg_tile_fma(const float (&As)[SG_K][SG_T + 4], const float (&Bs)[SG_K][SG_T + 4],
+                                            float (&acc)[4][4], int tx, int ty) {
+#pragma unroll
+  for (int kk = 0; kk < SG_K; ++kk) {
+    float av[4], bv[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i], bv[i] = Bs[kk][tx * 4 + i];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], bv[q], acc[i][q]);
+  }
+}
+
+// A thread's 4 x 4 outputs into rows row0 + 4*ty + i < row_end, columns n0 + 4*tx + q < N of o (row stride ld).
+__device__ __forceinline__ void sg_store(const float (&acc)[4][4], float* o, sg_i64 ld, int row0, int row_end,
+                                         int n0, int N, int tx, int ty) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = row0 + ty * 4 + i;
+    if (r >= row_end) continue;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int n = n0 + tx * 4 + q;
+      if (n < N) o[r * ld + n] = acc[i][q];
+    }
+  }
+}
+
 // out[r, :] = a[r, :] @ W_slot(r) for every row r < cu[G]; rows cu[G] .. cap-1 are set to zero.
 // Grid: x = ceil(N / SG_T), y >= ceil(cap / SG_T) + G + 1: block y is the t-th 64-row tile of the slot rows
 // (tiles never straddle slots), or after them a tile of padding rows.  Block: 256 threads.
@@ -65,28 +95,10 @@ extern "C" __global__ void __launch_bounds__(256) moonep_slot_gemm_f32(
       Bs[kb][nn] = (n < N && kw < D) ? sg_w(w, slot, kw, n) : 0.f;
     }
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < SG_K; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i], bv[i] = Bs[kk][tx * 4 + i];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], bv[q], acc[i][q]);
-    }
+    sg_tile_fma(As, Bs, acc, tx, ty);
     __syncthreads();
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = r0 + ty * 4 + i;
-    if (r >= r1) continue;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int n = n0 + tx * 4 + q;
-      if (n < N) out[r * ldo + n] = acc[i][q];
-    }
-  }
+  sg_store(acc, out, ldo, r0, r1, n0, N, tx, ty);
 }
 
 // Weight gradient of every slot: out[j] = a[rows of j]^T @ g[rows of j], out float32 [G, D, N] contiguous
@@ -109,27 +121,8 @@ extern "C" __global__ void __launch_bounds__(256) moonep_slot_wgrad_f32(
       Bs[kk][c] = (r < hi && n0 + c < N) ? g[r * ldg + n0 + c] : 0.f;
     }
     __syncthreads();
-#pragma unroll
-    for (int kk = 0; kk < SG_K; ++kk) {
-      float av[4], bv[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) av[i] = As[kk][ty * 4 + i], bv[i] = Bs[kk][tx * 4 + i];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[i][q] = fmaf(av[i], bv[q], acc[i][q]);
-    }
+    sg_tile_fma(As, Bs, acc, tx, ty);
     __syncthreads();
   }
-  float* o = out + (sg_i64)j * D * N;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int d = d0 + ty * 4 + i;
-    if (d >= D) continue;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int n = n0 + tx * 4 + q;
-      if (n < N) o[(sg_i64)d * N + n] = acc[i][q];
-    }
-  }
+  sg_store(acc, out + (sg_i64)j * D * N, N, d0, D, n0, N, tx, ty);
 }
