@@ -71,6 +71,18 @@ _REDUCE_OVERHEAD = dict(mode="reduce-overhead", fullgraph=True, dynamic=False)
 _CUDAGRAPHS = dict(backend="cudagraphs", fullgraph=True, dynamic=False)
 
 
+def _check_results(rt, names, got, want, exact: bool, ctx: str) -> None:
+    """A compiled step's output and gradients (``got``) against eager's, by name: bitwise in ``exact`` modes
+    except ``dx`` (autograd and AOTAutograd add its contributions, router's, experts', shared, in different
+    orders), close otherwise (inductor's generated code rounds differently)."""
+    tol = (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10
+    for name, a, b in zip(names, got, want):
+        if exact and name != "dx":
+            _equal(name, a, b, ctx)
+        else:
+            _close(name, a, b, ctx, tol)
+
+
 def _breaks(fn, *args):
     """Dynamo graph breaks of ``fn(*args)`` (runs it once: collective)."""
     torch._dynamo.reset()
@@ -165,8 +177,6 @@ def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, w
         _layer_step(rt, mod, 4, 99)
     compiled = compile_fn(mod)
     names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
-    # exact modes: only dx is compared with a tolerance; inductor's generated code rounds differently
-    tol = (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10
     for step in range(steps):
         s = _sizes(rt.world_size, step, graphs)[rt.rank]
         want, st_want = _layer_step(rt, eager, s, step)
@@ -174,11 +184,7 @@ def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, w
         ctx = f"{tag} rank {rt.rank} step {step} s={s}"
         for k in st_want:  # the same routing, plan and replicas
             _equal(f"last_stats[{k}]", st_got[k], st_want[k], ctx)
-        for name, a, b in zip(names, got, want):
-            if exact and name != "dx":
-                _equal(name, a, b, ctx)
-            else:  # dx: autograd and AOTAutograd add its three contributions in different orders
-                _close(name, a, b, ctx, tol)
+        _check_results(rt, names, got, want, exact, ctx)
     return mod
 
 
@@ -251,12 +257,7 @@ def _compare_block(rt, compile_fn, exact: bool, tag: str, steps=3, graphs=False)
     for step in range(steps):
         s = _sizes(rt.world_size, step, graphs)[rt.rank]
         want, got = _block_step(rt, eager, s, step), _block_step(rt, compiled, s, step)
-        ctx = f"{tag} rank {rt.rank} step {step} s={s}"
-        for name, a, b in zip(names, got, want):
-            if exact and name != "dx":
-                _equal(name, a, b, ctx)
-            else:  # dx: the router's and the experts' contributions are added in another order
-                _close(name, a, b, ctx, (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10)
+        _check_results(rt, names, got, want, exact, f"{tag} rank {rt.rank} step {step} s={s}")
     return mod
 
 
