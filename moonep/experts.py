@@ -272,7 +272,7 @@ class _ExpertBias(torch.autograd.Function):
         gb = None
         if ctx.needs_input_grad[1]:
             dt = ctx.rep.home.dtype
-            if experts_cuda.usable(g.float()):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
+            if experts_cuda.loadable(g):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
                 acc = experts_cuda.slot_sums(g, ctx.cu)
             else:
                 acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)

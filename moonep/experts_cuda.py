@@ -18,9 +18,14 @@ _TILE = 64
 _MAX_GRID_Y = 65535
 
 
+def loadable(t: torch.Tensor) -> bool:
+    """True for a CUDA tensor when the kernels can load (CuPy present)."""
+    return t.device.type == "cuda" and cuda_runtime.available()
+
+
 def usable(a: torch.Tensor) -> bool:
-    """True for float32 CUDA rows when the kernels can load (CuPy present)."""
-    return a.dtype == torch.float32 and a.device.type == "cuda" and cuda_runtime.available()
+    """True for float32 CUDA rows when the kernels can load."""
+    return a.dtype == torch.float32 and loadable(a)
 
 
 def _check(name: str, w: torch.Tensor, a: torch.Tensor, D: int) -> None:
