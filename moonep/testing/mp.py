@@ -181,6 +181,8 @@ def mp_cases(cases_file: str, nranks, *, timeout: float = 600, case_timeout: flo
         if key not in _CACHE:
             _CACHE[key] = launch(",".join(files), n, timeout=t_out, case_timeout=t_case, env=env)
         status, msg = _CACHE[key].outcome(case, n)
+        if case == TEARDOWN:  # the cases' own notes ("[rank r] ..." on stderr), shown by `pytest -rA`
+            print("\n".join(ln for ln in _CACHE[key].stderr.splitlines() if ln.startswith("[rank ")))
         if status == "skipped":
             pytest.skip(msg)
         if status == "failed":

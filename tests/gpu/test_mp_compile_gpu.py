@@ -11,4 +11,7 @@ from moonep.testing.mp import GPU_ENV, gpu_nranks, mp_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 
-test_compile_gpu = mp_cases("tests/mp/cases_compile.py", nranks=gpu_nranks(), env=GPU_ENV, case_timeout=500)
+# Inductor compiles a rank's graphs for that rank's token counts, so the ranks reach a step's first
+# collective minutes apart on the first steps: the collective timeout is NCCL's default (600 s), not 60 s.
+test_compile_gpu = mp_cases("tests/mp/cases_compile.py", nranks=gpu_nranks(), env={**GPU_ENV, "MOONEP_TIMEOUT": "600"},
+                            case_timeout=500)

@@ -11,6 +11,8 @@ CUDA (``MOONEP_TEST_DEVICE=cuda``, NVLink backend, float32; tests/gpu/test_mp_co
 with new routing every step.
 """
 import importlib.util
+import sys
+import time
 
 import torch
 import torch._dynamo
@@ -180,7 +182,11 @@ def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, w
     for step in range(steps):
         s = _sizes(rt.world_size, step, graphs)[rt.rank]
         want, st_want = _layer_step(rt, eager, s, step)
+        t0 = time.perf_counter()
         got, st_got = _layer_step(rt, compiled, s, step)
+        # a rank's (re)compile time is spent before its first collective of the step: the log shows the skew
+        print(f"[rank {rt.rank}] {tag} step {step} s={s}: compiled step {time.perf_counter() - t0:.1f}s",
+              file=sys.stderr, flush=True)
         ctx = f"{tag} rank {rt.rank} step {step} s={s}"
         for k in st_want:  # the same routing, plan and replicas
             _equal(f"last_stats[{k}]", st_got[k], st_want[k], ctx)
