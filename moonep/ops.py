@@ -772,3 +772,11 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
     _qb_record(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
                balancer._op_id, not balancer._recording, bool(check))
     balancer._recording = True
+
+
+# Every rank must run each collective, including a rank whose result nobody reads: with no tokens its
+# outputs are empty, inductor's loads from an empty buffer are no-ops, and it would drop the op as dead
+# code (FX's and inductor's dead-code elimination both keep the ops registered here).
+for _op in (_dispatch, _dispatch_backward, _combine, _combine_backward, _prefetch, _prefetch_backward,
+            _prefetch_replicas, _reduce_grad, _reduce_replicas, _expert_matmul_backward, _plan_and_destinations):
+    torch.fx.node.has_side_effect(_op._opoverload)

@@ -185,3 +185,28 @@ def test_backward_collectives_stay_in_the_backward_graph():
     assert not any(n.endswith("_backward") or n.startswith("reduce") for n in placed["forward"]), placed
     assert "combine_backward.default" in placed["backward"], placed
     ep.close()
+
+
+def test_collectives_run_when_nothing_reads_their_output():
+    """Inductor drops a kernel whose output nothing reads, and a load from a zero-element buffer reads
+    nothing: a rank with no tokens would skip its combine (seen on CUDA, the peers then wait for it).  The
+    collective ops are registered as side-effecting (``torch.fx.node.has_side_effect``), so they always run."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
+    W = torch.randn(E, H, H, dtype=torch.float64)
+    calls, combine = [], ep.combine
+
+    def counted(*args, **kwargs):
+        calls.append("combine")
+        return combine(*args, **kwargs)
+
+    ep.combine = counted
+
+    def through_ops(x, idx, w):
+        h = ops.dispatch(ep, x, idx, w)
+        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h) * 2
+
+    x, idx, w = (t.detach() for t in _problem(0, 1))
+    y = torch.compile(through_ops, fullgraph=True)(x, idx, w)  # inductor
+    assert y.shape == (0, H) and calls == ["combine"], (y.shape, calls)
+    ep.close()
