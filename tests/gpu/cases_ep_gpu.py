@@ -16,6 +16,7 @@ from moonep import MoonepError
 
 import moonep
 from moonep.config import parse_fused
+from moonep.testing.cuda_graph import capture
 from moonep.ep import ExpertParallel
 from moonep.testing.mp import SkipCase
 
@@ -215,9 +216,9 @@ def case_no_host_sync(rt):
 
 def slot_experts_no_sync(tokens, cu, w1s, w2s):
     """Per-slot MLP without reading cu_seqlens on the host: each row gathers its slot's weights."""
-    cap, nslots = tokens.shape[0], cu.shape[0] - 1
+    cap = tokens.shape[0]
     rows = torch.arange(cap, device=tokens.device, dtype=cu.dtype)
-    slot = torch.searchsorted(cu[1:].contiguous(), rows, right=True)  # == nslots past the last slot
+    slot = torch.searchsorted(cu[1:].contiguous(), rows, right=True)  # == the slot count past the last slot
     W1 = torch.cat([w1s, w1s.new_zeros(1, *w1s.shape[1:])])[slot]
     W2 = torch.cat([w2s, w2s.new_zeros(1, *w2s.shape[1:])])[slot]
     return torch.bmm(torch.tanh(torch.bmm(tokens[:, None, :], W1)), W2)[:, 0, :]
@@ -254,16 +255,7 @@ def case_cuda_graph_replay_with_new_routing(rt):
             return ep.combine(out, h)
 
         with torch.no_grad():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    step()
-            torch.cuda.current_stream().wait_stream(side)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y_static = step()
+            graph, y_static = capture(step)
             for p in problems + problems[::-1]:
                 xp, ip, wp = padded(p)
                 sx.copy_(xp)

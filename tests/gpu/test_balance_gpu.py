@@ -9,6 +9,7 @@ import torch
 
 from moonep import cuda_runtime as cuda_kernels
 from moonep.balance import QuantileBalancer, histogram_quantiles
+from moonep.testing.cuda_graph import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -169,18 +170,12 @@ def test_kernels_cuda_graph_replay(dtype):
     E, K, n = 256, 8, 2048
     static = zipf_scores(n, E, 30).to(dtype).cuda()
     qb = QuantileBalancer(E, K, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            qb.route(static)
-            qb.step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        idx, w = qb.route(static)
+    def step():
+        out = qb.route(static)
         qb.step()
+        return out
+
+    g, (idx, w) = capture(step)
     eager = QuantileBalancer(E, K, device="cuda")
     eager.bias.copy_(qb.bias)
     for seed in range(3):

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 import moonep  # noqa: E402
 from moonep import cuda_runtime, fp8  # noqa: E402
 from moonep.config import env_int  # noqa: E402
+from moonep.testing.cuda_graph import capture  # noqa: E402
 from moonep.quant import _quantize_torch  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
@@ -179,16 +180,7 @@ def test_cuda_graph_capture_replay_fp8(rt):
             h = ep.dispatch(sx, sidx, sw)
             return ep.combine(fp8.dequantize_rows(h), h), h.scales
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            y_static, sc_static = step()
+        graph, (y_static, sc_static) = capture(step)
         for x, idx, w in problems + problems[::-1]:
             sx.copy_(x)
             sidx.copy_(idx)

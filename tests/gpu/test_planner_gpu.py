@@ -11,6 +11,7 @@ pytest.importorskip("cupy")
 from moonep.layout import cu_seqlens, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
 from moonep.planner.corpus import counts_from_topk, random_counts, routing, verify_plan  # noqa: E402
+from moonep.testing.cuda_graph import capture  # noqa: E402
 
 FIELDS = ("assignment", "replica_experts", "replica_source", "recv_counts", "expert_counts")
 
@@ -124,15 +125,7 @@ def _replay_against_cpu(step, R, epn, K, s, src, fams):
     E = R * epn
     static_c = torch.zeros(R, E, dtype=torch.int64, device="cuda")
     static_tk = torch.zeros(s, K, dtype=torch.int64, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(static_c, static_tk)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        plan, dr, dw = step(static_c, static_tk)
+    g, (plan, dr, dw) = capture(lambda: step(static_c, static_tk))
     for seed, fam in enumerate(fams):
         tk = routing(fam, E, R, K, s, seed)
         c = counts_from_topk(tk, E)

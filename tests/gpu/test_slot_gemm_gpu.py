@@ -9,6 +9,7 @@ if not torch.cuda.is_available():
 
 from moonep import cuda_runtime, experts_cuda  # noqa: E402
 from moonep.experts import _two_loop  # noqa: E402
+from moonep.testing.cuda_graph import capture  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_runtime.available(), reason="needs CuPy")]
 
@@ -72,15 +73,8 @@ def test_no_host_sync_and_cuda_graph_replay():
         experts_cuda.slot_wgrad(a, gy, cu)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        experts_cuda.slot_gemm(a, cu, w)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = experts_cuda.slot_gemm(a, cu, w)
-        gw = experts_cuda.slot_wgrad(a, gy, cu)
+    graph, (out, gw) = capture(lambda: (experts_cuda.slot_gemm(a, cu, w), experts_cuda.slot_wgrad(a, gy, cu)),
+                               warmup=1)
     for counts in ([10, 20, 0, 30], [0, 0, 96, 0], [1, 2, 3, 4], [0, 0, 0, 0]):
         cu.copy_(_offsets(counts))
         graph.replay()
