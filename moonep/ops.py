@@ -78,6 +78,20 @@ class Routed(NamedTuple):
 
 
 # --------------------------------------------------------------------------------------------- helpers
+def _collective(name: str):
+    """``torch.library.custom_op(name)`` for an op that makes a collective, registered as side-effecting.
+
+    Every rank must run each collective, also a rank whose result nothing reads: with no tokens its outputs
+    are empty, inductor's loads from an empty buffer are no-ops, and it would drop the op as dead code
+    (docs/design.md, "Collectives are never dead code"); FX's and inductor's dead-code elimination keep an
+    op registered with ``torch.fx.node.has_side_effect``."""
+    def define(fn):
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+        torch.fx.node.has_side_effect(op._opoverload)
+        return op
+    return define
+
+
 def _check_ep(ep) -> None:
     """The op path's restrictions (raises ``ValueError``)."""
     expect(ep.apply_weights == "combine", "apply_weights", '"combine" for moonep.ops (torch.compile)',
@@ -224,7 +238,7 @@ def _lookup(token: Tensor, op_id: int):
 
 
 # --------------------------------------------------------------------------------------------- dispatch
-@torch.library.custom_op("moonep::dispatch", mutates_args=())
+@_collective("moonep::dispatch")
 def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, capacity: int, num_experts: int,
               world_size: int, state_words: int) -> tuple[
         Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -285,7 +299,7 @@ def _dispatch_bwd(ctx, g_tokens, g_weights, *_ints):
 _dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 
 
-@torch.library.custom_op("moonep::dispatch_backward", mutates_args=())
+@_collective("moonep::dispatch_backward")
 def _dispatch_backward(g_tokens: Optional[Tensor], g_weights: Optional[Tensor], token: Tensor, op_id: int,
                        num_tokens: int, hidden: int, topk: int, capacity: int, x_dtype: torch.dtype,
                        w_dtype: torch.dtype, want_x: bool, want_w: bool) -> tuple[Tensor, Tensor]:
@@ -326,7 +340,7 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
 
 
 # --------------------------------------------------------------------------------------------- combine
-@torch.library.custom_op("moonep::combine", mutates_args=())
+@_collective("moonep::combine")
 def _combine(expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, num_tokens: int) -> Tensor:
     """``ExpertParallel.combine``: ``expert_out [cap, H]``, ``weights [cap]`` -> ``[s, H]`` in
     ``expert_out``'s dtype. Collective."""
@@ -356,7 +370,7 @@ def _combine_bwd(ctx, gy):
 _combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
 
 
-@torch.library.custom_op("moonep::combine_backward", mutates_args=())
+@_collective("moonep::combine_backward")
 def _combine_backward(gy: Tensor, expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, want_out: bool,
                       want_w: bool) -> tuple[Tensor, Tensor]:
     """``_CombineFn.backward``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
@@ -382,7 +396,7 @@ def combine(expert_out: Tensor, h: Routed) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------- weights
-@torch.library.custom_op("moonep::prefetch", mutates_args=())
+@_collective("moonep::prefetch")
 def _prefetch(local_weight: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``ExpertParallel.prefetch`` without a pool: ``[epn, *D]`` -> ``[2*epn, *D]``. Collective."""
     ep, h = _lookup(token, op_id)
@@ -408,7 +422,7 @@ def _prefetch_bwd(ctx, g):
 _prefetch.register_autograd(_prefetch_bwd, setup_context=_prefetch_setup)
 
 
-@torch.library.custom_op("moonep::prefetch_backward", mutates_args=())
+@_collective("moonep::prefetch_backward")
 def _prefetch_backward(g: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``_PrefetchFn.backward``: ``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` at home. Collective."""
     ep, h = _lookup(token, op_id)
@@ -427,7 +441,7 @@ def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
     return _prefetch(local_weight, h.step, h.op_id)
 
 
-@torch.library.custom_op("moonep::prefetch_replicas", mutates_args=())
+@_collective("moonep::prefetch_replicas")
 def _prefetch_replicas(local_weights: list[Tensor], token: Tensor, op_id: int) -> list[Tensor]:
     """``ExpertParallel.prefetch_replicas`` of each weight ``[epn, *D]`` in order, into fresh zeroed
     ``[epn, *D]`` tensors. One collective per weight."""
@@ -457,7 +471,7 @@ def prefetch_replicas(h: Routed, *local_weights: Tensor) -> list:
     return _prefetch_replicas([w.detach() for w in local_weights], h.step, h.op_id)
 
 
-@torch.library.custom_op("moonep::reduce_grad", mutates_args=())
+@_collective("moonep::reduce_grad")
 def _reduce_grad(grad: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``ExpertParallel.reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``. Collective."""
     ep, h = _lookup(token, op_id)
@@ -475,7 +489,7 @@ def reduce_grad(h: Routed, grad: Tensor) -> Tensor:
     return _reduce_grad(grad, h.step, h.op_id)
 
 
-@torch.library.custom_op("moonep::reduce_replicas", mutates_args=())
+@_collective("moonep::reduce_replicas")
 def _reduce_replicas(home_grad: Tensor, replica_grad: Tensor, token: Tensor, op_id: int) -> Tensor:
     """``ExpertParallel.reduce_replicas``: ``[epn, *D]`` twice -> ``[epn, *D]``. Collective."""
     ep, h = _lookup(token, op_id)
@@ -545,7 +559,7 @@ class _Kept:
         return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
 
 
-@torch.library.custom_op("moonep::expert_matmul_backward", mutates_args=())
+@_collective("moonep::expert_matmul_backward")
 def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor,
                             home_bias: Optional[Tensor], bias_replicas: Optional[Tensor], token: Tensor, op_id: int,
                             transpose: bool, impl: str, want_a: bool, want_w: bool,
@@ -772,11 +786,3 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
     _qb_record(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
                balancer._op_id, not balancer._recording, bool(check))
     balancer._recording = True
-
-
-# Every rank must run each collective, including a rank whose result nobody reads: with no tokens its
-# outputs are empty, inductor's loads from an empty buffer are no-ops, and it would drop the op as dead
-# code (FX's and inductor's dead-code elimination both keep the ops registered here).
-for _op in (_dispatch, _dispatch_backward, _combine, _combine_backward, _prefetch, _prefetch_backward,
-            _prefetch_replicas, _reduce_grad, _reduce_replicas, _expert_matmul_backward, _plan_and_destinations):
-    torch.fx.node.has_side_effect(_op._opoverload)
