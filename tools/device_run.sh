@@ -78,8 +78,9 @@ for s in "$@"; do case $s in
   fp8_wide) MOONEP_FP8_WIDE=1 step fp8_wide_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py
             MOONEP_FP8_WIDE=1 step fp8_wide_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch_wide.json
             MOONEP_FP8_WIDE=4 step fp8_wide4_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch_wide4.json ;;
-  compile) step compile_r1 500 python3 -m pytest -q -rA tests/gpu/test_slot_gemm_gpu.py tests/gpu/test_compile_gpu.py ;;
-  compile_np2) MOONEP_GPU_NRANKS=2 step compile_np2 590 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
+  compile) step compile_r1 500 python3 -m pytest -q -rA tests/unit/test_ops.py tests/gpu/test_slot_gemm_gpu.py tests/gpu/test_compile_gpu.py ;;
+  compile_np2) step ops_dce 120 python3 -m pytest -q -rA tests/unit/test_ops.py -k nothing_reads
+               MOONEP_GPU_NRANKS=2 step compile_np2 590 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
   compile_np4) MOONEP_GPU_NRANKS=4 step compile_np4 590 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
   compile_speed) step compile_speed 400 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py --out $o/h200x1_compile_r1.json ;;
   pool_np2) MOONEP_GPU_NRANKS=2 step pool_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_pool_gpu.py ;;
