@@ -21,6 +21,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import moonep
 from moonep import ops
 from moonep.layers import LatentMoE
+from moonep.testing.mp import SkipCase
 
 D, L, K, FE, FS = 12, 6, 3, 10, 4
 H, F = 16, 24
@@ -272,7 +273,7 @@ def case_hf_mixtral_block(rt):
     parameter gradients), no graph break; on CUDA also inductor and CUDA graphs (cudagraphs backend: bitwise;
     reduce-overhead: close)."""
     if importlib.util.find_spec("transformers") is None:
-        return
+        raise SkipCase("transformers is not installed (pip install -e .[hf])")
     torch._dynamo.reset()
     mod = _compare_block(rt, lambda m: torch.compile(m, backend="aot_eager", fullgraph=True), True, "aot_eager")
     s = _sizes(rt.world_size, 1)[rt.rank]
@@ -293,7 +294,9 @@ def case_hf_gpt_oss_experts_with_biases(rt):
     """A patched transformers GPT-OSS experts module (expert biases, its own clamped gate) compiled with
     aot_eager and fullgraph=True: bitwise output and parameter gradients against the eager patched module,
     replica biases included (their gradient is added at home in the backward)."""
-    if importlib.util.find_spec("transformers") is None or (not _cuda(rt) and rt.world_size != 2):
+    if importlib.util.find_spec("transformers") is None:
+        raise SkipCase("transformers is not installed (pip install -e .[hf])")
+    if not _cuda(rt) and rt.world_size != 2:
         return  # CPU: compile time is paid at one world size only
     import transformers
 

@@ -1,6 +1,5 @@
 """The integrations on every rank: each patched model equals its unpatched self, or is refused on every rank."""
 import copy
-import sys
 
 import torch
 
@@ -9,9 +8,6 @@ from layers_reference import RoutedMoE
 from moonep.integrations import patch_generic, softmax_topk
 from moonep.layers import full_state_dict, sync_grads
 from moonep.testing.mp import SkipCase
-
-# mprun runs as __main__, so its SkipCase is a different class from the importable one: raise that one.
-SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811
 
 
 def _hf_or_skip():
