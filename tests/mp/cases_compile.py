@@ -151,7 +151,7 @@ def case_moe_function_compiled_matches_eager(rt):
 def case_moe_function_cuda_graphs(rt):
     """CUDA only: the ops under CUDA graphs with new routing every step (cudagraphs backend: bitwise)."""
     if not _cuda(rt):
-        return
+        raise SkipCase("CUDA graphs: CUDA only")
     torch._dynamo.reset()
     _compare_moe(rt, lambda f: torch.compile(f, **_CUDAGRAPHS), "cudagraphs", graphs=True)
 
@@ -198,8 +198,8 @@ def _compare_layer(rt, compile_fn, max_tokens, exact: bool, tag: str, steps=3, w
 def case_latent_moe_aot_eager_bitwise(rt):
     """aot_eager (the custom ops and AOTAutograd, no codegen): bitwise output and parameter gradients;
     graph breaks: 1 with max_tokens=None (the max all-reduce of the token counts), 0 with it fixed."""
-    if _cuda(rt):  # the CUDA run checks fullgraph with inductor and CUDA graphs instead
-        return
+    if _cuda(rt):
+        raise SkipCase("CPU only: on CUDA case_latent_moe_inductor checks aot_eager with fullgraph=True")
     for max_tokens, want_breaks in ((None, 1), (20, 0)):
         torch._dynamo.reset()
         cnt = CompileCounterWithBackend("aot_eager")
@@ -215,8 +215,8 @@ def case_latent_moe_inductor(rt):
     """Inductor: close to eager (its fused elementwise code rounds differently), the same routing; on CUDA
     fullgraph=True, then CUDA graphs (bitwise through the cudagraphs backend, close with reduce-overhead)."""
     cuda = _cuda(rt)
-    if not cuda and rt.world_size != 2:  # CPU: inductor's compile time is paid at one world size only
-        return
+    if not cuda and rt.world_size != 2:
+        raise SkipCase("CPU: inductor's compile time is paid at 2 ranks only")
     torch._dynamo.reset()
     _compare_layer(rt, lambda m: torch.compile(m, fullgraph=cuda), 20, False, "inductor", steps=2, warmup=cuda)
     if not cuda:
@@ -297,7 +297,7 @@ def case_hf_gpt_oss_experts_with_biases(rt):
     if importlib.util.find_spec("transformers") is None:
         raise SkipCase("transformers is not installed (pip install -e .[hf])")
     if not _cuda(rt) and rt.world_size != 2:
-        return  # CPU: compile time is paid at one world size only
+        raise SkipCase("CPU: the compile time is paid at 2 ranks only")
     import transformers
 
     from moonep.integrations import hf_tiny, patch_hf_moe
