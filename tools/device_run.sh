@@ -8,6 +8,8 @@ source tools/gpu_env.sh
 # The tree arrives without .git: the caller writes HEAD into .git_commit and carries it.
 export MOONEP_GIT_COMMIT=$(cat .git_commit 2>/dev/null || echo unknown) MOONEP_MACHINE_KIND=${MOONEP_MACHINE_KIND:-nvidia-h200-x2}
 o=/tmp/o; rm -rf $o; mkdir -p $o  # a warm machine keeps /tmp: start each run empty
+# inductor's caches do not key on how moonep's ops are registered (e.g. as side-effecting): none reused
+export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/inductor.XXXXXX)
 step() {  # name timeout cmd...
   local name=$1 t=$2; shift 2; local t0=$SECONDS
   timeout "$t" "$@" > "$o/$name.txt" 2>&1; local rc=$?

@@ -187,26 +187,32 @@ def test_backward_collectives_stay_in_the_backward_graph():
     ep.close()
 
 
-def test_collectives_run_when_nothing_reads_their_output():
+def test_collectives_run_when_nothing_reads_their_output(monkeypatch):
     """Inductor drops a kernel whose output nothing reads, and a load from a zero-element buffer reads
-    nothing: a rank with no tokens would skip its combine (seen on CUDA, the peers then wait for it).  The
-    collective ops are registered as side-effecting (``torch.fx.node.has_side_effect``), so they always run."""
+    nothing: a rank with no tokens would skip its combine (seen on CUDA, the peers then wait for it), and in
+    training its dispatch's backward, whose gradients are empty too.  The collective ops are registered as
+    side-effecting (``ops._collective``), so they always run.  Inductor's caches do not key on that
+    registration: they are off here, so that an artifact compiled without it cannot answer."""
+    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
-    W = torch.randn(E, H, H, dtype=torch.float64)
+    W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
     calls, combine = [], ep.combine
-
-    def counted(*args, **kwargs):
-        calls.append("combine")
-        return combine(*args, **kwargs)
-
-    ep.combine = counted
+    monkeypatch.setattr(ep, "combine", lambda *a, **kw: (calls.append("combine"), combine(*a, **kw))[1])
+    for fn in (ops._DispatchFn, ops._CombineFn):
+        monkeypatch.setattr(fn, "backward", staticmethod(
+            lambda ctx, *g, _bwd=fn.backward, _name=fn.__name__: (calls.append(_name), _bwd(ctx, *g))[1]))
 
     def through_ops(x, idx, w):
         h = ops.dispatch(ep, x, idx, w)
         return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h) * 2
 
-    x, idx, w = (t.detach() for t in _problem(0, 1))
-    y = torch.compile(through_ops, fullgraph=True)(x, idx, w)  # inductor
+    compiled = torch.compile(through_ops, fullgraph=True)  # inductor
+    x, idx, w = _problem(0, 1)
+    with torch.no_grad():
+        y = compiled(x, idx, w)
     assert y.shape == (0, H) and calls == ["combine"], (y.shape, calls)
+    calls.clear()
+    compiled(x, idx, w).sum().backward()
+    assert sorted(calls) == ["_CombineFn", "_DispatchFn", "combine"], calls
     ep.close()
