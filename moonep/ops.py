@@ -11,7 +11,9 @@ op is one node of the graph, whatever the backend.  Its fake implementation give
 (``cap = moonep.layout.capacity(max_tokens, topk, R, E, align, slack)`` rows).  Autograd is registered
 with ``register_autograd``, and each backward is a custom op too whose body calls the backward of the
 eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul`` and ``_ExpertBias``,
-``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.
+``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.  The ops that make a
+collective are side-effecting (:func:`_collective`): a compiler never drops one whose output nothing reads
+(a rank with no tokens), which would leave its peers waiting.
 
 State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
 (plan and backend state of one dispatch) is the *step token* ``h.step``, an int64 tensor that
