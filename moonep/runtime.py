@@ -22,11 +22,9 @@ import torch.distributed as dist
 
 from .config import env_float
 from .errors import MoonepError, expect
+from .transport.mpi import _abandon, _nap
 
 _DEFAULT_TIMEOUT_S = 60.0
-# MPI requests given up on after a timeout (rendezvous, shutdown barrier): MPI may still complete them later
-# and write into their buffers, so both stay alive.
-_ABANDONED: list = []
 
 
 def default_timeout_s() -> float:
@@ -52,7 +50,8 @@ def _timeout_delta(timeout) -> datetime.timedelta:
 
 
 def _poll(req, seconds: float, keep=()) -> bool:
-    """Test ``req`` until it completes (True) or ``seconds`` pass (False: ``req`` and ``keep`` stay alive).
+    """Test ``req`` until it completes (True) or ``seconds`` pass (False: ``req`` and ``keep`` stay alive, in
+    the MPI transport's list of abandoned requests).
 
     Never ``Wait``/``Free``: a request a peer never matches is kept (with its buffers), not waited on; an
     MPI error raised by ``Test`` leaves them kept too, so MPI never writes into freed memory."""
@@ -62,13 +61,12 @@ def _poll(req, seconds: float, keep=()) -> bool:
     try:
         while not req.Test():
             spins += 1
-            if spins > 1000:  # spin briefly, then yield the core (ranks may share cores)
-                time.sleep(1e-3 if time.monotonic() - t0 > 1.0 else 1e-4)
+            _nap(spins, time.monotonic() - t0)  # the MPI transport's backoff: ranks may share cores
             if time.monotonic() > deadline:
-                _ABANDONED.append((req, keep))
+                _abandon([req], keep)  # rendezvous, shutdown barrier: kept alive with its buffers
                 return False
     except BaseException:
-        _ABANDONED.append((req, keep))
+        _abandon([req], keep)
         raise
     return True
 
