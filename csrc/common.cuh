@@ -728,22 +728,27 @@ __device__ __forceinline__ void q8_store_scales(char* const* dsts, int n, int H,
   }
 }
 
-// MOONEP_FP8_WIDE (a compile-time switch of the "ep" program; unset or 0: the fanout below): lane l
-// quantises the 16 channels of chunk c0 + 32u + l (NW = 2 bf16/fp16 or 4 fp32 words) and stores their 16 codes with
-// one 16-byte store per destination, as the bf16 path does (512 codes per warp-wide store, 4 groups of 8 lanes,
-// amax in 3 shuffles); WORDS 16-byte words per lane in flight (MOONEP_FP8_WIDE=1: 8, N > 1: N).  Same bytes.
-#if defined(MOONEP_FP8_WIDE) && MOONEP_FP8_WIDE
-#define Q8_WIDE_WORDS (MOONEP_FP8_WIDE > 1 ? MOONEP_FP8_WIDE : 8)
-#endif
+// A lane stores the N codes of one chunk (N = 16, 8 or 4 bytes) with one store per destination.
+template <int N>
+__device__ __forceinline__ void q8_store_codes(char* d, const unsigned* c) {
+  if constexpr (N == 16) *(uint4*)d = make_uint4(c[0], c[1], c[2], c[3]);
+  else if constexpr (N == 8) *(uint2*)d = make_uint2(c[0], c[1]);
+  else *(unsigned*)d = c[0];
+}
 
-template <int DT, int WORDS>
-__device__ __forceinline__ bool warp_quant_fanout_wide(char* const* dsts, int n, const void* x, int H, i64 wb,
-                                                       bool pow2, int lane) {
-  constexpr int VEC = DT == DT_F32 ? 4 : 8;              // channels per 16-byte word
-  constexpr int NW = 16 / VEC;                           // words per chunk of 16 channels
-  constexpr int U = WORDS / NW > 1 ? WORDS / NW : 1;     // chunks per lane in flight
-  constexpr int L = Q8_GROUP / 16;                       // lanes per group
-  const int nc = H / 16, G = H / Q8_GROUP, tail = (int)((wb - H) >> 2);
+// One warp quantises one token row x [H] (dtype DT, 16-byte aligned, H % 128 == 0) and stores the wire row
+// (wb = q8_wire_bytes(H) bytes) into each of the n rows dsts[0..n) (16-byte aligned, local or peer memory):
+// lane l quantises chunk c0 + 32u + l of NW 16-byte words (N = NW * VEC channels), U chunks per lane in flight,
+// and stores its N codes coalesced; the scales are gathered in registers (lane l keeps the scale of group
+// 32b + l) and stored as one coalesced run per 32 groups, after the last one with the zero padding.
+// n == 0 only reads and checks.  Returns, on every lane, whether a group held inf/nan.
+template <int DT, int NW, int U>
+__device__ __forceinline__ bool q8_fanout(char* const* dsts, int n, const void* x, int H, i64 wb, bool pow2,
+                                          int lane) {
+  constexpr int VEC = DT == DT_F32 ? 4 : 8;  // channels per 16-byte word
+  constexpr int N = NW * VEC;                // channels (and code bytes) per chunk
+  constexpr int L = Q8_GROUP / N;            // lanes per group
+  const int nc = H / N, G = H / Q8_GROUP, tail = (int)((wb - H) >> 2);  // tail: scale + padding words
   const int4* src = (const int4*)x;
   bool bad_any = false;
   float sreg = 0.f;
@@ -761,14 +766,14 @@ __device__ __forceinline__ bool warp_quant_fanout_wide(char* const* dsts, int n,
       const int j0 = c0 + u * 32;
       if (j0 >= nc) break;  // warp-uniform
       const int j = j0 + lane;
-      unsigned c[4];
+      unsigned c[N / 4];
       bool bad;
       const float sc = q8_words<DT, NW>(v[u], pow2, c, &bad);
       const bool live = j < nc;
       bad_any |= live && bad;
       sreg = q8_keep_scales<L>(G, j0 / L, sc, sreg, lane);
       if (live) {
-        for (int t = 0; t < n; ++t) *(uint4*)(dsts[t] + (i64)j * 16) = make_uint4(c[0], c[1], c[2], c[3]);
+        for (int t = 0; t < n; ++t) q8_store_codes<N>(dsts[t] + (i64)j * N, c);
       }
       q8_store_scales<L>(dsts, n, H, G, tail, j0 / L, sreg, lane);
     }
@@ -776,53 +781,22 @@ __device__ __forceinline__ bool warp_quant_fanout_wide(char* const* dsts, int n,
   return __any_sync(FULL_MASK, bad_any);
 }
 
-// One warp quantises one token row x [H] (dtype DT, 16-byte aligned, H % 128 == 0) and stores the wire row
-// (wb = q8_wire_bytes(H) bytes) into each of the n rows dsts[0..n) (16-byte aligned, local or peer memory):
-// lane l loads 16-byte word w0 + 32u + l, four words per lane in flight; the codes of a word (8 or 4 bytes)
-// are stored by their lane, coalesced; the scales are gathered in registers (lane l keeps the scale of group
-// 32b + l) and stored as one coalesced run per 32 groups, after the last one with the zero padding.
-// n == 0 only reads and checks.  Returns, on every lane, whether a group held inf/nan.
+// The fp8 dispatch's send fanout.  Default: one 16-byte word per chunk (8 bf16/fp16 or 4 fp32 codes per lane
+// and store), four chunks in flight.  MOONEP_FP8_WIDE (a compile-time switch of the "ep" program): 16 channels
+// per chunk, stored with one 16-byte store per destination as the bf16 path does (4 groups of 8 lanes per
+// warp-wide store, amax in 3 shuffles), Q8_WIDE_WORDS 16-byte words per lane in flight (MOONEP_FP8_WIDE=1: 8,
+// N > 1: N).  Same bytes.
+#if defined(MOONEP_FP8_WIDE) && MOONEP_FP8_WIDE
+#define Q8_WIDE_WORDS (MOONEP_FP8_WIDE > 1 ? MOONEP_FP8_WIDE : 8)
+#endif
+
 template <int DT>
 __device__ __forceinline__ bool warp_quant_fanout(char* const* dsts, int n, const void* x, int H, i64 wb, bool pow2,
                                                   int lane) {
 #ifdef Q8_WIDE_WORDS
-  return warp_quant_fanout_wide<DT, Q8_WIDE_WORDS>(dsts, n, x, H, wb, pow2, lane);
+  constexpr int NW = DT == DT_F32 ? 4 : 2;  // 16 channels
+  return q8_fanout<DT, NW, (Q8_WIDE_WORDS / NW > 1 ? Q8_WIDE_WORDS / NW : 1)>(dsts, n, x, H, wb, pow2, lane);
 #else
-  constexpr int VEC = DT == DT_F32 ? 4 : 8;  // channels per 16-byte word
-  constexpr int L = Q8_GROUP / VEC;          // lanes per group
-  constexpr int U = 4;                       // words per lane in flight
-  const int nw = H / VEC, G = H / Q8_GROUP, tail = (int)((wb - H) >> 2);  // tail: scale + padding words
-  const int4* src = (const int4*)x;
-  bool bad_any = false;
-  float sreg = 0.f;
-  for (int w0 = 0; w0 < nw; w0 += 32 * U) {  // warp-uniform
-    int4 v[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = w0 + u * 32 + lane;
-      v[u] = j < nw ? __ldg(src + j) : make_int4(0, 0, 0, 0);  // a group's lanes are in or out together
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j0 = w0 + u * 32;
-      if (j0 >= nw) break;  // warp-uniform
-      const int j = j0 + lane;
-      unsigned c[VEC / 4];
-      bool bad;
-      const float sc = q8_word<DT>(v[u], pow2, c, &bad);
-      const bool live = j < nw;
-      bad_any |= live && bad;
-      sreg = q8_keep_scales<L>(G, j0 / L, sc, sreg, lane);
-      if (live) {
-        for (int t = 0; t < n; ++t) {
-          char* d = dsts[t] + (i64)j * VEC;
-          if constexpr (VEC == 8) *(uint2*)d = make_uint2(c[0], c[1]);
-          else *(unsigned*)d = c[0];
-        }
-      }
-      q8_store_scales<L>(dsts, n, H, G, tail, j0 / L, sreg, lane);
-    }
-  }
-  return __any_sync(FULL_MASK, bad_any);
+  return q8_fanout<DT, 1, 4>(dsts, n, x, H, wb, pow2, lane);
 #endif
 }
