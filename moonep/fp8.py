@@ -25,7 +25,7 @@ from . import cuda_runtime
 from .errors import expect, expect_tensor, fail
 from .quant import dequantize_fp8, quantize_fp8
 
-__all__ = ["FP8", "GROUP", "wire_bytes", "split_wire", "check_pair", "pack_pair", "quantize_wire",
+__all__ = ["FP8", "GROUP", "wire_bytes", "split_wire", "wire_rows", "check_pair", "pack_pair", "quantize_wire",
            "dequantize_rows"]
 
 FP8 = torch.float8_e4m3fn
@@ -45,6 +45,16 @@ def split_wire(rows: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
     q = rows[:, :H].view(FP8)
     scales = rows[:, H:H + 4 * (H // GROUP)].view(torch.float32)  # row stride wire_bytes(H): a multiple of 16
     return q, scales
+
+
+def wire_rows(tokens: torch.Tensor) -> torch.Tensor:
+    """The uint8 wire rows ``[n, wire_bytes(H)]`` behind ``tokens`` (``h.tokens`` of an fp8 dispatch, fp8 ``[n, H]``
+    with row stride ``wire_bytes(H)``), padding included: a view (the inverse of :func:`split_wire`)."""
+    n, H = tokens.shape
+    wb = wire_bytes(H)
+    expect(tokens.dtype == FP8 and tokens.stride() == (wb, 1), "tokens", f"fp8 rows of stride ({wb}, 1) (h.tokens)",
+           f"{tokens.dtype}, stride {tuple(tokens.stride())}")
+    return tokens.view(torch.uint8).as_strided((n, wb), (wb, 1))
 
 
 def check_pair(x, H: int, device, max_rows: int) -> None:

@@ -60,13 +60,6 @@ def test_wire_kernel_bitwise_torch_path(dtype, pow2):
     assert int(flag) == 16
 
 
-def _wire_of_rows(h):
-    """The received wire rows [cap, wire_bytes(H)] behind h.tokens / h.scales (padding included)."""
-    cap, h_ = h.tokens.shape
-    wb = fp8.wire_bytes(h_)
-    return h.tokens.view(torch.uint8).as_strided((cap, wb), (wb, 1))
-
-
 @pytest.mark.parametrize("fused", ["route,dispatch", "route", "0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hidden", [384, 512, 640])
@@ -95,7 +88,7 @@ def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
                 for _ in range(2):  # a second call over the same buffers
                     h = ep.dispatch(x, idx, w)
                     ep.synchronize()
-                    rows = _wire_of_rows(h).cpu()
+                    rows = fp8.wire_rows(h.tokens).cpu()
                     rf = h.routing.row_first.long().cpu()
                     used = rf >= 0
                     tok = h.routing.src.long().cpu()[rf[used]]

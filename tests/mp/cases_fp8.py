@@ -80,9 +80,7 @@ def _check_nvlink_rows(h, q, sc, sizes, S):
     from moonep import fp8
 
     st = h.routing
-    cap, H = h.tokens.shape
-    wb = fp8.wire_bytes(H)
-    wire = h.tokens.view(torch.uint8).as_strided((cap, wb), (wb, 1)).cpu()
+    wire = fp8.wire_rows(h.tokens).cpu()
     rf = st.row_first.long().cpu()
     used = rf >= 0
     src = st.src.long().cpu()[rf[used]]  # src_rank * S + source token

@@ -218,3 +218,7 @@ def test_wire_rows_layout(H):
     assert not bool(wire[:, H + 4 * (H // 128):].any())
     gq, gs = fp8.split_wire(wire, H)
     assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs, sc)
+    back = fp8.wire_rows(gq)  # the rows behind the codes view (h.tokens), padding included
+    assert back.data_ptr() == wire.data_ptr() and torch.equal(back, wire)
+    with pytest.raises(ValueError, match="tokens"):
+        fp8.wire_rows(q)  # contiguous codes: no wire rows behind them
