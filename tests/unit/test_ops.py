@@ -19,6 +19,14 @@ def _problem(s, seed):
     return x, idx, torch.rand(s, K, generator=g, dtype=torch.float64).requires_grad_()
 
 
+def _through_ops(ep, W):
+    """The MoE step of the tests through the ops: ``(x, idx, w) -> [s, H]`` (one expert matrix per slot)."""
+    def step(x, idx, w):
+        h = ops.dispatch(ep, x, idx, w)
+        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h)
+    return step
+
+
 def test_ops_match_eager_and_release_steps():
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
@@ -28,10 +36,7 @@ def test_ops_match_eager_and_release_steps():
         h = ep.dispatch(x, idx, w)
         return ep.combine(moonep.slot_matmul(h.tokens, h.cu_seqlens, ep.prefetch(h, W)), h)
 
-    def through_ops(x, idx, w):
-        h = ops.dispatch(ep, x, idx, w)
-        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h)
-
+    through_ops = _through_ops(ep, W)
     compiled = torch.compile(through_ops, backend="aot_eager", fullgraph=True)
     for s in (9, 14, 0):
         got = []
@@ -176,10 +181,7 @@ def test_backward_collectives_stay_in_the_backward_graph():
     keep = lambda gm, _: make_boxed_func(gm)  # noqa: E731
     backend = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=partition)
 
-    def through_ops(x, idx, w):
-        h = ops.dispatch(ep, x, idx, w)
-        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h)
-
+    through_ops = _through_ops(ep, W)
     x, idx, w = _problem(0, 1)
     torch.compile(through_ops, backend=backend, fullgraph=True)(x, idx, w).sum().backward()
     assert not any(n.endswith("_backward") or n.startswith("reduce") for n in placed["forward"]), placed
@@ -203,11 +205,8 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch):
         monkeypatch.setattr(fn, "backward", staticmethod(
             lambda ctx, *g, _bwd=fn.backward, _name=fn.__name__: (calls.append(_name), _bwd(ctx, *g))[1]))
 
-    def through_ops(x, idx, w):
-        h = ops.dispatch(ep, x, idx, w)
-        return ops.combine(ops.slot_matmul(h.tokens, h.cu_seqlens, ops.prefetch(h, W)), h) * 2
-
-    compiled = torch.compile(through_ops, fullgraph=True)  # inductor
+    step = _through_ops(ep, W)
+    compiled = torch.compile(lambda x, idx, w: step(x, idx, w) * 2, fullgraph=True)  # inductor
     x, idx, w = _problem(0, 1)
     with torch.no_grad():
         y = compiled(x, idx, w)
