@@ -16,6 +16,8 @@ step() {  # name timeout cmd...
   echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$o/summary.txt"
   tar czf "${OUT:-/tmp}/run.tgz" -C $o .  # after every step, so a run cut off by the call limit keeps what ran
 }
+# groups of steps
+set -- $(for s in "$@"; do case $s in fp8) echo fp8_np2 fp8_np4 fp8_single fp8_speed ;; *) echo "$s" ;; esac; done)
 for s in "$@"; do case $s in
   planner_qb) step planner_qb 150 python3 -m pytest -q -rA tests/gpu/test_planner_gpu.py tests/gpu/test_balance_gpu.py ;;
   planner_gpu) step planner_gpu 240 python3 -m pytest -q -rA tests/gpu/test_planner_gpu.py ;;
@@ -69,10 +71,6 @@ for s in "$@"; do case $s in
   faults_np4_check) MOONEP_BOARD_CHECK=1 MOONEP_GPU_NRANKS=4 step faults_np4_check 300 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py ;;
   faults_gpu) MOONEP_GPU_NRANKS="2 4" step faults_gpu 420 python3 -m pytest -q -rA tests/gpu/test_mp_faults_gpu.py ;;
   soak_gpu) step soak_gpu 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/soak_gpu.py --out $o/soak_gpu_nvlink.json ;;
-  fp8) MOONEP_GPU_NRANKS=2 step fp8_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py
-       MOONEP_GPU_NRANKS=4 step fp8_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py
-       step fp8_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py tests/unit/test_quant.py
-       step fp8_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch.json ;;
   fp8_np2) MOONEP_GPU_NRANKS=2 step fp8_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py ;;
   fp8_np4) MOONEP_GPU_NRANKS=4 step fp8_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py ;;
   fp8_single) step fp8_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py tests/unit/test_quant.py ;;
