@@ -2,6 +2,7 @@
 (aot_eager), and release each step's state after its backward."""
 import gc
 
+import pytest
 import torch
 import torch._dynamo
 
@@ -11,12 +12,13 @@ from moonep import op_state, ops
 E, K, H, S = 8, 2, 16, 24
 
 
-def _problem(s, seed):
+def _problem(s, seed, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(s, H, generator=g, dtype=torch.float64).requires_grad_()
+    x = torch.randn(s, H, generator=g, dtype=torch.float64)
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]) if s else \
         torch.zeros(0, K, dtype=torch.int64)
-    return x, idx, torch.rand(s, K, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.rand(s, K, generator=g, dtype=torch.float64)
+    return x.to(device).requires_grad_(), idx.to(device), w.to(device).requires_grad_()
 
 
 def _through_ops(ep, W):
@@ -29,7 +31,7 @@ def _through_ops(ep, W):
 
 def test_ops_match_eager_and_release_steps():
     torch._dynamo.reset()
-    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
     W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
 
     def eager(x, idx, w):
@@ -155,7 +157,7 @@ def test_backward_collectives_stay_in_the_backward_graph():
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     torch._dynamo.reset()
-    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
     W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
     placed = {}
 
@@ -189,7 +191,9 @@ def test_backward_collectives_stay_in_the_backward_graph():
     ep.close()
 
 
-def test_collectives_run_when_nothing_reads_their_output(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_collectives_run_when_nothing_reads_their_output(monkeypatch, device):
     """Inductor drops a kernel whose output nothing reads, and a load from a zero-element buffer reads
     nothing: a rank with no tokens would skip its combine (seen on CUDA, the peers then wait for it), and in
     training its dispatch's backward, whose gradients are empty too.  The collective ops are registered as
@@ -197,8 +201,8 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch):
     registration: they are off here, so that an artifact compiled without it cannot answer."""
     monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)
     torch._dynamo.reset()
-    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64)
-    W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device=device)
+    W = torch.randn(E, H, H, dtype=torch.float64, device=device, requires_grad=True)
     calls, combine = [], ep.combine
     monkeypatch.setattr(ep, "combine", lambda *a, **kw: (calls.append("combine"), combine(*a, **kw))[1])
     for fn in (ops._DispatchFn, ops._CombineFn):
@@ -207,7 +211,7 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch):
 
     step = _through_ops(ep, W)
     compiled = torch.compile(lambda x, idx, w: step(x, idx, w) * 2, fullgraph=True)  # inductor
-    x, idx, w = _problem(0, 1)
+    x, idx, w = _problem(0, 1, device)
     with torch.no_grad():
         y = compiled(x, idx, w)
     assert y.shape == (0, H) and calls == ["combine"], (y.shape, calls)
