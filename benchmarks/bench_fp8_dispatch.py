@@ -1,7 +1,7 @@
 """FP8 dispatch against bf16 dispatch on one GPU, one rank, NVLink backend.
 
     python3 benchmarks/bench_fp8_dispatch.py --out benchmarks/results/fp8_dispatch_h200.json
-    MOONEP_FP8_WIDE=1 python3 benchmarks/bench_fp8_dispatch.py --out ...   # the 16-byte-store fanout
+    MOONEP_FP8_WORDS=0 python3 benchmarks/bench_fp8_dispatch.py --out ...  # the narrow send fanout
 
 Same process, same device, same routing: 4096 tokens, hidden 7168, top-8 of 256 experts by default.
 Reported, in microseconds:
@@ -69,11 +69,12 @@ def _check_fp8_rows(h, x) -> bool:
 
 def _fanout() -> dict:
     """The fp8 send fanout of this process's "ep" program (its switches are read when it is compiled, from the
-    same environment as now): MOONEP_FP8_WIDE as set, and what reached the compile options."""
+    same environment as now): MOONEP_FP8_WORDS as set, and what reached the compile options."""
     defines = [o for o in cuda_runtime.compile_options("ep") if o.startswith("-D")]
-    wide = [o.split("=", 1)[1] for o in defines if o.startswith("-DMOONEP_FP8_WIDE=")]
-    return dict(fp8_fanout="wide" if wide else "default", fp8_wide_env=os.environ.get("MOONEP_FP8_WIDE"),
-                fp8_wide_words=(8 if wide[0] == "1" else int(wide[0])) if wide else 0, ep_defines=defines)
+    words = [int(o.split("=", 1)[1]) for o in defines if o.startswith("-DMOONEP_FP8_WORDS=")]
+    words = words[0] if words else 4  # csrc/common.cuh's default
+    return dict(fp8_fanout="narrow" if words == 0 else f"16-channel, {words} words per lane in flight",
+                fp8_words_env=os.environ.get("MOONEP_FP8_WORDS"), fp8_words=words, ep_defines=defines)
 
 
 def measure(rt, dtype, fp8, x, idx, w, E, iters):

@@ -781,21 +781,21 @@ __device__ __forceinline__ bool q8_fanout(char* const* dsts, int n, const void* 
   return __any_sync(FULL_MASK, bad_any);
 }
 
-// The fp8 dispatch's send fanout.  Default: one 16-byte word per chunk (8 bf16/fp16 or 4 fp32 codes per lane
-// and store), four chunks in flight.  MOONEP_FP8_WIDE (a compile-time switch of the "ep" program): 16 channels
-// per chunk, stored with one 16-byte store per destination as the bf16 path does (4 groups of 8 lanes per
-// warp-wide store, amax in 3 shuffles), Q8_WIDE_WORDS 16-byte words per lane in flight (MOONEP_FP8_WIDE=1: 8,
-// N > 1: N).  Same bytes.
-#if defined(MOONEP_FP8_WIDE) && MOONEP_FP8_WIDE
-#define Q8_WIDE_WORDS (MOONEP_FP8_WIDE > 1 ? MOONEP_FP8_WIDE : 8)
+// The fp8 dispatch's send fanout: 16 channels per chunk and lane, stored with one 16-byte store per destination
+// as the bf16 path does (4 groups of 8 lanes per warp-wide store, amax in 3 shuffles), MOONEP_FP8_WORDS 16-byte
+// input words per lane in flight (default 4: the fastest measured, docs/performance.md; a compile-time switch
+// of the "ep" program).  MOONEP_FP8_WORDS=0: the narrow fanout, one 16-byte input word per chunk (8 bf16/fp16
+// or 4 fp32 codes per lane and store), four chunks in flight.  Every variant writes the same bytes.
+#ifndef MOONEP_FP8_WORDS
+#define MOONEP_FP8_WORDS 4
 #endif
 
 template <int DT>
 __device__ __forceinline__ bool warp_quant_fanout(char* const* dsts, int n, const void* x, int H, i64 wb, bool pow2,
                                                   int lane) {
-#ifdef Q8_WIDE_WORDS
+#if MOONEP_FP8_WORDS > 0
   constexpr int NW = DT == DT_F32 ? 4 : 2;  // 16 channels
-  return q8_fanout<DT, NW, (Q8_WIDE_WORDS / NW > 1 ? Q8_WIDE_WORDS / NW : 1)>(dsts, n, x, H, wb, pow2, lane);
+  return q8_fanout<DT, NW, (MOONEP_FP8_WORDS / NW > 1 ? MOONEP_FP8_WORDS / NW : 1)>(dsts, n, x, H, wb, pow2, lane);
 #else
   return q8_fanout<DT, 1, 4>(dsts, n, x, H, wb, pow2, lane);
 #endif

@@ -151,7 +151,7 @@ MOONEP_LINEINFO | unset | profiling | 1 compiles the kernels with -lineinfo (sou
 MOONEP_PLAN_CLOCKS | unset | profiling | 1 compiles cycle counters per planner phase (tools/profile_planner.py)
 MOONEP_PLAN_STAMPS | unset | profiling | 1 compiles phase stamps of the fused planner launch
 MOONEP_QUANT_SOFT_CVT | unset | profiling | 1 compiles the fp8 quantiser with its portable e4m3 conversion instead of the sm_89+ instruction
-MOONEP_FP8_WIDE | 0 | profiling | fp8 dispatch send fanout, compiled into the nvlink kernels: 0 the default, 1 the 16-byte-store variant (8 words per lane in flight), 2..8 that variant with that many words in flight (an int in 0..8; csrc/common.cuh)
+MOONEP_FP8_WORDS | 4 | profiling | fp8 dispatch send fanout, compiled into the nvlink kernels: 16-byte input words per lane in flight of the 16-channel fanout (1..8; rounded down to whole 16-channel chunks, at least one), 0 the narrow fanout (one word per chunk, four chunks in flight); an int in 0..8, csrc/common.cuh
 MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels (0/1/true/false/yes/no)
 MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum (0/1/true/false/yes/no)
 MOONEP_MPIEXEC | the venv's mpiexec | tests | launcher of the multi-rank tests

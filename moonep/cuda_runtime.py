@@ -52,10 +52,11 @@ def _diag() -> tuple[str, ...]:
     return (f"-DMOONEP_DIAG={diag}",) if diag else ()
 
 
-def _fp8_wide() -> tuple[str, ...]:
-    # MOONEP_FP8_WIDE: the fp8 dispatch's 16-byte-store send fanout (csrc/common.cuh); a speed experiment
-    wide = env_int("MOONEP_FP8_WIDE", 0, lo=0, hi=8)
-    return (f"-DMOONEP_FP8_WIDE={wide}",) if wide else ()
+def _fp8_words() -> tuple[str, ...]:
+    # MOONEP_FP8_WORDS: the fp8 dispatch's send fanout (csrc/common.cuh), passed only when set
+    if os.environ.get("MOONEP_FP8_WORDS") is None:
+        return ()
+    return (f"-DMOONEP_FP8_WORDS={env_int('MOONEP_FP8_WORDS', 4, lo=0, hi=8)}",)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ PROGRAMS: dict[str, Program] = {
                    "moonep_dispatch_fused", "moonep_dispatch_zero", "moonep_combine_reduce", "moonep_combine_sum",
                    "moonep_combine_fused", "moonep_prefetch_push", "moonep_prefetch_finish",
                    "moonep_reduce_stage", "moonep_reduce_finish"),
-                  lambda: _diag() + _fp8_wide()),
+                  lambda: _diag() + _fp8_words()),
     # Quantile Balancing's recording and bias step, launched by moonep/balance.py
     "balance": Program(("balance.cu",),
                        ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: numerics compile compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_wide pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: numerics compile compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -75,9 +75,8 @@ for s in "$@"; do case $s in
   fp8_np4) MOONEP_GPU_NRANKS=4 step fp8_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py ;;
   fp8_single) step fp8_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py tests/unit/test_quant.py ;;
   fp8_speed) step fp8_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch.json ;;
-  fp8_wide) MOONEP_FP8_WIDE=1 step fp8_wide_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py
-            MOONEP_FP8_WIDE=1 step fp8_wide_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch_wide.json
-            MOONEP_FP8_WIDE=4 step fp8_wide4_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch_wide4.json ;;
+  fp8_words) for w in 0 2 8; do MOONEP_FP8_WORDS=$w step fp8_words${w}_speed 200 python3 benchmarks/bench_fp8_dispatch.py \
+                --out $o/h200x1_fp8_dispatch_words$w.json; done ;;
   compile) step compile_r1 500 python3 -m pytest -q -rA tests/unit/test_ops.py tests/gpu/test_slot_gemm_gpu.py tests/gpu/test_compile_gpu.py ;;
   numerics) step compile_numerics 300 python3 tools/compile_numerics.py --out $o/h200x1_compile_numerics.json ;;
   compile_np2) step ops_dce 120 python3 -m pytest -q -rA tests/unit/test_ops.py -k nothing_reads

@@ -3,10 +3,10 @@ host backends' wire quantiser) against the torch path (bitwise), no host sync (s
 capture and replay, and a non-finite x reported lazily (also in a token without any destination).  Skipped
 without CUDA.
 
-The send kernels' fanout variant is compiled into the "ep" program once per process: ``MOONEP_FP8_WIDE=1``
-(csrc/common.cuh) selects the 16-byte-store one.  A plain run checks the default here and the wide one in a
-child process (``test_wide_fanout_in_a_child``); ``MOONEP_FP8_WIDE=1 pytest tests/gpu/test_fp8_gpu.py`` runs
-everything on the wide one."""
+The send kernels' fanout variant is compiled into the "ep" program once per process: ``MOONEP_FP8_WORDS``
+(csrc/common.cuh) selects it.  A plain run checks the default here and the narrow one (``0``) in a child
+process (``test_narrow_fanout_in_a_child``); ``MOONEP_FP8_WORDS=N pytest tests/gpu/test_fp8_gpu.py`` runs
+everything on variant ``N``."""
 import os
 import subprocess
 import sys
@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 
 import moonep  # noqa: E402
 from moonep import cuda_runtime, fp8  # noqa: E402
-from moonep.config import env_int  # noqa: E402
 from moonep.testing.cuda_graph import capture  # noqa: E402
 from moonep.quant import _quantize_torch  # noqa: E402
 
@@ -99,15 +98,16 @@ def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
 
 
 def test_fanout_variant_compiled():
-    """MOONEP_FP8_WIDE reaches the "ep" program's compile options exactly when it is set (and not 0)."""
-    wide = env_int("MOONEP_FP8_WIDE", 0, lo=0)
-    assert any(o.startswith("-DMOONEP_FP8_WIDE=") for o in cuda_runtime.compile_options("ep")) == bool(wide)
+    """MOONEP_FP8_WORDS reaches the "ep" program's compile options exactly when it is set."""
+    words = os.environ.get("MOONEP_FP8_WORDS")
+    got = [o for o in cuda_runtime.compile_options("ep") if o.startswith("-DMOONEP_FP8_WORDS=")]
+    assert got == ([] if words is None else [f"-DMOONEP_FP8_WORDS={int(words)}"]), got
 
 
-@pytest.mark.skipif(bool(env_int("MOONEP_FP8_WIDE", 0, lo=0)), reason="this process runs the wide fanout")
-def test_wide_fanout_in_a_child():
-    """The bitwise and non-finite checks again, in a process that compiles the wide fanout."""
-    env = dict(os.environ, MOONEP_FP8_WIDE="1")
+@pytest.mark.skipif(os.environ.get("MOONEP_FP8_WORDS") is not None, reason="this process runs a chosen fanout")
+def test_narrow_fanout_in_a_child():
+    """The bitwise and non-finite checks again, in a process that compiles the narrow fanout."""
+    env = dict(os.environ, MOONEP_FP8_WORDS="0")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "dispatch_rows_bitwise or nonfinite or variant_compiled"],
                        env=env, capture_output=True, text=True, timeout=1200)

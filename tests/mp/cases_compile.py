@@ -75,12 +75,12 @@ _CUDAGRAPHS = dict(backend="cudagraphs", fullgraph=True, dynamic=False)
 
 
 def _check_results(rt, names, got, want, exact: bool, ctx: str) -> None:
-    """A compiled step's output and gradients (``got``) against eager's, by name: bitwise in ``exact`` modes
-    except ``dx`` (autograd and AOTAutograd add its contributions, router's, experts', shared, in different
-    orders), close otherwise (inductor's generated code rounds differently)."""
-    tol = (1e-5 if exact else 1e-4) if _dtype(rt) == torch.float32 else 1e-10
+    """A compiled step's output and gradients (``got``) against eager's, by name: bitwise in ``exact`` modes,
+    close otherwise (inductor regenerates the layer's own elementwise code, which rounds differently:
+    tools/compile_numerics.py)."""
+    tol = 1e-4 if _dtype(rt) == torch.float32 else 1e-10
     for name, a, b in zip(names, got, want):
-        if exact and name != "dx":
+        if exact:
             _equal(name, a, b, ctx)
         else:
             _close(name, a, b, ctx, tol)

@@ -4,10 +4,10 @@ shim in which 32 threads are the 32 lanes of one warp (every shuffle is an excha
 rows it writes must be, byte for byte, the wire rows of the torch path (codes and scales of
 ``quantize_fp8``, zero padding), in every destination, for every group layout (bf16: two groups per warp
 word, fp32: one; batches of 32 scales; a last word half out of range), and it must report inf/nan.  Each
-check runs on every compiled variant (``VARIANTS``): the default fanout and the ``MOONEP_FP8_WIDE`` one
-(16 codes and one 16-byte store per lane, four groups per warp-wide store), at its default depth and at the
-shallowest.  fp16 differs from bf16 only in the unpacking (its conversion is inline PTX), so it is left to
-the GPU tests.  CPU only; skipped without g++."""
+check runs on every compiled variant of ``MOONEP_FP8_WORDS`` (``VARIANTS``): the default fanout (16 codes and
+one 16-byte store per lane, four groups per warp-wide store) at its default depth, the deepest and the
+shallowest, and the narrow fanout (``0``).  fp16 differs from bf16 only in the unpacking (its conversion is
+inline PTX), so it is left to the GPU tests.  CPU only; skipped without g++."""
 from __future__ import annotations
 
 import ctypes
@@ -93,11 +93,7 @@ static void* run_lane(void* a) {
   return nullptr;
 }
 extern "C" long long wire_bytes(long long H) { return q8_wire_bytes(H); }
-#ifdef Q8_WIDE_WORDS
-extern "C" int wide_words() { return Q8_WIDE_WORDS; }
-#else
-extern "C" int wide_words() { return 0; }
-#endif
+extern "C" int fanout_words() { return MOONEP_FP8_WORDS; }
 extern "C" void emulate(int dt, const void* x, int H, long long wb, int pow2, int n, unsigned char* out, int* bad) {
   pthread_barrier_init(&g_bar, nullptr, 32);
   char* d[32];
@@ -117,8 +113,8 @@ extern "C" void emulate(int dt, const void* x, int H, long long wb, int pow2, in
 '''
 
 DT = {torch.float32: 0, torch.bfloat16: 1}  # csrc/common.cuh DT_F32, DT_BF16
-# variant -> (the value of -DMOONEP_FP8_WIDE, or None; the 16-byte words per lane in flight it compiles to)
-VARIANTS = {"default": (None, 0), "wide": (1, 8), "wide2": (2, 2)}
+# variant -> (the value of -DMOONEP_FP8_WORDS, or None; the MOONEP_FP8_WORDS the fanout compiles with)
+VARIANTS = {"default": (None, 4), "words8": (8, 8), "words2": (2, 2), "narrow": (0, 0)}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -130,14 +126,14 @@ def lib(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(f"q8send_{request.param}")
     (d / "emu.cpp").write_text(SHIM + f'#include "{cuda_runtime.csrc_dir() / "common.cuh"}"\n' + HARNESS)
     so = d / "libemu.so"
-    flags = [] if define is None else [f"-DMOONEP_FP8_WIDE={define}"]
+    flags = [] if define is None else [f"-DMOONEP_FP8_WORDS={define}"]
     r = subprocess.run([gxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", *flags,
                         str(d / "emu.cpp"), "-o", str(so)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     lib = ctypes.CDLL(str(so))
     lib.wire_bytes.restype = ctypes.c_longlong
     lib.wire_bytes.argtypes = [ctypes.c_longlong]
-    assert lib.wide_words() == words  # the switch reached the fanout
+    assert lib.fanout_words() == words  # the switch reached the fanout
     return lib
 
 
@@ -195,7 +191,7 @@ def test_send_rows_are_the_wire_rows(lib, dtype, H):
 @pytest.mark.parametrize("H", [640, 4224])
 def test_send_reports_non_finite(lib, dtype, bad_at, H):
     # 4224: 33 groups, the last one alone in its scale batch (and in the warp's last word); 640: a last warp
-    # word with one group of five (wide) or half out of range (default, bf16)
+    # word with one group of five (16-channel fanout) or half out of range (narrow fanout, bf16)
     x = torch.randn(H, generator=torch.Generator().manual_seed(5)).to(dtype)
     x[bad_at] = float("nan") if bad_at else float("inf")
     rows, bad = send(lib, x, False, 2)
