@@ -13,6 +13,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config as ic
 
+from moonep.bench.provenance import command, git_commit, machine
 from moonep.layers import LatentMoE
 
 D, L, E, K, FE, FS = 64, 32, 8, 2, 48, 32
@@ -65,7 +66,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out")
     a = ap.parse_args()
-    report = {"torch": torch.__version__, "device": a.device, "results": {}}
+    report = {"command": command(), "commit": git_commit(), "machine": machine(), "torch": torch.__version__,
+              "device": a.device, "results": {}}
     for dt in (torch.float32, torch.bfloat16):
         for name, opts in _options().items():
             torch._dynamo.reset()
