@@ -784,8 +784,9 @@ __device__ __forceinline__ bool q8_fanout(char* const* dsts, int n, const void* 
 // The fp8 dispatch's send fanout: 16 channels per chunk and lane, stored with one 16-byte store per destination
 // as the bf16 path does (4 groups of 8 lanes per warp-wide store, amax in 3 shuffles), MOONEP_FP8_WORDS 16-byte
 // input words per lane in flight (default 4; a compile-time switch of the "ep" program; the variants measure
-// within one another's run-to-run spread, docs/performance.md).  MOONEP_FP8_WORDS=0: the narrow fanout, one 16-byte input word per chunk (8 bf16/fp16
-// or 4 fp32 codes per lane and store), four chunks in flight.  Every variant writes the same bytes.
+// within one another's run-to-run spread, docs/performance.md).  MOONEP_FP8_WORDS=0: the narrow fanout, one
+// 16-byte input word per chunk (8 bf16/fp16 or 4 fp32 codes per lane and store), four chunks in flight.  Every
+// variant writes the same bytes.
 #ifndef MOONEP_FP8_WORDS
 #define MOONEP_FP8_WORDS 4
 #endif
