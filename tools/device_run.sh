@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: numerics compile compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: ncu_fp8 numerics compile compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -55,6 +55,11 @@ for s in "$@"; do case $s in
                 -k regex:moonep_$3 --launch-skip 10 -c 1 -o $o/ncu_$1_$2_$3 python3 tools/profile_planner.py --configs "$1" --families $2
               ncu --import $o/ncu_$1_$2_$3.ncu-rep --page source --csv --print-source cuda > $o/src_$1_$2_$3.csv 2>&1
               ncu --import $o/ncu_$1_$2_$3.ncu-rep --page details > $o/details_$1_$2_$3.txt 2>&1; done ;;
+  ncu_fp8) for wr in bf16 fp8 fp8_pre; do  # one dispatch_fused launch per wire format, full set, source lines
+              MOONEP_LINEINFO=1 step ncu_fp8_$wr 150 ncu --clock-control none --set full --import-source yes \
+                -k regex:moonep_dispatch_fused --launch-skip 5 -c 1 -o $o/ncu_fp8_$wr python3 tools/profile_fp8_dispatch.py --wire $wr
+              ncu --import $o/ncu_fp8_$wr.ncu-rep --page details > $o/details_fp8_$wr.txt 2>&1
+              ncu --import $o/ncu_fp8_$wr.ncu-rep --page source --csv --print-source cuda > $o/src_fp8_$wr.csv 2>&1; done ;;
   ncu_import) mkdir -p /tmp/src; for r in .prof/*.ncu-rep; do b=$(basename $r .ncu-rep)  # reports carried in .prof/
               n=$(ncu --import $r --page source --csv --print-source cuda 2>&1 | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
               cp csrc/planner.cu /tmp/src/$n; ncu --import $r --page source --csv --print-source cuda --import-source yes --source-folders /tmp/src > $o/src_$b.csv 2>&1
