@@ -35,13 +35,14 @@ class PrefetchLatentMoE(LatentMoE):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, self.d_model)
-        idx, w = self.route(x)
+        x_r, x_d, x_s = self._inputs(x)
+        idx, w = self.route(x_r)
         ep = self._ep.get(x.shape[0], self.topk, self.d_latent, x.dtype, x.device)
-        h = ep.dispatch(self.down(x), idx, w)
+        h = ep.dispatch(self.down(x_d), idx, w)
         w_in, w_out = ep.prefetch(h, self.expert_w_in), ep.prefetch(h, self.expert_w_out)
         a = situ_glu_fused(moonep.slot_matmul(h.tokens, h.cu_seqlens, w_in, self.matmul))
         u = ep.combine(moonep.slot_matmul(a, h.cu_seqlens, w_out, self.matmul), h)
-        return (self.up(self.norm(u)) + self.shared(x)).reshape(shape)
+        return (self.up(self.norm(u)) + self.shared(x_s)).reshape(shape)
 
 
 class Stack(nn.Module):

@@ -7,7 +7,6 @@
 
 The RMSNorm comes after combine because it must see the fully reduced ``u`` (a sum of normed parts is
 not the norm of the sum). Dispatching ``z`` rather than ``x`` halves the bytes on the wire at l = d/2.
-``W_r``, ``W_down`` and the shared experts' input projections act on ``x`` as one GEMM.
 """
 from __future__ import annotations
 
@@ -22,6 +21,26 @@ from .activations import situ_glu_fused
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class _FanOut(torch.autograd.Function):
+    """``x`` handed to ``n`` consumers as ``n`` views, their gradients summed in one fixed order.
+
+    ``x`` feeding the router, the down projection and the shared experts directly would have its gradient
+    accumulated in the order the backward reaches them, which eager autograd and AOTAutograd (torch.compile)
+    choose differently: not bitwise equal.  A single node whose backward adds them itself fixes the order,
+    without copying anything."""
+
+    @staticmethod
+    def forward(ctx, x, n: int):
+        return tuple(x.view_as(x) for _ in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = grads[0]
+        for g in grads[1:]:
+            total = total + g
+        return total, None
 
 
 def _init(shape, fan_in: int, seed: int) -> torch.Tensor:
@@ -132,40 +151,26 @@ class LatentMoE(ShardedExperts, nn.Module):
         self.last_stats: dict = {}
 
     # ------------------------------------------------------------------------------------------ parts
+    @staticmethod
+    def _inputs(x: torch.Tensor):
+        """``x [s, d]`` for its three consumers (router, down projection, shared experts): views whose
+        gradients are summed in one order, eagerly and compiled (:class:`_FanOut`)."""
+        return _FanOut.apply(x, 3) if x.requires_grad else (x, x, x)
+
     def route(self, x: torch.Tensor):
         """``x [s, d]`` -> ``(topk_idx int64 [s, K], weights [s, K] in x.dtype)``; weights sum to 1."""
-        return self._route(self.router(x))
-
-    def _route(self, logits: torch.Tensor):
-        """The router's ``logits [s, E]`` -> :meth:`route`'s ``(topk_idx, weights)``."""
-        scores = torch.sigmoid(logits)
+        scores = torch.sigmoid(self.router(x))
         if self.balancer is not None:
             return self.balancer.route(scores)
         w, idx = scores.topk(self.topk, dim=1)
         return idx, w / w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
 
-    def _shared_w_in(self) -> torch.Tensor:
-        """``shared_w_in`` as one projection's rows: ``[Ns * 2 Fs, d]`` (expert-major, ``g`` then ``u``)."""
-        return self.shared_w_in.transpose(1, 2).reshape(-1, self.d_model)
-
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the shared SiTU-GLU experts on ``x [s, d]`` -> ``[s, d]``."""
-        return self._shared(nn.functional.linear(x, self._shared_w_in()))
-
-    def _shared(self, gu: torch.Tensor) -> torch.Tensor:
-        """The shared experts after their input projection ``gu [s, Ns * 2 Fs]`` -> ``[s, d]``."""
         if self.num_shared == 0:
-            return gu.new_zeros(gu.shape[0], self.d_model)
-        h = situ_glu_fused(gu.unflatten(1, (self.num_shared, 2 * self.d_shared)))      # [s, Ns, Fs]
-        return h.flatten(1) @ self.shared_w_out.flatten(0, 1)                            # sums the experts
-
-    def _project(self, x: torch.Tensor):
-        """Every projection of ``x [s, d]`` in one GEMM: ``(router logits [s, E], z [s, l], shared gate/up
-        [s, Ns * 2 Fs])``.  One GEMM reads ``x`` once, and its gradient is one matmul: with three consumers,
-        eager autograd and AOTAutograd add their contributions in different orders (not bitwise equal)."""
-        w = torch.cat([self.router.weight, self.down.weight, self._shared_w_in()])
-        return nn.functional.linear(x, w).split([self.num_experts, self.d_latent, w.shape[0] - self.num_experts
-                                                 - self.d_latent], dim=1)
+            return torch.zeros_like(x)
+        h = situ_glu_fused(torch.einsum("sd,ndf->nsf", x, self.shared_w_in))  # [Ns, s, Fs]
+        return torch.einsum("nsf,nfd->sd", h, self.shared_w_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: ``x [..., d_model]`` in the parameters' dtype. Returns ``[..., d_model]``, same dtype.
@@ -181,16 +186,17 @@ class LatentMoE(ShardedExperts, nn.Module):
             expect(x.device.type == dev.type, "x", f"device {dev} (the layer's parameters)", x.device)
             shape = x.shape
             x = x.reshape(-1, self.d_model)
-            logits, z, gu = self._project(x)                               # [s, E], [s, l], [s, Ns*2Fs]
-            idx, w = self._route(logits)
+            x_r, x_d, x_s = self._inputs(x)
+            idx, w = self.route(x_r)
         except ValueError as exc:
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
+        z = self.down(x_d)                                                 # [s, l]
         ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
         if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
             u, self.last_stats = ops.latent_experts(ep, z, idx, w, self.expert_w_in, self.expert_w_out,
                                                     situ_glu_fused, self.matmul)
-            return (self.up(self.norm(u)) + self._shared(gu)).reshape(shape)
+            return (self.up(self.norm(u)) + self.shared(x_s)).reshape(shape)
         h = ep.dispatch(z, idx, w)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = self.replica_pool or default_pool()
@@ -199,7 +205,7 @@ class LatentMoE(ShardedExperts, nn.Module):
         cu = h.cu_seqlens
         a = situ_glu_fused(expert_matmul(h.tokens, cu, self.expert_w_in, r_in, impl=self.matmul))   # [cap, F]
         u = ep.combine(expert_matmul(a, cu, self.expert_w_out, r_out, impl=self.matmul), h)          # [s, l]
-        y = self.up(self.norm(u)) + self._shared(gu)
+        y = self.up(self.norm(u)) + self.shared(x_s)
         self._record(h.plan)
         return y.reshape(shape)
 
