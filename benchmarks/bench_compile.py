@@ -7,6 +7,8 @@ Times are the median of ``--iters`` steps after warm-up, measured with CUDA even
 CPU).  Modes: ``default`` (inductor), ``reduce-overhead`` (inductor + CUDA graphs, CUDA only) and
 ``cudagraphs`` (AOTAutograd + CUDA graphs, no code generation); new routing every step (fresh inputs).
 The JSON holds the command, the commit, the machine, the configuration and one time per mode.
+``--profile DIR``: also a torch.profiler table per mode (DIR/<mode>.txt: the kernels and ops of 3 steps by
+device time, then host time), to see where a mode's time goes.
 """
 from __future__ import annotations
 
@@ -46,6 +48,18 @@ def _time_steps(m, xs, cuda: bool) -> list:
     return out
 
 
+def _profile(m, xs, path: str) -> None:
+    """A torch.profiler table of ``m``'s steps over ``xs`` into ``path``."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                    if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        _time_steps(m, xs, torch.cuda.is_available())
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("device_time_total", "cpu_time_total"):
+            f.write(f"sorted by {key}\n{ka.table(sort_by=key, row_limit=30)}\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -60,6 +74,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", default="default,reduce-overhead,cudagraphs")
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--profile", default=None, help="directory for one torch.profiler table per mode")
     args = ap.parse_args(argv)
 
     if args.dtype is None:  # CPU: float32, whose matmuls the CPU runs fast (bf16 ones are emulated there)
@@ -82,6 +97,9 @@ def main(argv=None) -> int:
     results = {}
     m = layer()
     results["eager"] = statistics.median(_time_steps(m, xs, cuda)[args.warmup:])
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        _profile(m, xs[:3], os.path.join(args.profile, "eager.txt"))
     transport = m._ep.get(args.tokens, args.topk, args.d_latent, dt, dev).transport_name
     for mode in modes:
         torch._dynamo.reset()
@@ -95,6 +113,8 @@ def main(argv=None) -> int:
         _time_steps(c, xs[:1], cuda)
         compile_s = time.perf_counter() - t0
         results[mode] = statistics.median(_time_steps(c, xs, cuda)[args.warmup:])
+        if args.profile:
+            _profile(c, xs[:3], os.path.join(args.profile, f"{mode}.txt"))
         results[mode + "_first_step_s"] = round(compile_s, 2)
     rank = 0 if rt is None else rt.rank
     if rank == 0:
