@@ -109,21 +109,33 @@ def measure(rt, dtype, fp8, x, idx, w, E, iters, pre=False):
     return res
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_problem_args(ap) -> None:
+    """The problem's command-line arguments (also tools/profile_fp8_dispatch.py's)."""
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--topk", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--out", help="JSON file to write")
-    args = ap.parse_args(argv)
-    rt = moonep.init(device="cuda")
+
+
+def problem(args):
+    """``(x bf16 [s, H], topk_idx int64 [s, K], topk_weights float32 [s, K])`` on CUDA, from a fixed seed:
+    uniform random top-K choices of ``args.experts``."""
     g = torch.Generator().manual_seed(1234)
     s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     x = torch.randn(s, H, generator=g).to(torch.bfloat16).cuda()
     idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]).cuda()
-    w = torch.rand(s, K, generator=g).cuda()
+    return x, idx, torch.rand(s, K, generator=g).cuda()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_problem_args(ap)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", help="JSON file to write")
+    args = ap.parse_args(argv)
+    rt = moonep.init(device="cuda")
+    s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
+    x, idx, w = problem(args)
     res = {"bf16": measure(rt, torch.bfloat16, False, x, idx, w, E, args.iters),
            "fp8": measure(rt, torch.bfloat16, True, x, idx, w, E, args.iters)}
     res["fp8_prequantised"] = measure(rt, torch.bfloat16, True, x, idx, w, E, args.iters, pre=True)

@@ -10,28 +10,27 @@ report holds one kernel of known kind: the fp8 dispatch's source-level stalls ag
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-import moonep
-from moonep.quant import quantize_fp8
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from bench_fp8_dispatch import add_problem_args, problem  # noqa: E402
+
+import moonep  # noqa: E402
+from moonep.quant import quantize_fp8  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--wire", choices=("bf16", "fp8", "fp8_pre"), default="fp8")
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--topk", type=int, default=8)
+    add_problem_args(ap)
     ap.add_argument("--calls", type=int, default=8)
     a = ap.parse_args(argv)
     rt = moonep.init(device="cuda")
-    g = torch.Generator().manual_seed(1234)
     s, H, E, K = a.tokens, a.hidden, a.experts, a.topk
-    x = torch.randn(s, H, generator=g).to(torch.bfloat16).cuda()
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]).cuda()
-    w = torch.rand(s, K, generator=g).cuda()
+    x, idx, w = problem(a)
     fp8 = a.wire != "bf16"
     xin = quantize_fp8(x) if a.wire == "fp8_pre" else x
     with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
