@@ -35,7 +35,8 @@ def _step(m, x):
     m.zero_grad()
     y = m(x)
     y.square().sum().backward()
-    return {"y": y.detach(), "dx": x.grad, **{"d" + n.removeprefix("_orig_mod."): p.grad for n, p in m.named_parameters()}}
+    grads = {"d" + n.removeprefix("_orig_mod."): p.grad for n, p in m.named_parameters()}  # compiled: prefixed
+    return {"y": y.detach(), "dx": x.grad, **grads}
 
 
 def _parts(device, dt, opts):

@@ -86,7 +86,7 @@ for s in "$@"; do case $s in
   numerics) step compile_numerics 300 python3 tools/compile_numerics.py --out $o/h200x1_compile_numerics.json ;;
   compile_np2) step ops_dce 120 python3 -m pytest -q -rA tests/unit/test_ops.py -k nothing_reads
                MOONEP_GPU_NRANKS=2 step compile_np2 460 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
-  compile_np4) MOONEP_GPU_NRANKS=4 step compile_np4 590 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
+  compile_np4) MOONEP_GPU_NRANKS=4 step compile_np4 560 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
   compile_prof) step compile_prof 300 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py \
                   --modes default,cudagraphs --iters 10 --profile $o/compile_prof --out $o/h200x1_compile_prof.json ;;
   compile_speed) step compile_speed 400 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py --out $o/h200x1_compile_r1.json ;;
