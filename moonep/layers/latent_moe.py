@@ -94,7 +94,8 @@ class LatentMoE(ShardedExperts, nn.Module):
         expect(d_latent <= d_model, "d_latent", f"<= d_model ({d_model}), a compression of the model width",
                d_latent)
         expect(topk <= num_experts, "topk", f"<= num_experts ({num_experts})", topk)
-        expect(isinstance(num_shared, int) and not isinstance(num_shared, bool) and num_shared >= 0, "num_shared", "an int >= 0", repr(num_shared))
+        expect(isinstance(num_shared, int) and not isinstance(num_shared, bool) and num_shared >= 0, "num_shared",
+               "an int >= 0", repr(num_shared))
         expect(dtype in _FLOAT, "dtype", "float32, float64, bfloat16 or float16", dtype)
         expect(matmul in ("auto", "grouped", "loop"), "matmul", '"auto", "grouped" or "loop"', repr(matmul))
         expect(isinstance(eps, (int, float)) and not isinstance(eps, bool) and 0 <= eps < float("inf"), "eps",
