@@ -48,12 +48,11 @@ def _time_steps(m, xs, cuda: bool) -> list:
     return out
 
 
-def _profile(m, xs, path: str) -> None:
+def _profile(m, xs, cuda: bool, path: str) -> None:
     """A torch.profiler table of ``m``'s steps over ``xs`` into ``path``."""
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                    if torch.cuda.is_available() else [])
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     with torch.profiler.profile(activities=acts) as prof:
-        _time_steps(m, xs, torch.cuda.is_available())
+        _time_steps(m, xs, cuda)
     ka = prof.key_averages()
     with open(path, "w") as f:
         for key in ("device_time_total", "cpu_time_total"):
@@ -99,7 +98,7 @@ def main(argv=None) -> int:
     results["eager"] = statistics.median(_time_steps(m, xs, cuda)[args.warmup:])
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
-        _profile(m, xs[:3], os.path.join(args.profile, "eager.txt"))
+        _profile(m, xs[:3], cuda, os.path.join(args.profile, "eager.txt"))
     transport = m._ep.get(args.tokens, args.topk, args.d_latent, dt, dev).transport_name
     for mode in modes:
         torch._dynamo.reset()
@@ -114,15 +113,15 @@ def main(argv=None) -> int:
         compile_s = time.perf_counter() - t0
         results[mode] = statistics.median(_time_steps(c, xs, cuda)[args.warmup:])
         if args.profile:
-            _profile(c, xs[:3], os.path.join(args.profile, f"{mode}.txt"))
+            _profile(c, xs[:3], cuda, os.path.join(args.profile, f"{mode}.txt"))
         results[mode + "_first_step_s"] = round(compile_s, 2)
     rank = 0 if rt is None else rt.rank
+    speedup = {k: results["eager"] / v for k, v in results.items() if not k.endswith("_first_step_s")}
     if rank == 0:
         print(f"LatentMoE step (forward + backward), {transport} backend, s={args.tokens}, {dt} on {dev}")
         print(f"{'mode':<18}{'ms / step':>12}{'eager / mode':>14}")
-        for k, v in results.items():
-            if not k.endswith("_first_step_s"):
-                print(f"{k:<18}{v:>12.3f}{results['eager'] / v:>14.2f}")
+        for k, r in speedup.items():
+            print(f"{k:<18}{results[k]:>12.3f}{r:>14.2f}")
         print("legend: median of --iters steps (CUDA events on CUDA); eager = no torch.compile; "
               "eager / mode > 1: the mode is faster")
         if args.out:
@@ -131,8 +130,7 @@ def main(argv=None) -> int:
                 json.dump({"command": command(launcher="mpirun -n 1" if launched else ""), "commit": git_commit(),
                            "machine": machine(), "config": vars(args) | {"transport": transport},
                            "ms_per_step": results,
-                           "speedup_vs_eager": {k: results["eager"] / v for k, v in results.items()
-                                                if not k.endswith("_first_step_s") and k != "eager"}}, f, indent=1)
+                           "speedup_vs_eager": {k: r for k, r in speedup.items() if k != "eager"}}, f, indent=1)
     if rt is not None:
         rt.shutdown()
     return 0
