@@ -25,20 +25,21 @@ bit-identical):
                 all-gathers [counts, s, flags] through peer stores into one half of a double-buffered area
                 (no entry barrier: its data wait is the barrier)
     dispatch    ``moonep_dispatch_fused``: blocks [0, num_sms) push each token once per remote rank, in
-                ``nch`` chunks of source tokens with a signal per chunk; the other blocks (every other SM)
-                write this rank's own tokens into their local rows and, chunk by chunk as the peers'
-                signals arrive, expand the peers' first rows locally, one warp per (peer, token) found
-                through the first-row list ``flist`` the senders write; it leaves ``tokfirst [R, S]``, the
-                step's first row of every source token, through which ``moonep_combine_reduce`` walks
-                tokens; rows nobody writes are zeroed in the same launch when ``align == 1`` (they are
-                the rows past this rank's count), else by ``moonep_dispatch_zero`` after it (tags)
+                ``nch`` chunks of source tokens with a signal per chunk; the other blocks (every other SM;
+                every SM on one rank, where there is nothing to push) write this rank's own tokens into
+                their local rows and, chunk by chunk as the peers' signals arrive, expand the peers' first
+                rows locally, one warp per (peer, token) found through the first-row list ``flist`` the
+                senders write; it leaves ``tokfirst [R, S]``, the step's first row of every source token,
+                through which ``moonep_combine_reduce`` walks tokens; rows nobody writes are zeroed in the
+                same launch when ``align == 1`` (they are the rows past this rank's count), else by
+                ``moonep_dispatch_zero`` after it (tags)
     fp8         ``dispatch_dtype=torch.float8_e4m3fn``: the same kernels read the float tokens and quantise
                 them in registers into fp8 wire rows (``moonep.fp8``) wherever they would store a token row;
                 the receivers move wire rows as bytes; no quantiser pass (csrc/dispatch.cu)
     combine     ``moonep_combine_fused``: blocks [0, 2*num_sms) reduce the tokens received from peers and
-                push one partial per (token, rank), chunk by chunk; the other blocks compute, per chunk as
-                it arrives, y for this rank's tokens in rank order, this rank's own partial computed on the
-                spot (it never goes through memory)
+                push one partial per (token, rank), chunk by chunk (none on one rank); the other blocks
+                compute, per chunk as it arrives, y for this rank's tokens in rank order, this rank's own
+                partial computed on the spot (it never goes through memory)
 
 Barriers: the counts gather of ``plan_step`` starts with an entry barrier (fused: ends with a data wait); the dispatch send that follows
 it in the same step skips its own (every peer already finished reading the areas it writes).  Combine's
@@ -182,10 +183,12 @@ class NVLinkBackend(Backend):
         self.nch = max(1, min(int(tuning.chunks), _MAX_CHUNKS))
         # Blocks that drive NVLink in the fused kernels; the rest of the grid (every SM) does local HBM
         # work.  Combine's NVLink blocks also read ~K/R rows per row they push: twice the dispatch budget.
+        # One rank has no peer to push to: every block does local work (the NVLink blocks would only idle,
+        # and the local blocks' last round of tokens would run on fewer warps).
         self.grid_fused = max(self.sm_count, self.num_sms + 1)
-        self.nnv_dispatch = self.num_sms
+        self.nnv_dispatch = self.num_sms if R > 1 else 0
         comb = tuning.combine_sms or 2 * self.num_sms
-        self.nnv_combine = max(1, min(comb, self.grid_fused - 1))
+        self.nnv_combine = max(1, min(comb, self.grid_fused - 1)) if R > 1 else 0
         self.generation = 0
         self._closed = False
         self._gather_obj = ep.transport.all_gather_object
