@@ -628,6 +628,12 @@ __host__ __device__ __forceinline__ unsigned q8_e4m3_soft(float y) {
 
 // Two clamped values -> 16 bits (lo in the low byte). sm_89+: one hardware conversion, round to nearest even
 // as well (satfinite never triggers after the clamp); MOONEP_QUANT_SOFT_CVT forces the portable one.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(MOONEP_QUANT_SOFT_CVT)
+#define Q8_HW_CVT true  // cvt.rn.satfinite: out-of-range values give +-448
+#else
+#define Q8_HW_CVT false
+#endif
+
 __device__ __forceinline__ unsigned q8_pack2(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(MOONEP_QUANT_SOFT_CVT)
   unsigned short d;
@@ -654,11 +660,22 @@ __device__ __forceinline__ float q8_quant1(float v, float inv, bool tiny) {
   return fminf(fmaxf(y, -Q8_MAX), Q8_MAX);
 }
 
-// |v|, with inf/nan turned into +inf: the max over a group is then +inf exactly when the group is bad
-// (fmaxf alone would drop a NaN).
-__device__ __forceinline__ float q8_abs(float v) {
-  const float m = fabsf(v);
-  return m <= Q8_FLT_MAX ? m : __uint_as_float(0x7f800000u);
+// The largest |x| of a 16-byte word's values as float32 bits (x of dtype DT); inf/nan give bits >= 0x7f800000.
+// Integer max on sign-cleared bits: for non-negative floats (subnormals included) it orders as the values do,
+// catches NaN (which fmaxf would drop), and takes two 16-bit values per instruction (__vmaxu2).
+template <int DT>
+__device__ __forceinline__ unsigned q8_amax_bits(const int4 q) {
+  if constexpr (DT == DT_F32) {
+    const unsigned k = 0x7fffffffu;
+    return max(max((unsigned)q.x & k, (unsigned)q.y & k), max((unsigned)q.z & k, (unsigned)q.w & k));
+  } else {
+    const unsigned k = 0x7fff7fffu;
+    const unsigned m2 = __vmaxu2(__vmaxu2((unsigned)q.x & k, (unsigned)q.y & k),
+                                 __vmaxu2((unsigned)q.z & k, (unsigned)q.w & k));
+    const unsigned m = max(m2 & 0xffffu, m2 >> 16);
+    if constexpr (DT == DT_BF16) return m << 16;
+    else return m >= 0x7c00u ? 0x7f800000u : __float_as_uint(f16_to_f((unsigned short)m));
+  }
 }
 
 // Codes and scale of NW consecutive 16-byte words of a token row (N = NW * VEC channels, VEC = 8 bf16/fp16 or
@@ -671,22 +688,34 @@ __device__ __forceinline__ float q8_words(const int4* w, bool pow2, unsigned* c,
   constexpr int N = NW * VEC;
   constexpr int L = Q8_GROUP / N;
   static_assert(L >= 1 && L <= 32 && L * N == Q8_GROUP, "a group spans whole lanes of one warp");
+  unsigned ab = 0u;
+#pragma unroll
+  for (int k = 0; k < NW; ++k) ab = max(ab, q8_amax_bits<DT>(w[k]));
+#pragma unroll
+  for (int o = L / 2; o; o >>= 1) ab = max(ab, __shfl_xor_sync(FULL_MASK, ab, o));
+  const bool b = ab >= 0x7f800000u;
+  float inv, scale = q8_scale(b ? __uint_as_float(0x7f800000u) : __uint_as_float(ab), pow2, &inv);
+  const bool tiny = inv > 1.2676506002282294e30f;  // 2^100: subnormal inputs count (see q8_quant1)
   float v[N];
 #pragma unroll
   for (int k = 0; k < NW; ++k) unpack16<DT>(w[k], v + k * VEC);
-  float amax = 0.f;
+  // Warp-uniform: the common case (no group of tiny amax in the warp) multiplies without q8_quant1's
+  // checks, and the hardware conversion saturates, so the clamp is not needed either (|v * inv| exceeds
+  // 448 by at most rounding).  Same codes as q8_quant1 + q8_pack2 (tests/unit/test_quant.py).
+  if (!__any_sync(FULL_MASK, tiny) && Q8_HW_CVT) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) amax = fmaxf(amax, q8_abs(v[j]));
+    for (int j = 0; j < N; j += 4) {
+      const unsigned lo = q8_pack2(__fmul_rn(v[j], inv), __fmul_rn(v[j + 1], inv));
+      const unsigned hi = q8_pack2(__fmul_rn(v[j + 2], inv), __fmul_rn(v[j + 3], inv));
+      c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
+    }
+  } else {
 #pragma unroll
-  for (int o = L / 2; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, o));
-  const bool b = !(amax <= Q8_FLT_MAX);
-  float inv, scale = q8_scale(amax, pow2, &inv);
-  const bool tiny = inv > 1.2676506002282294e30f;  // 2^100: subnormal inputs count (see q8_quant1)
-#pragma unroll
-  for (int j = 0; j < N; j += 4) {
-    const unsigned lo = q8_pack2(q8_quant1(v[j], inv, tiny), q8_quant1(v[j + 1], inv, tiny));
-    const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv, tiny), q8_quant1(v[j + 3], inv, tiny));
-    c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
+    for (int j = 0; j < N; j += 4) {
+      const unsigned lo = q8_pack2(q8_quant1(v[j], inv, tiny), q8_quant1(v[j + 1], inv, tiny));
+      const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv, tiny), q8_quant1(v[j + 3], inv, tiny));
+      c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
+    }
   }
   *bad = b;
   return b ? __uint_as_float(Q8_NAN_BITS) : scale;
