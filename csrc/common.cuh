@@ -781,26 +781,15 @@ __device__ __forceinline__ bool q8_fanout(char* const* dsts, int n, const void* 
   const int4* src = (const int4*)x;
   bool bad_any = false;
   float sreg = 0.f;
-  // The loads of the next U chunks are issued before this step's quantisation and stores (one step ahead):
-  // the row's 7 load rounds then overlap the arithmetic instead of following it.
-  int4 nx[U][NW];
-  auto load = [&](int c0) {
+  for (int c0 = 0; c0 < nc; c0 += 32 * U) {  // warp-uniform
+    int4 v[U][NW];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j = c0 + u * 32 + lane;
 #pragma unroll
       for (int k = 0; k < NW; ++k)  // a group's lanes are in or out together (H % 128 == 0)
-        nx[u][k] = j < nc ? __ldg(src + (i64)j * NW + k) : make_int4(0, 0, 0, 0);
+        v[u][k] = j < nc ? __ldg(src + (i64)j * NW + k) : make_int4(0, 0, 0, 0);
     }
-  };
-  load(0);
-  for (int c0 = 0; c0 < nc; c0 += 32 * U) {  // warp-uniform
-    int4 v[U][NW];
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int k = 0; k < NW; ++k) v[u][k] = nx[u][k];
-    if (c0 + 32 * U < nc) load(c0 + 32 * U);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j0 = c0 + u * 32;

@@ -427,7 +427,11 @@ __device__ __forceinline__ void dispatch_fused_impl(
   finish_fused(c, ne, de, mode == 0);
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) moonep_dispatch_fused(
+// Threads per block: moonep/cuda_runtime.py dispatch_threads() (MOONEP_DISPATCH_THREADS), one block per SM.
+#ifndef MOONEP_DISPATCH_THREADS
+#define MOONEP_DISPATCH_THREADS 512
+#endif
+extern "C" __global__ void __launch_bounds__(MOONEP_DISPATCH_THREADS, 1) moonep_dispatch_fused(
     const Ctx* c, int mode, const char* x, i64 row_bytes, int vec, int s, const i64* dst_rank, const i64* dst_row,
     const float* w, int barrier, int nnv, int nch, char* dst, float* w_out, int* row_first, int* rec, int* src,
     int* tokfirst, const int* zero_from, int qdt, int pow2, i64 off_xbad, u64* xrep) {

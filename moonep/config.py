@@ -152,6 +152,7 @@ MOONEP_PLAN_CLOCKS | unset | profiling | 1 compiles cycle counters per planner p
 MOONEP_PLAN_STAMPS | unset | profiling | 1 compiles phase stamps of the fused planner launch
 MOONEP_QUANT_SOFT_CVT | unset | profiling | 1 compiles the fp8 quantiser with its portable e4m3 conversion instead of the sm_89+ instruction
 MOONEP_FP8_WORDS | 4 | profiling | fp8 dispatch send fanout, compiled into the nvlink kernels: 16-byte input words per lane in flight of the 16-channel fanout (1..8; rounded down to whole 16-channel chunks, at least one), 0 the narrow fanout (one word per chunk, four chunks in flight); an int in 0..8, csrc/common.cuh
+MOONEP_DISPATCH_THREADS | 512 | profiling | threads per block of the fused nvlink dispatch, compiled into its launch bounds (a multiple of 32 in 512..1024; one block per SM, so more threads are more warps with fewer registers each), csrc/dispatch.cu
 MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels (0/1/true/false/yes/no)
 MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum (0/1/true/false/yes/no)
 MOONEP_MPIEXEC | the venv's mpiexec | tests | launcher of the multi-rank tests

@@ -38,7 +38,7 @@ import torch
 from .config import env_flag, env_int
 
 __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
-           "kernels", "loaded", "stream", "num_sms", "ptr", "launch_form", "STATIC_SMEM"]
+           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "launch_form", "STATIC_SMEM"]
 
 
 def _flag(name: str) -> tuple[str, ...]:
@@ -52,11 +52,28 @@ def _diag() -> tuple[str, ...]:
     return (f"-DMOONEP_DIAG={diag}",) if diag else ()
 
 
+_DISPATCH_THREADS = 512
+
+
 def _fp8_words() -> tuple[str, ...]:
     # MOONEP_FP8_WORDS: the fp8 dispatch's send fanout (csrc/common.cuh), passed only when set
     if os.environ.get("MOONEP_FP8_WORDS") is None:
         return ()
     return (f"-DMOONEP_FP8_WORDS={env_int('MOONEP_FP8_WORDS', 4, lo=0, hi=8)}",)
+
+
+def dispatch_threads() -> int:
+    """Threads per block of the fused dispatch (MOONEP_DISPATCH_THREADS, a multiple of 32 in 512..1024):
+    compiled into its launch bounds and used to launch it.  One block per SM: more threads are more
+    warps in flight with fewer registers each."""
+    t = env_int("MOONEP_DISPATCH_THREADS", _DISPATCH_THREADS, lo=512, hi=1024)
+    if t % 32:
+        raise ValueError(f"moonep: MOONEP_DISPATCH_THREADS must be a multiple of 32, got {t}")
+    return t
+
+
+def _dispatch_threads() -> tuple[str, ...]:
+    return (f"-DMOONEP_DISPATCH_THREADS={dispatch_threads()}",)
 
 
 @dataclass(frozen=True)
@@ -81,7 +98,7 @@ PROGRAMS: dict[str, Program] = {
                    "moonep_dispatch_fused", "moonep_dispatch_zero", "moonep_combine_reduce", "moonep_combine_sum",
                    "moonep_combine_fused", "moonep_prefetch_push", "moonep_prefetch_finish",
                    "moonep_reduce_stage", "moonep_reduce_finish"),
-                  lambda: _diag() + _fp8_words()),
+                  lambda: _diag() + _fp8_words() + _dispatch_threads()),
     # Quantile Balancing's recording and bias step, launched by moonep/balance.py
     "balance": Program(("balance.cu",),
                        ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",

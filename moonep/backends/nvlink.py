@@ -177,6 +177,7 @@ class NVLinkBackend(Backend):
         tuning = tuning.with_env()
         self.num_sms = max(1, min(int(tuning.num_sms), self.sm_count))
         self.block = block
+        self.dispatch_block = cuda_runtime.dispatch_threads()  # the fused dispatch's launch bounds
         # Fused kernels, chosen per stage (all bit-identical to the two-kernel path; Tuning.fused).  The fused
         # route and dispatch are the default; the fused combine measured slower (docs/performance.md).
         self.set_fused(tuning.fused)
@@ -525,7 +526,7 @@ class NVLinkBackend(Backend):
                      (np.int32(0), _p(x), np.int64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
                       _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
                       _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst), zero_from)
-                     + self._fp8_args(q))
+                     + self._fp8_args(q), block=self.dispatch_block)
         if not zero_from:
             self._launch("moonep_dispatch_zero", self.sm_count,
                          (_p(tokens), _p(weights), _p(st.row_first), np.int64(rb), vec))
@@ -548,7 +549,7 @@ class NVLinkBackend(Backend):
                          (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
                           np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), np.uint64(0), np.int32(1),
                           np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), np.uint64(0), _p(st.row_first),
-                          _p(st.rec), _p(st.src), _p(st.tokfirst), np.uint64(0)) + _BYTES)
+                          _p(st.rec), _p(st.src), _p(st.tokfirst), np.uint64(0)) + _BYTES, block=self.dispatch_block)
             return out
         self._launch("moonep_dispatch_send", self.num_sms,
                      (np.int32(1), _p(gy), np.int64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
