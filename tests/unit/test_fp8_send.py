@@ -51,6 +51,9 @@ static inline void __threadfence_system() {}
 static inline void __syncwarp(unsigned = 0xffffffffu) {}
 static inline int __ffs(unsigned v) { return __builtin_ffs((int)v); }
 static inline int __popc(unsigned v) { return __builtin_popcount(v); }
+static inline unsigned __vmaxu2(unsigned a, unsigned b) {  // per 16-bit half, unsigned
+  return std::max(a & 0xffffu, b & 0xffffu) | (std::max(a >> 16, b >> 16) << 16);
+}
 template <typename T> static inline T __ldg(const T* p) { return *p; }
 template <typename T> static inline T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
 template <typename T> static inline T atomicCAS(T* p, T c, T v) { T o = *p; if (o == c) *p = v; return o; }
