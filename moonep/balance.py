@@ -26,10 +26,21 @@ import torch
 import torch.distributed as dist
 
 from . import cuda_runtime
+from .eager_math import keep_eager
 from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor
 from .op_state import register_instance
 
-__all__ = ["QuantileBalancer", "histogram_quantiles"]
+__all__ = ["QuantileBalancer", "histogram_quantiles", "normalise_topk"]
+
+
+def _normalise(w: torch.Tensor) -> torch.Tensor:
+    return w / w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)  # all-zero picks -> weights 0
+
+
+normalise_topk = keep_eager(_normalise, "normalise_topk")
+normalise_topk.__doc__ = (
+    """Top-k weights ``w [s, K]`` (float) divided by their row sums -> ``[s, K]``, same dtype; a row of zeros
+    stays zero.  Compiled, one opaque op with eager's rounding (:mod:`moonep.eager_math`).""")
 
 _CHECKED: dict = {}  # a group's global ranks -> balancers whose settings were checked on it so far
 _TORCH_BALANCE = "torch ops for Quantile Balancing's histograms and step"  # the fallback, in CuPy's warning
@@ -162,13 +173,11 @@ class QuantileBalancer(torch.nn.Module):
                     self._record_cuda(s, top.values, mode == "deferred")
                 else:
                     self._record(s.to(ctype), top.values[:, K], scores if mode == "deferred" else None)
-        w = scores.gather(1, idx)
-        denom = w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)  # all-zero picks -> weights 0
-        return idx, w / denom
+        return idx, normalise_topk(scores.gather(1, idx))
 
     def _record(self, s: torch.Tensor, alpha: torch.Tensor, raw) -> None:
         """Scatter-add ``r = alpha[:, None] - s`` ([s, E]) into the counts; device ops only."""
-        E, B = self.num_experts, self.bins
+        B = self.bins
         if not self._recording:  # first micro-batch of the step: fix the range from the current bias
             self._set_range()
             self._recording = True

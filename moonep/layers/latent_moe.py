@@ -13,15 +13,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..balance import QuantileBalancer
+from ..balance import QuantileBalancer, normalise_topk
 from ..errors import expect, expect_device, expect_tensor
 from ..experts import ReplicaPool, default_pool, expert_matmul
 from .. import ops
+from ..eager_math import keep_eager
 from .activations import situ_glu_fused
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
 
 class _FanOut(torch.autograd.Function):
     """``x`` handed to ``n`` consumers as ``n`` views, their gradients summed in one fixed order.
@@ -37,10 +37,36 @@ class _FanOut(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        total = grads[0]
-        for g in grads[1:]:
-            total = total + g
-        return total, None
+        return _sum_in_order(*[g for g in grads if g is not None]), None
+
+
+def _add(*ts: torch.Tensor) -> torch.Tensor:
+    total = ts[0]
+    for t in ts[1:]:
+        total = total + t  # rounded to the dtype after each add, as eager autograd's accumulation is
+    return total
+
+
+# The layer's own math as torch.compile runs it: as eager does (moonep/eager_math.py), so that a compiled
+# layer's outputs and gradients are eager's bit for bit.  Inductor would otherwise regenerate the elementwise
+# code, add bf16 terms in float32 before one rounding, and on CPU lower small GEMMs to its own loops.
+_sigmoid = keep_eager(torch.sigmoid, "latent_moe.sigmoid")
+_situ_glu = keep_eager(situ_glu_fused, "latent_moe.situ_glu")
+_rms_norm = keep_eager(lambda u, w, eps: nn.functional.rms_norm(u, (u.shape[-1],), w, eps), "latent_moe.rms_norm")
+_sum_in_order = keep_eager(_add, "latent_moe.fan_out_sum")
+_linear = keep_eager(lambda x, w: nn.functional.linear(x, w), "latent_moe.linear")
+_shared_in = keep_eager(lambda x, w: torch.einsum("sd,ndf->nsf", x, w), "latent_moe.shared_in")
+_shared_out = keep_eager(lambda h, w: torch.einsum("nsf,nfd->sd", h, w), "latent_moe.shared_out")
+
+
+def _plain(m: nn.Module, kind: type) -> bool:
+    """``m`` is exactly a ``kind`` without hooks (a wrapped or hooked submodule, e.g. LoRA, is called as is)."""
+    return type(m) is kind and not (m._forward_hooks or m._forward_pre_hooks)
+
+
+def _project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``m(x)`` for the layer's bias-free projections, as eager computes it also when compiled."""
+    return _linear(x, m.weight) if _plain(m, nn.Linear) and m.bias is None else m(x)
 
 
 def _init(shape, fan_in: int, seed: int) -> torch.Tensor:
@@ -158,20 +184,26 @@ class LatentMoE(ShardedExperts, nn.Module):
         gradients are summed in one order, eagerly and compiled (:class:`_FanOut`)."""
         return _FanOut.apply(x, 3) if x.requires_grad else (x, x, x)
 
+    def _norm(self, u: torch.Tensor) -> torch.Tensor:
+        """``self.norm(u)`` for ``u [s, l]``, as eager computes it also when compiled."""
+        if not _plain(self.norm, nn.RMSNorm) or self.norm.eps is None or self.norm.weight is None:
+            return self.norm(u)
+        return _rms_norm(u, self.norm.weight, self.norm.eps)
+
     def route(self, x: torch.Tensor):
         """``x [s, d]`` -> ``(topk_idx int64 [s, K], weights [s, K] in x.dtype)``; weights sum to 1."""
-        scores = torch.sigmoid(self.router(x))
+        scores = _sigmoid(_project(self.router, x))
         if self.balancer is not None:
             return self.balancer.route(scores)
         w, idx = scores.topk(self.topk, dim=1)
-        return idx, w / w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)
+        return idx, normalise_topk(w)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the shared SiTU-GLU experts on ``x [s, d]`` -> ``[s, d]``."""
         if self.num_shared == 0:
             return torch.zeros_like(x)
-        h = situ_glu_fused(torch.einsum("sd,ndf->nsf", x, self.shared_w_in))  # [Ns, s, Fs]
-        return torch.einsum("nsf,nfd->sd", h, self.shared_w_out)
+        h = _situ_glu(_shared_in(x, self.shared_w_in))  # [Ns, s, Fs]
+        return _shared_out(h, self.shared_w_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: ``x [..., d_model]`` in the parameters' dtype. Returns ``[..., d_model]``, same dtype.
@@ -192,12 +224,12 @@ class LatentMoE(ShardedExperts, nn.Module):
         except ValueError as exc:
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
-        z = self.down(x_d)                                                 # [s, l]
+        z = _project(self.down, x_d)  # [s, l]
         ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
         if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
             u, self.last_stats = ops.latent_experts(ep, z, idx, w, self.expert_w_in, self.expert_w_out,
-                                                    situ_glu_fused, self.matmul)
-            return (self.up(self.norm(u)) + self.shared(x_s)).reshape(shape)
+                                                    _situ_glu, self.matmul)
+            return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)
         h = ep.dispatch(z, idx, w)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = self.replica_pool or default_pool()
@@ -206,7 +238,7 @@ class LatentMoE(ShardedExperts, nn.Module):
         cu = h.cu_seqlens
         a = situ_glu_fused(expert_matmul(h.tokens, cu, self.expert_w_in, r_in, impl=self.matmul))   # [cap, F]
         u = ep.combine(expert_matmul(a, cu, self.expert_w_out, r_out, impl=self.matmul), h)          # [s, l]
-        y = self.up(self.norm(u)) + self.shared(x_s)
+        y = _project(self.up, self._norm(u)) + self.shared(x_s)
         self._record(h.plan)
         return y.reshape(shape)
 

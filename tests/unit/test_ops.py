@@ -193,13 +193,15 @@ def test_backward_collectives_stay_in_the_backward_graph():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_collectives_run_when_nothing_reads_their_output(monkeypatch, device):
+def test_collectives_run_when_nothing_reads_their_output(monkeypatch, request, device):
     """Inductor drops a kernel whose output nothing reads, and a load from a zero-element buffer reads
     nothing: a rank with no tokens would skip its combine (seen on CUDA, the peers then wait for it), and in
     training its dispatch's backward, whose gradients are empty too.  The collective ops are registered as
     side-effecting (``ops._collective``), so they always run.  Inductor's caches do not key on that
     registration: they are off here, so that an artifact compiled without it cannot answer."""
-    monkeypatch.setattr(torch.compiler.config, "force_disable_caches", True)
+    no_caches = torch.compiler.config.patch(force_disable_caches=True)  # (monkeypatch cannot restore it)
+    no_caches.__enter__()
+    request.addfinalizer(lambda: no_caches.__exit__(None, None, None))
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device=device)
     W = torch.randn(E, H, H, dtype=torch.float64, device=device, requires_grad=True)
