@@ -1,8 +1,9 @@
 """Elementwise math that ``torch.compile`` runs exactly as eager does: one opaque custom op per call site.
 
 Inductor regenerates a layer's elementwise code (sigmoid, tanh, norms, small reductions) in its own kernels,
-whose rounding differs from eager's by an ulp here and there (docs/design.md, "Why inductor is close, not
-bitwise"); GEMMs stay library calls either way.  Wrapping such a function with :func:`keep_eager` makes it
+whose rounding differs from eager's by an ulp here and there, adds bf16 terms in float32 before one rounding,
+and on CPU lowers small GEMMs to its own loops (docs/design.md, "Bitwise under inductor").  Wrapping such a
+function with :func:`keep_eager` makes it
 one node, ``moonep::eager_math``, whose body calls the function eagerly, and whose backward,
 ``moonep::eager_math_backward``, recomputes it and takes ``torch.autograd.grad`` of it: the same ATen kernels
 forward and backward, so the compiled layer matches eager bit for bit.  Outside compilation the wrapper is
@@ -13,21 +14,26 @@ forward of the wrapped function (elementwise work, small next to the expert GEMM
 
 A wrapped function's tensor inputs must have no other consumer whose gradient meets theirs (the sum of a
 tensor's gradient contributions would then be ordered differently eagerly and compiled); the call sites in
-moonep (router scores, top-k weights, SiTU-GLU, RMSNorm) take freshly computed tensors.
+moonep (``LatentMoE``: router scores, top-k weights, SiTU-GLU, RMSNorm, projections, shared experts; the
+sum of ``x``'s gradients) take freshly computed tensors or parameters.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .errors import expect
 
-__all__ = ["keep_eager"]
+__all__ = ["keep_eager", "register", "call"]
 
-_FNS: dict[int, Callable] = {}   # key -> the wrapped function, f(*tensors, *consts) -> Tensor
+_FNS: dict[int, Callable] = {}   # key -> f(*tensors, *consts) -> list of tensors
 _KEYS: dict[str, int] = {}
+
+
+def _outs(r) -> list:
+    return list(r) if isinstance(r, (tuple, list)) else [r]
 
 
 def _out(t: Tensor, like: Tensor, *inputs: Tensor) -> Tensor:
@@ -41,14 +47,13 @@ def _out(t: Tensor, like: Tensor, *inputs: Tensor) -> Tensor:
 
 
 @torch.library.custom_op("moonep::eager_math", mutates_args=())
-def _eager_math(inputs: list[Tensor], key: int, consts: list[float]) -> Tensor:
-    out = _FNS[key](*inputs, *consts)
-    return _out(out, out, *inputs)
+def _eager_math(inputs: list[Tensor], key: int, consts: list[float]) -> list[Tensor]:
+    return [_out(o, o, *inputs) for o in _outs(_FNS[key](*inputs, *consts))]
 
 
 @_eager_math.register_fake
 def _(inputs, key, consts):
-    return torch.empty_like(_FNS[key](*inputs, *consts))
+    return [torch.empty_like(o) for o in _outs(_FNS[key](*inputs, *consts))]
 
 
 def _autograd_on():
@@ -59,16 +64,25 @@ def _autograd_on():
 
 
 @torch.library.custom_op("moonep::eager_math_backward", mutates_args=())
-def _eager_math_backward(inputs: list[Tensor], grad: Tensor, key: int, consts: list[float]) -> list[Tensor]:
+def _eager_math_backward(inputs: list[Tensor], grads: list[Optional[Tensor]], key: int,
+                         consts: list[float]) -> list[Tensor]:
+    """Gradients of every floating input (zeros where none flows; integer inputs get zeros too)."""
     with _autograd_on(), torch.enable_grad():
-        xs = [x.detach().requires_grad_(True) for x in inputs]
-        out = _FNS[key](*xs, *consts)
-        gs = torch.autograd.grad(out, xs, grad, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else _out(g, x, grad, *inputs) for x, g in zip(inputs, gs)]
+        xs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+        outs = _outs(_FNS[key](*xs, *consts))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        want = [x for x in xs if x.requires_grad]
+        gs = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs], allow_unused=True)
+                  if pairs and want else [None] * len(want))
+    res = []
+    for x in inputs:
+        g = next(gs) if x.is_floating_point() else None
+        res.append(torch.zeros_like(x) if g is None else _out(g, x, *inputs, *[g for g in grads if g is not None]))
+    return res
 
 
 @_eager_math_backward.register_fake
-def _(inputs, grad, key, consts):
+def _(inputs, grads, key, consts):
     return [torch.empty_like(x) for x in inputs]
 
 
@@ -77,36 +91,49 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(*tensors)
 
 
-def _backward(ctx, grad):
-    grads = list(_eager_math_backward(list(ctx.saved_tensors), grad, ctx.key, ctx.consts))
+def _backward(ctx, grads):
+    xs = list(ctx.saved_tensors)
+    gx = _eager_math_backward(xs, list(grads), ctx.key, ctx.consts)
     # the gradient of `consts` mirrors its structure as torch flattens it: [] is an empty list of tensors,
     # a list of floats one non-tensor leaf
-    return grads, None, ([] if not ctx.consts else None)
+    return [g if x.is_floating_point() else None for x, g in zip(xs, gx)], None, ([] if not ctx.consts else None)
 
 
 _eager_math.register_autograd(_backward, setup_context=_setup)
+
+
+def register(fn: Callable, name: str) -> int:
+    """The key of ``fn`` (see :func:`keep_eager`) in this process; ``name`` is used once."""
+    expect(name not in _KEYS, "name", "a name not yet used by keep_eager", name)
+    key = len(_FNS)
+    _FNS[key], _KEYS[name] = fn, key
+    return key
+
+
+def call(key: int, *args):
+    """``fn(*args)`` of the function registered under ``key``, as one ``moonep::eager_math`` op (tensors
+    first, then float constants): a list of its outputs."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    consts = [float(a) for a in args if not isinstance(a, Tensor)]
+    return _eager_math(tensors, key, consts)
 
 
 def keep_eager(fn: Callable, name: str) -> Callable:
     """``fn(*tensors, *consts) -> Tensor``, run as eager runs it when compiled (``moonep::eager_math``).
 
     Args:
-        fn: floating tensors (positional), then float constants -> one tensor; only torch ops, no host syncs.
+        fn: tensors (positional), then float constants -> one tensor; only torch ops, no host syncs.
         name: a unique name of the call site (the key of ``fn`` in this process).
     Returns:
         ``wrapper(*tensors, *consts)``: ``fn`` itself eagerly; under ``torch.compile`` one opaque op whose
         forward and backward run ``fn``'s ATen kernels.
     """
-    expect(name not in _KEYS, "name", "a name not yet used by keep_eager", name)
-    key = len(_FNS)
-    _FNS[key], _KEYS[name] = fn, key
+    key = register(fn, name)
 
     def wrapper(*args):
         if not torch.compiler.is_compiling():
             return fn(*args)
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        consts = [float(a) for a in args if not isinstance(a, Tensor)]
-        return _eager_math(tensors, key, consts)
+        return call(key, *args)[0]
 
     wrapper.__name__ = wrapper.__qualname__ = f"keep_eager({name})"
     wrapper.__doc__ = fn.__doc__

@@ -18,6 +18,9 @@ The expert maths is the fused layout ``down(gate(up(x)))``: gate/up weights ``[E
 Whatever the module, :func:`patch_hf_moe` runs the module's own code and the moonep one on a probe input
 at patch time (float64, a few experts, forward and backward, no collective) and refuses the model unless
 they agree; every rank reaches the same verdict (it is agreed over the group before anything changes).
+Under ``torch.compile`` the block's router and the experts' activation run as eager runs them (one opaque
+op each: :mod:`moonep.integrations.hf_router`, :mod:`moonep.eager_math`), so a compiled patched block gives
+the eager block's bits.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from ..layers.parallel import EPProvider, home_range, resolve_group
 from .common import agree, ep_kwargs_error, pool_error
 from .hf_check import Refused, find_moe_modules, model_type, verdict
 from .hf_experts import EPDenseExperts, EPExperts, EPRoutedExperts, clone, ep_class, fused_expert_maths, setup
+from .hf_router import keep_router_eager
 
 __all__ = ["patch_hf_moe", "find_moe_modules", "fused_expert_maths", "EPExperts", "EPRoutedExperts",
            "EPDenseExperts"]
@@ -79,4 +83,5 @@ def patch_hf_moe(model: nn.Module, group=None, *, max_tokens: int | None = None,
         new = clone(ex, ep_class(base, type(ex)), params)
         block.experts = setup(new, base, E, names, identity_from, sig, providers[E], rt)
         block.experts.moonep_pool = replica_pool
+        keep_router_eager(block)  # compiled, the router computes what it computes eagerly (hf_router.py)
     return model

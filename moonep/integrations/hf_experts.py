@@ -9,10 +9,12 @@ lives in one function, :func:`fused_expert_maths`; the replica weights move in o
 from __future__ import annotations
 
 import copy
+import itertools
 
 import torch
 from torch import nn
 
+from .. import eager_math
 from ..errors import expect
 from ..experts import default_pool, expert_bias, expert_matmul
 from ..layers.parallel import ShardedExperts
@@ -51,11 +53,29 @@ def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tens
     lin = lambda a, n: linear(a, home[n], replicas[n], home.get(n + "_bias"), replicas.get(n + "_bias"),  # noqa: E731
                               t)
     h = lin(rows, up)
-    h = _gate(ex, h) if ex.moonep_gated else ex.act_fn(h)
+    key = getattr(ex, "moonep_act_key", None)
+    h = eager_math.call(key, h)[0] if key is not None and torch.compiler.is_compiling() else _act(ex, h)
     out = lin(h, "down_proj")
     if getattr(ex, "has_post_expert_norm", False):
         out = ex.post_expert_norm(out)
     return out
+
+
+def _act(ex, h):
+    return _gate(ex, h) if ex.moonep_gated else ex.act_fn(h)
+
+
+def _act_key(ex: nn.Module) -> int:
+    """The module's activation as a :mod:`moonep.eager_math` function, so that compiled it rounds as eager:
+    called on a shallow copy without parameters, buffers or moonep's state (``_apply_gate`` and ``act_fn``
+    read only plain attributes and the activation sub-module), which the registry may keep for good."""
+    shell = copy.copy(ex)
+    shell.__dict__ = {k: v for k, v in ex.__dict__.items() if not k.startswith("moonep_") and k != "_rt"}
+    shell.__dict__.update(_parameters={}, _buffers={}, moonep_gated=ex.moonep_gated)
+    return eager_math.register(lambda h: _act(shell, h), f"hf_experts.act.{next(_ACT_IDS)}")
+
+
+_ACT_IDS = itertools.count()
 
 
 def _gate(ex, h):
@@ -197,4 +217,5 @@ def setup(new, base, E, names, identity_from, sig, provider, rt):
     new.moonep_transposed = bool(getattr(new, "is_transposed", base is EPDenseExperts))
     # bind() of the module's own signature, without `self`: the block may name the arguments its way
     new.moonep_signature = sig.replace(parameters=list(sig.parameters.values())[1:])
+    new.moonep_act_key = _act_key(new)
     return new

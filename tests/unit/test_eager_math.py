@@ -46,7 +46,7 @@ def test_opcheck():
     w = torch.randn(24, requires_grad=True)
     torch.library.opcheck(_eager_math, ([x.requires_grad_(), w], key, [1e-6]))
     g = torch.randn(16, 24)
-    torch.library.opcheck(_eager_math_backward, ([x.detach(), w.detach()], g, key, [1e-6]))
+    torch.library.opcheck(_eager_math_backward, ([x.detach(), w.detach()], [g], key, [1e-6]))
 
 
 def test_name_used_twice_refused():

@@ -93,3 +93,19 @@ def test_experts_call_conventions():
 def test_unknown_keyword_refused_at_patch_time():
     with pytest.raises(ValueError, match="slak: expected a keyword argument of moonep.ExpertParallel"):
         patch_hf_moe(_model("mixtral"), slak=0.1)
+
+
+def test_router_kept_eager_changes_nothing_eagerly():
+    """The router's subclass (moonep/integrations/hf_router.py, for torch.compile) is invisible eagerly: same
+    class name, an instance of the original class, the same state-dict keys and outputs, in a deep copy too."""
+    model = _model("mixtral")
+    ref = copy.deepcopy(model)
+    patch_hf_moe(model)
+    gate, want = model.model.layers[0].mlp.gate, ref.model.layers[0].mlp.gate
+    assert type(gate).__name__ == type(want).__name__ and isinstance(gate, type(want)) and type(gate) is not type(want)
+    assert list(gate.state_dict()) == list(want.state_dict())
+    x = torch.randn(5, model.config.hidden_size)
+    twin = copy.deepcopy(model).model.layers[0].mlp.gate
+    for g in (gate, twin):
+        for a, b in zip(g(x), want(x)):
+            assert torch.equal(a, b)
