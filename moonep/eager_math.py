@@ -12,6 +12,9 @@ the plain function (no recomputation).
 The price under compile: these ops are not fused with their neighbours, and the backward recomputes the
 forward of the wrapped function (elementwise work, small next to the expert GEMMs and the collectives).
 
+Under autocast the wrapped functions are traced as plain code (an op's body runs without autocast, which
+would change their dtypes): compiled and eager then agree in dtype but not bit for bit.
+
 A wrapped function's tensor inputs must have no other consumer whose gradient meets theirs (the sum of a
 tensor's gradient contributions would then be ordered differently eagerly and compiled); the call sites in
 moonep (``LatentMoE``: router scores, top-k weights, SiTU-GLU, RMSNorm, projections, shared experts; the
@@ -112,8 +115,11 @@ def register(fn: Callable, name: str) -> int:
 
 def call(key: int, *args):
     """``fn(*args)`` of the function registered under ``key``, as one ``moonep::eager_math`` op (tensors
-    first, then float constants): a list of its outputs."""
+    first, then float constants): a list of its outputs.  Under autocast ``fn`` is called directly: an op's
+    body runs without autocast, so it would compute in other dtypes than eager does."""
     tensors = [a for a in args if isinstance(a, Tensor)]
+    if tensors and torch.is_autocast_enabled(tensors[0].device.type):
+        return _outs(_FNS[key](*args))
     consts = [float(a) for a in args if not isinstance(a, Tensor)]
     return _eager_math(tensors, key, consts)
 

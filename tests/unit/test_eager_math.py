@@ -53,3 +53,16 @@ def test_name_used_twice_refused():
     with pytest.raises(ValueError, match="name"):
         keep_eager(torch.sigmoid, "test_eager_math.mix")
     assert keep_eager(torch.sigmoid, "test_eager_math.other")(torch.zeros(1)).item() == 0.5  # the next call works
+
+
+def test_autocast_keeps_eager_dtypes():
+    """Under autocast the wrapped function is traced as plain code: the compiled result has eager's dtype
+    (an op's body would run without autocast, in float32)."""
+    lin = keep_eager(lambda x, w: torch.nn.functional.linear(x, w), "test_eager_math.linear")
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: lin(x, w) * 2, backend="inductor", fullgraph=True)
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = lin(x, w) * 2, f(x, w)
+    assert want.dtype == got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
