@@ -5,9 +5,8 @@ compiled (softmax in float32, top-k, renormalisation: other roundings than eager
 gives the router a subclass of its own class whose ``forward`` is the original one outside compilation, and
 when compiled one ``moonep::eager_math`` op (:mod:`moonep.eager_math`) that calls the original ``forward``
 through ``torch.func.functional_call`` on a meta-device copy of the router (its non-tensor attributes), with
-the router's live parameters and buffers as the op's inputs.  The router computes exactly what it computed
-before, eagerly and compiled; a copy of the model (``copy.deepcopy``) shares the meta copy, which holds no
-tensor data.
+the router's live parameters and buffers as the op's inputs (the meta copy holds no tensor data).  The
+router computes exactly what it computed before, eagerly and compiled.
 """
 from __future__ import annotations
 
