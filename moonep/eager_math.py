@@ -128,7 +128,8 @@ def keep_eager(fn: Callable, name: str) -> Callable:
     """``fn(*tensors, *consts) -> Tensor``, run as eager runs it when compiled (``moonep::eager_math``).
 
     Args:
-        fn: tensors (positional), then float constants -> one tensor; only torch ops, no host syncs.
+        fn: tensors (positional), then float constants -> one tensor; only torch ops, no host syncs, and
+            deterministic (no random ops such as dropout: the backward recomputes it).
         name: a unique name of the call site (the key of ``fn`` in this process).
     Returns:
         ``wrapper(*tensors, *consts)``: ``fn`` itself eagerly; under ``torch.compile`` one opaque op whose
