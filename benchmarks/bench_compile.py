@@ -5,7 +5,9 @@
 
 Times are the median of ``--iters`` steps after warm-up, measured with CUDA events on CUDA (wall clock on
 CPU).  Modes: ``default`` (inductor), ``reduce-overhead`` (inductor + CUDA graphs, CUDA only) and
-``cudagraphs`` (AOTAutograd + CUDA graphs, no code generation); new routing every step (fresh inputs).
+``cudagraphs`` (AOTAutograd + CUDA graphs, no code generation); new routing every step (fresh inputs).  A mode
+with the suffix ``+fused`` compiles with ``moonep.eager_math.disabled()``: the layer's own math fused and
+rounded by inductor instead of kept at eager's bits, to measure what that costs.
 The JSON holds the command, the commit, the machine, the configuration and one time per mode.
 ``--profile DIR``: also a torch.profiler table per mode (DIR/<mode>.txt: the kernels and ops of 3 steps by
 device time, then host time), to see where a mode's time goes.
@@ -13,6 +15,7 @@ device time, then host time), to see where a mode's time goes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -22,6 +25,7 @@ import torch
 import torch._dynamo
 
 import moonep
+from moonep import eager_math
 from moonep.bench.provenance import command, git_commit, machine
 from moonep.layers import LatentMoE
 from moonep.runtime import detect_launcher
@@ -71,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--d-expert", type=int, default=768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--modes", default="default,reduce-overhead,cudagraphs")
+    ap.add_argument("--modes", default="default,default+fused,reduce-overhead,reduce-overhead+fused,cudagraphs")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--profile", default=None, help="directory for one torch.profiler table per mode")
     args = ap.parse_args(argv)
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     if rt is not None:
         dev = rt.device
     cuda = dev.type == "cuda"
-    modes = [m for m in args.modes.split(",") if m and (cuda or m == "default")]
+    modes = [m for m in args.modes.split(",") if m and (cuda or m.split("+")[0] == "default")]
     kw = dict(group=rt, max_tokens=args.tokens, dtype=dt, device=dev)
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(args.tokens, args.d_model, generator=g).to(dev, dt) for _ in range(args.warmup + args.iters)]
@@ -101,19 +105,21 @@ def main(argv=None) -> int:
         _profile(m, xs[:3], cuda, os.path.join(args.profile, "eager.txt"))
     transport = m._ep.get(args.tokens, args.topk, args.d_latent, dt, dev).transport_name
     for mode in modes:
+        base, fused = mode.split("+")[0], mode.endswith("+fused")
         torch._dynamo.reset()
         m = layer()
         _time_steps(m, xs[:1], cuda)  # builds the layer's ExpertParallel eagerly (fullgraph needs it)
-        if mode == "cudagraphs":
+        if base == "cudagraphs":
             c = torch.compile(m, backend="cudagraphs", fullgraph=True)
         else:
-            c = torch.compile(m, mode=None if mode == "default" else mode, fullgraph=cuda)
-        t0 = time.perf_counter()
-        _time_steps(c, xs[:1], cuda)
-        compile_s = time.perf_counter() - t0
-        results[mode] = statistics.median(_time_steps(c, xs, cuda)[args.warmup:])
-        if args.profile:
-            _profile(c, xs[:3], cuda, os.path.join(args.profile, f"{mode}.txt"))
+            c = torch.compile(m, mode=None if base == "default" else base, fullgraph=cuda)
+        with eager_math.disabled() if fused else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            _time_steps(c, xs[:1], cuda)
+            compile_s = time.perf_counter() - t0
+            results[mode] = statistics.median(_time_steps(c, xs, cuda)[args.warmup:])
+            if args.profile:
+                _profile(c, xs[:3], cuda, os.path.join(args.profile, f"{mode}.txt"))
         results[mode + "_first_step_s"] = round(compile_s, 2)
     rank = 0 if rt is None else rt.rank
     speedup = {k: results["eager"] / v for k, v in results.items() if not k.endswith("_first_step_s")}

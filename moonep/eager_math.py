@@ -22,6 +22,7 @@ sum of ``x``'s gradients) take freshly computed tensors or parameters.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional
 
 import torch
@@ -29,10 +30,23 @@ from torch import Tensor
 
 from .errors import expect
 
-__all__ = ["keep_eager", "register", "call"]
+__all__ = ["keep_eager", "register", "call", "disabled"]
 
 _FNS: dict[int, Callable] = {}   # key -> f(*tensors, *consts) -> list of tensors
 _KEYS: dict[str, int] = {}
+_OFF = [False]  # disabled(): the wrapped functions traced as plain code
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside, code traced by ``torch.compile`` calls the wrapped functions as plain code, which inductor
+    fuses and rounds its own way: for measuring what :func:`keep_eager` costs (``benchmarks/bench_compile.py``).
+    Code compiled inside keeps that choice; reset Dynamo (``torch._dynamo.reset()``) before compiling again."""
+    _OFF[0] = True
+    try:
+        yield
+    finally:
+        _OFF[0] = False
 
 
 def _outs(r) -> list:
@@ -118,7 +132,7 @@ def call(key: int, *args):
     first, then float constants): a list of its outputs.  Under autocast ``fn`` is called directly: an op's
     body runs without autocast, so it would compute in other dtypes than eager does."""
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if tensors and torch.is_autocast_enabled(tensors[0].device.type):
+    if _OFF[0] or (tensors and torch.is_autocast_enabled(tensors[0].device.type)):
         return _outs(_FNS[key](*args))
     consts = [float(a) for a in args if not isinstance(a, Tensor)]
     return _eager_math(tensors, key, consts)
