@@ -1,16 +1,16 @@
-"""Elementwise math that ``torch.compile`` runs exactly as eager does: one opaque custom op per call site.
+"""A layer's own math that ``torch.compile`` runs exactly as eager does: one opaque custom op per call site.
 
 Inductor regenerates a layer's elementwise code (sigmoid, tanh, norms, small reductions) in its own kernels,
 whose rounding differs from eager's by an ulp here and there, adds bf16 terms in float32 before one rounding,
 and on CPU lowers small GEMMs to its own loops (docs/design.md, "Bitwise under inductor").  Wrapping such a
-function with :func:`keep_eager` makes it
-one node, ``moonep::eager_math``, whose body calls the function eagerly, and whose backward,
-``moonep::eager_math_backward``, recomputes it and takes ``torch.autograd.grad`` of it: the same ATen kernels
-forward and backward, so the compiled layer matches eager bit for bit.  Outside compilation the wrapper is
-the plain function (no recomputation).
+function with :func:`keep_eager` makes it one node, ``moonep::eager_math``, whose body calls the function
+eagerly, and whose backward, ``moonep::eager_math_backward``, recomputes it and takes ``torch.autograd.grad``
+of it: the same ATen kernels forward and backward, so the compiled layer matches eager bit for bit.  Outside
+compilation the wrapper is the plain function (no recomputation).
 
 The price under compile: these ops are not fused with their neighbours, and the backward recomputes the
-forward of the wrapped function (elementwise work, small next to the expert GEMMs and the collectives).
+wrapped function and runs autograd from Python (docs/performance.md, "torch.compile", measures it;
+:func:`disabled` turns it off).
 
 Under autocast the wrapped functions are traced as plain code (an op's body runs without autocast, which
 would change their dtypes): compiled and eager then agree in dtype but not bit for bit.
@@ -40,8 +40,9 @@ _OFF = [False]  # disabled(): the wrapped functions traced as plain code
 @contextlib.contextmanager
 def disabled():
     """Inside, code traced by ``torch.compile`` calls the wrapped functions as plain code, which inductor
-    fuses and rounds its own way: for measuring what :func:`keep_eager` costs (``benchmarks/bench_compile.py``).
-    Code compiled inside keeps that choice; reset Dynamo (``torch._dynamo.reset()``) before compiling again."""
+    fuses and rounds its own way: faster, not bitwise (``benchmarks/bench_compile.py`` measures both).
+    Dynamo guards on this switch: run the compiled calls inside it (outside, they are compiled again with
+    :func:`keep_eager` on)."""
     _OFF[0] = True
     try:
         yield

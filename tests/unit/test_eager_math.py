@@ -66,3 +66,22 @@ def test_autocast_keeps_eager_dtypes():
         want, got = lin(x, w) * 2, f(x, w)
     assert want.dtype == got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+
+
+def test_disabled_traces_plain_code_and_is_guarded():
+    """Inside ``disabled()`` the wrapped function is traced as plain code (no moonep op in the graph); Dynamo
+    guards on the switch, so a call outside compiles again, with the op."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from moonep import eager_math
+
+    f = keep_eager(torch.sigmoid, "test_eager_math.disabled")
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("eager")
+    g = torch.compile(lambda x: f(x) * 2, backend=cnt)
+    x = torch.randn(4)
+    with eager_math.disabled():
+        g(x)
+    g(x)
+    ops = [["moonep.eager_math" in str(n.target) for n in gm.graph.nodes] for gm in cnt.graphs]
+    assert cnt.frame_count == 2 and not any(ops[0]) and any(ops[1]), ops
