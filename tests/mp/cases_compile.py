@@ -287,8 +287,9 @@ def case_hf_mixtral_block(rt):
 
 def case_hf_gpt_oss_experts_with_biases(rt):
     """A patched transformers GPT-OSS experts module (expert biases, its own clamped gate) compiled with
-    aot_eager and fullgraph=True: bitwise output and parameter gradients against the eager patched module,
-    replica biases included (their gradient is added at home in the backward)."""
+    fullgraph=True, under aot_eager and inductor: bitwise output and parameter gradients against the eager
+    patched module, replica biases included (their gradient is added at home in the backward); the gate
+    runs as eager runs it (moonep/integrations/hf_experts.py)."""
     if importlib.util.find_spec("transformers") is None:
         raise SkipCase("transformers is not installed (pip install -e .[hf])")
     if not _cuda(rt) and rt.world_size != 2:
@@ -323,10 +324,11 @@ def case_hf_gpt_oss_experts_with_biases(rt):
         return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()]
 
     step(eager, 4, 99), step(mod, 4, 99)  # builds the ExpertParallel eagerly
-    torch._dynamo.reset()
-    compiled = torch.compile(mod, backend="aot_eager", fullgraph=True)
     names = ["y", "dx"] + ["d" + n for n, _ in mod.named_parameters()]
-    for st in range(3):
-        s = _sizes(R, st)[rt.rank]
-        for name, a, b in zip(names, step(compiled, s, st), step(eager, s, st)):
-            _equal(name, a, b, f"gpt_oss rank {rt.rank} step {st} s={s}")
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        compiled = torch.compile(mod, backend=backend, fullgraph=True)
+        for st in range(3 if backend == "aot_eager" else 2):
+            s = _sizes(R, st)[rt.rank]
+            for name, a, b in zip(names, step(compiled, s, st), step(eager, s, st)):
+                _equal(name, a, b, f"gpt_oss {backend} rank {rt.rank} step {st} s={s}")
