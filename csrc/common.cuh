@@ -626,16 +626,17 @@ __host__ __device__ __forceinline__ unsigned q8_e4m3_soft(float y) {
   return sign | m;
 }
 
-// Two clamped values -> 16 bits (lo in the low byte). sm_89+: one hardware conversion, round to nearest even
-// as well (satfinite never triggers after the clamp); MOONEP_QUANT_SOFT_CVT forces the portable one.
+// sm_89+: the hardware e4m3 conversion (cvt.rn.satfinite: round to nearest even, out-of-range values give
+// +-448); MOONEP_QUANT_SOFT_CVT forces the portable one, which needs |y| <= 448.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(MOONEP_QUANT_SOFT_CVT)
-#define Q8_HW_CVT true  // cvt.rn.satfinite: out-of-range values give +-448
+#define Q8_HW_CVT 1
 #else
-#define Q8_HW_CVT false
+#define Q8_HW_CVT 0
 #endif
 
+// Two values -> 16 bits (lo in the low byte): clamped ones on either path, unclamped ones on the hardware path.
 __device__ __forceinline__ unsigned q8_pack2(float lo, float hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(MOONEP_QUANT_SOFT_CVT)
+#if Q8_HW_CVT
   unsigned short d;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));  // a -> high byte, b -> low
   return d;
@@ -678,6 +679,18 @@ __device__ __forceinline__ unsigned q8_amax_bits(const int4 q) {
   }
 }
 
+// The N/4 words of four codes of v[N], each value mapped by q (to e4m3's range) and converted; all 0x7F in a
+// bad group.
+template <int N, typename Q>
+__device__ __forceinline__ void q8_codes(const float* v, bool bad, unsigned* c, Q q) {
+#pragma unroll
+  for (int j = 0; j < N; j += 4) {
+    const unsigned lo = q8_pack2(q(v[j]), q(v[j + 1]));
+    const unsigned hi = q8_pack2(q(v[j + 2]), q(v[j + 3]));
+    c[j / 4] = bad ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
+  }
+}
+
 // Codes and scale of NW consecutive 16-byte words of a token row (N = NW * VEC channels, VEC = 8 bf16/fp16 or
 // 4 fp32 per word), called by every lane of the warp: lanes 32*k + [0, L) with L = 128/N hold one group of 128
 // channels, whose amax is an xor-shuffle reduction among them.  c: N/4 words of four codes.  Returns the group's
@@ -702,21 +715,10 @@ __device__ __forceinline__ float q8_words(const int4* w, bool pow2, unsigned* c,
   // Warp-uniform: the common case (no group of tiny amax in the warp) multiplies without q8_quant1's
   // checks, and the hardware conversion saturates, so the clamp is not needed either (|v * inv| exceeds
   // 448 by at most rounding).  Same codes as q8_quant1 + q8_pack2 (tests/unit/test_quant.py).
-  if (!__any_sync(FULL_MASK, tiny) && Q8_HW_CVT) {
-#pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      const unsigned lo = q8_pack2(__fmul_rn(v[j], inv), __fmul_rn(v[j + 1], inv));
-      const unsigned hi = q8_pack2(__fmul_rn(v[j + 2], inv), __fmul_rn(v[j + 3], inv));
-      c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < N; j += 4) {
-      const unsigned lo = q8_pack2(q8_quant1(v[j], inv, tiny), q8_quant1(v[j + 1], inv, tiny));
-      const unsigned hi = q8_pack2(q8_quant1(v[j + 2], inv, tiny), q8_quant1(v[j + 3], inv, tiny));
-      c[j / 4] = b ? Q8_NAN_CODE * 0x01010101u : lo | (hi << 16);
-    }
-  }
+  if (Q8_HW_CVT && !__any_sync(FULL_MASK, tiny))
+    q8_codes<N>(v, b, c, [&](float x) { return __fmul_rn(x, inv); });
+  else
+    q8_codes<N>(v, b, c, [&](float x) { return q8_quant1(x, inv, tiny); });
   *bad = b;
   return b ? __uint_as_float(Q8_NAN_BITS) : scale;
 }
