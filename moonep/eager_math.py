@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .errors import expect
+from .op_state import fresh_output
 
 __all__ = ["keep_eager", "register", "call", "disabled"]
 
@@ -57,11 +58,9 @@ def _outs(r) -> list:
 def _out(t: Tensor, like: Tensor, *inputs: Tensor) -> Tensor:
     """``t`` as a custom op may return it: laid out as ``torch.empty_like(like)`` (what the fake kernel
     promises) and not aliasing an input; copied only when it is not already."""
-    want = torch.empty_like(like, device="meta").stride()
-    if t.stride() == want and not any(t.untyped_storage().data_ptr() == i.untyped_storage().data_ptr()
-                                      for i in inputs):
-        return t
-    return torch.empty_like(like).copy_(t)
+    if t.stride() != torch.empty_like(like, device="meta").stride():
+        return torch.empty_like(like).copy_(t)
+    return fresh_output(t, *inputs)
 
 
 @torch.library.custom_op("moonep::eager_math", mutates_args=())
@@ -92,10 +91,11 @@ def _eager_math_backward(inputs: list[Tensor], grads: list[Optional[Tensor]], ke
         want = [x for x in xs if x.requires_grad]
         gs = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs], allow_unused=True)
                   if pairs and want else [None] * len(want))
+    op_args = inputs + [g for g in grads if g is not None]  # what a result may not alias
     res = []
     for x in inputs:
         g = next(gs) if x.is_floating_point() else None
-        res.append(torch.zeros_like(x) if g is None else _out(g, x, *inputs, *[g for g in grads if g is not None]))
+        res.append(torch.zeros_like(x) if g is None else _out(g, x, *op_args))
     return res
 
 

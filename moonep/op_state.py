@@ -15,6 +15,9 @@ path travel as:
   then a lookup at its address still finds it (a graph replay makes a new tensor at the recorded address
   and runs no Python, so a backward recorded after a replayed forward finds the step that way).
 
+Also here, for every custom op of moonep (``moonep.ops``, ``moonep.eager_math``): :func:`fresh_output`, as an
+op may return a tensor (never one sharing memory with its inputs).
+
 This module imports nothing of moonep, so ``moonep.ep`` can use it without an import cycle.
 """
 from __future__ import annotations
@@ -28,6 +31,16 @@ from torch.multiprocessing.reductions import StorageWeakRef
 _INSTANCES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 _STEPS: dict = {}  # token data_ptr -> (weak ref of the token's storage, instance id, host state)
+
+
+def fresh_output(out: torch.Tensor, *inputs) -> torch.Tensor:
+    """``out``, copied when it shares memory with an input (a custom op's outputs must not alias them;
+    ``None`` inputs and empty tensors are skipped)."""
+    for t in inputs:
+        if t is not None and t.numel() and out.numel() and out.untyped_storage().data_ptr() == \
+                t.untyped_storage().data_ptr():
+            return out.clone()
+    return out
 
 
 def register_instance(ep) -> int:

@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from . import op_state
+from .op_state import fresh_output as _fresh
 from .ep import _CombineFn, _DispatchFn, _PrefetchFn
 from .errors import expect
 from .experts import (_ExpertBias, _ExpertMatmul, _SlotMatmul, _gather_slots, _operands, _row_slots, _rows_grouped,
@@ -99,15 +100,6 @@ def _check_ep(ep) -> None:
     expect(ep.apply_weights == "combine", "apply_weights", '"combine" for moonep.ops (torch.compile)',
            repr(ep.apply_weights))
     expect(not ep.fp8, "dispatch_dtype", "the token dtype for moonep.ops (torch.compile)", ep.dispatch_dtype)
-
-
-def _fresh(out: Tensor, *inputs: Tensor) -> Tensor:
-    """``out``, copied when it shares memory with an input (a custom op's outputs must not alias them)."""
-    for t in inputs:
-        if t is not None and t.numel() and out.numel() and out.untyped_storage().data_ptr() == \
-                t.untyped_storage().data_ptr():
-            return out.clone()
-    return out
 
 
 def _none_or(t: Tensor, wanted: bool):
