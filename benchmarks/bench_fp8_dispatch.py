@@ -81,13 +81,19 @@ def _fanout() -> dict:
                 fp8_words_env=os.environ.get("MOONEP_FP8_WORDS"), fp8_words=words, ep_defines=defines)
 
 
+def expert_parallel(rt, dtype, fp8, x, idx, E):
+    """The benchmark's ExpertParallel for tokens ``x [s, H]`` and choices ``idx [s, K]`` (NVLink, zero copy; fp8
+    or the token dtype on the wire)."""
+    H, (s, K) = x.shape[1], idx.shape
+    return moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=dtype,
+                                 transport="nvlink", zero_copy=True,
+                                 dispatch_dtype=torch.float8_e4m3fn if fp8 else None)
+
+
 def measure(rt, dtype, fp8, x, idx, w, E, iters, pre=False):
     """One ExpertParallel (bf16 tokens, fp8 or bf16 on the wire; ``pre``: fp8 given as the pre-quantised pair):
     per-kernel and whole-call times [us]."""
-    H, (s, K) = x.shape[1], idx.shape
-    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=dtype,
-                               transport="nvlink", zero_copy=True,
-                               dispatch_dtype=torch.float8_e4m3fn if fp8 else None)
+    ep = expert_parallel(rt, dtype, fp8, x, idx, E)
     xin = quantize_fp8(x) if pre else x
     with torch.no_grad():
         for _ in range(5):

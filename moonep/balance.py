@@ -34,13 +34,12 @@ __all__ = ["QuantileBalancer", "histogram_quantiles", "normalise_topk"]
 
 
 def _normalise(w: torch.Tensor) -> torch.Tensor:
+    """Top-k weights ``w [s, K]`` (float) divided by their row sums -> ``[s, K]``, same dtype; a row of zeros
+    stays zero.  Compiled, one opaque op with eager's rounding (:mod:`moonep.eager_math`)."""
     return w / w.sum(1, keepdim=True).clamp(min=torch.finfo(w.dtype).tiny)  # all-zero picks -> weights 0
 
 
-normalise_topk = keep_eager(_normalise, "normalise_topk")
-normalise_topk.__doc__ = (
-    """Top-k weights ``w [s, K]`` (float) divided by their row sums -> ``[s, K]``, same dtype; a row of zeros
-    stays zero.  Compiled, one opaque op with eager's rounding (:mod:`moonep.eager_math`).""")
+normalise_topk = keep_eager(_normalise, "normalise_topk")  # keep_eager keeps the docstring
 
 _CHECKED: dict = {}  # a group's global ranks -> balancers whose settings were checked on it so far
 _TORCH_BALANCE = "torch ops for Quantile Balancing's histograms and step"  # the fallback, in CuPy's warning

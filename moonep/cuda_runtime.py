@@ -52,14 +52,14 @@ def _diag() -> tuple[str, ...]:
     return (f"-DMOONEP_DIAG={diag}",) if diag else ()
 
 
-_DISPATCH_THREADS = 512
-
-
 def _fp8_words() -> tuple[str, ...]:
     # MOONEP_FP8_WORDS: the fp8 dispatch's send fanout (csrc/common.cuh), passed only when set
     if os.environ.get("MOONEP_FP8_WORDS") is None:
         return ()
     return (f"-DMOONEP_FP8_WORDS={env_int('MOONEP_FP8_WORDS', 4, lo=0, hi=8)}",)
+
+
+_DISPATCH_THREADS = 512
 
 
 def dispatch_threads() -> int:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_fp8_dispatch import add_problem_args, problem  # noqa: E402
+from bench_fp8_dispatch import add_problem_args, expert_parallel, problem  # noqa: E402
 
 import moonep  # noqa: E402
 from moonep.quant import quantize_fp8  # noqa: E402
@@ -29,13 +29,9 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=8)
     a = ap.parse_args(argv)
     rt = moonep.init(device="cuda")
-    s, H, E, K = a.tokens, a.hidden, a.experts, a.topk
     x, idx, w = problem(a)
-    fp8 = a.wire != "bf16"
     xin = quantize_fp8(x) if a.wire == "fp8_pre" else x
-    with moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
-                               transport="nvlink", zero_copy=True,
-                               dispatch_dtype=torch.float8_e4m3fn if fp8 else None) as ep, torch.no_grad():
+    with expert_parallel(rt, torch.bfloat16, a.wire != "bf16", x, idx, a.experts) as ep, torch.no_grad():
         for _ in range(a.calls):
             ep.dispatch(xin, idx, w)
         ep.synchronize()

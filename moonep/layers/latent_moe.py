@@ -23,6 +23,7 @@ from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
+
 class _FanOut(torch.autograd.Function):
     """``x`` handed to ``n`` consumers as ``n`` views, their gradients summed in one fixed order.
 
