@@ -3,10 +3,12 @@
     python3 benchmarks/bench_fp8_dispatch.py --out benchmarks/results/fp8_dispatch_h200.json
     MOONEP_FP8_WORDS=0 python3 benchmarks/bench_fp8_dispatch.py --out ...  # the narrow send fanout
 
-Same process, same device, same routing: 4096 tokens, hidden 7168, top-8 of 256 experts by default.
-Reported, in microseconds:
+Same process, same device, same routing: 4096 tokens, hidden 7168, top-8 of 256 experts by default.  The
+three variants (bf16, fp8, fp8 pre-quantised) are built and warmed up first, then timed interleaved in
+``--rounds`` rounds (``rounds``: each round's dispatch_us medians; ``fp8_over_bf16_by_round``), so that the
+GPU's clocks coming up during the run reach every variant alike.  Reported, in microseconds:
 * kernels: per-kernel device time of one dispatch from CUDA events around every launch (eager calls), the
-  median over the iterations (``kernels_mean``: the mean).  The fp8 dispatch quantises inside the dispatch
+  median over all timed calls (``kernels_mean``: the mean).  The fp8 dispatch quantises inside the dispatch
   kernels, so ``quantiser_kernels`` lists any separate quantiser launch (none expected);
 * ``dispatch_us``: what moves the tokens, the dispatch kernels plus any quantiser; the routing kernels
   (route_gather, planner) are the same for both and reported apart (``routing_us``);

@@ -387,26 +387,6 @@ __device__ __forceinline__ float round_to(float v, int dt) {
 // Copies.  `vec` is the widest access every pointer and the byte count allow: 16, 4 or 2.  CG: the source
 // is read with L2-only loads (see ld_src).
 // ---------------------------------------------------------------------------------------------------
-// store(d) for each of the n destination rows dsts[0..n) (warp-uniform).  The pointers live in shared memory,
-// and a generic store might alias them, so a pointer read after a store waits for it: they are read
-// FANOUT_DSTS at a time, before that batch's stores.
-#ifndef FANOUT_DSTS
-#define FANOUT_DSTS 8
-#endif
-template <typename F>
-__device__ __forceinline__ void for_each_dst(char* const* dsts, int n, F store) {
-  for (int t0 = 0; t0 < n; t0 += FANOUT_DSTS) {
-    char* d[FANOUT_DSTS];
-#pragma unroll
-    for (int k = 0; k < FANOUT_DSTS; ++k) d[k] = t0 + k < n ? dsts[t0 + k] : nullptr;
-#pragma unroll
-    for (int k = 0; k < FANOUT_DSTS; ++k) {
-      if (t0 + k >= n) break;
-      store(d[k]);
-    }
-  }
-}
-
 // One warp copies one source row (`nbytes`, 16-byte aligned, nbytes % 16 == 0) into `n` destination rows
 // (`dsts`, any mix of local and peer memory): every 16-byte word is loaded once and stored n times, with
 // four words per lane in flight.
@@ -419,11 +399,12 @@ __device__ __forceinline__ void warp_fanout16(char* const* dsts, int n, const vo
 #pragma unroll
     for (int u = 0; u < 4; ++u)
       if (j + u * 32 < nw) v[u] = ld_src<CG>(s + j + u * 32);
-    for_each_dst(dsts, n, [&](char* d) {
+    for (int t = 0; t < n; ++t) {
+      int4* d = (int4*)dsts[t];
 #pragma unroll
       for (int u = 0; u < 4; ++u)
-        if (j + u * 32 < nw) ((int4*)d)[j + u * 32] = v[u];
-    });
+        if (j + u * 32 < nw) d[j + u * 32] = v[u];
+    }
   }
 }
 
@@ -786,20 +767,6 @@ __device__ __forceinline__ void q8_store_codes(char* d, const unsigned* c) {
   else *(unsigned*)d = c[0];
 }
 
-// A lane stores the codes of its U chunks (c[u], chunk c0 + 32u + lane of the nc in the row) into each of the
-// n rows dsts[0..n), every destination pointer serving all U chunks.
-template <int N, int U>
-__device__ __forceinline__ void q8_store_chunks(char* const* dsts, int n, int c0, int nc, int lane,
-                                                const unsigned (*c)[N / 4]) {
-  for_each_dst(dsts, n, [&](char* d) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int j = c0 + u * 32 + lane;
-      if (j < nc) q8_store_codes<N>(d + (i64)j * N, c[u]);
-    }
-  });
-}
-
 // One warp quantises one token row x [H] (dtype DT, 16-byte aligned, H % 128 == 0) and stores the wire row
 // (wb = q8_wire_bytes(H) bytes) into each of the n rows dsts[0..n) (16-byte aligned, local or peer memory):
 // lane l quantises chunk c0 + 32u + l of NW 16-byte words (N = NW * VEC channels), U chunks per lane in flight,
@@ -825,18 +792,22 @@ __device__ __forceinline__ bool q8_fanout(char* const* dsts, int n, const void* 
       for (int k = 0; k < NW; ++k)  // a group's lanes are in or out together (H % 128 == 0)
         v[u][k] = j < nc ? __ldg(src + (i64)j * NW + k) : make_int4(0, 0, 0, 0);
     }
-    unsigned c[U][N / 4];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int j0 = c0 + u * 32;
       if (j0 >= nc) break;  // warp-uniform
+      const int j = j0 + lane;
+      unsigned c[N / 4];
       bool bad;
-      const float sc = q8_words<DT, NW>(v[u], pow2, c[u], &bad);
-      bad_any |= j0 + lane < nc && bad;
+      const float sc = q8_words<DT, NW>(v[u], pow2, c, &bad);
+      const bool live = j < nc;
+      bad_any |= live && bad;
       sreg = q8_keep_scales<L>(G, j0 / L, sc, sreg, lane);
+      if (live) {
+        for (int t = 0; t < n; ++t) q8_store_codes<N>(dsts[t] + (i64)j * N, c);
+      }
       q8_store_scales<L>(dsts, n, H, G, tail, j0 / L, sreg, lane);
     }
-    q8_store_chunks<N, U>(dsts, n, c0, nc, lane, c);
   }
   return __any_sync(FULL_MASK, bad_any);
 }
