@@ -61,26 +61,54 @@ extern "C" __global__ void moonep_reduce_stage(const Ctx* c, const char* rep_gra
 // Replica gradient reduce, finish: home[e] = home_grad[e] + sum over ranks u (ascending) whose replicas come
 // from here, of u's slot holding expert me*epn+e; each add rounded to the gradient dtype (as torch's
 // in-place add is).  out/home_grad: [epn, n] elements of dtype dt.
+// Work items are (expert, part of its n elements), parts = grid / epn (at least 1) so that a few experts
+// still fill the grid.  Each item's block lists once, in shared memory and in the order of the sum (u, then
+// j, ascending), the slots holding its expert; its threads then add those slots for their elements (the
+// table is not searched per element).  More than REDUCE_LIST such slots: the search per element.
+#define REDUCE_LIST 128
 extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const void* home_grad, i64 n, int dt, int epn,
                                                 const i64* rep, const i64* rsrc) {
-  bool ok = wait_data(c);
-  const int R = (int)c->R, me = (int)c->rank;
-  const int esize = dt == DT_F32 ? 4 : 2;
-  i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x, nt = (i64)gridDim.x * blockDim.x;
-  for (i64 q = t; q < (i64)epn * n; q += nt) {
-    int e = (int)(q / n);
-    i64 x = q % n;
-    float a = load_f(home_grad, q, dt);
-    if (ok) {
-      for (int u = 0; u < R; ++u) {
-        if (rsrc[u] != me) continue;
-        for (int j = 0; j < epn; ++j) {
-          if (rep[(i64)u * epn + j] != (i64)me * epn + e) continue;
-          const void* pool = c->pbase[u] + (i64)j * n * esize;
-          a = round_to(__fadd_rn(a, load_f(pool, x, dt)), dt);
+  __shared__ int s_slot[REDUCE_LIST];  // u * epn + j
+  __shared__ int s_cnt;
+  const bool ok = wait_data(c);
+  if (epn <= 0) return;
+  const int R = (int)c->R, me = (int)c->rank, nq = R * epn;
+  const i64 esize = dt == DT_F32 ? 4 : 2;
+  const int parts = max(1, (int)gridDim.x / epn);
+  for (i64 item = blockIdx.x; item < (i64)epn * parts; item += gridDim.x) {
+    const int e = (int)(item / parts), p = (int)(item % parts);
+    const i64 want = (i64)me * epn + e, x0 = n * p / parts, x1 = n * (p + 1) / parts;
+    __syncthreads();  // every thread is done with the previous item's list
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      int cnt = 0;
+      for (int b = 0; ok && b < nq; b += 32) {  // warp-uniform
+        const int q = b + lane;
+        const bool hit = q < nq && rsrc[q / epn] == me && rep[q] == want;
+        const unsigned m = __ballot_sync(FULL_MASK, hit);
+        const int at = cnt + __popc(m & ((1u << lane) - 1u));
+        if (hit && at < REDUCE_LIST) s_slot[at] = q;
+        cnt += __popc(m);
+      }
+      if (lane == 0) s_cnt = cnt;
+    }
+    __syncthreads();
+    const int cnt = s_cnt;
+    for (i64 x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
+      float a = load_f(home_grad, (i64)e * n + x, dt);
+      if (cnt <= REDUCE_LIST) {
+        for (int k = 0; k < cnt; ++k) {
+          const int q = s_slot[k], u = q / epn, j = q - u * epn;
+          a = round_to(__fadd_rn(a, load_f(c->pbase[u] + (i64)j * n * esize, x, dt)), dt);
+        }
+      } else {
+        for (int q = 0; q < nq; ++q) {
+          const int u = q / epn, j = q - u * epn;
+          if (rsrc[u] == me && rep[q] == want)
+            a = round_to(__fadd_rn(a, load_f(c->pbase[u] + (i64)j * n * esize, x, dt)), dt);
         }
       }
+      store_f(out, (i64)e * n + x, dt, a);
     }
-    store_f(out, q, dt, a);
   }
 }
