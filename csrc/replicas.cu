@@ -61,13 +61,35 @@ extern "C" __global__ void moonep_reduce_stage(const Ctx* c, const char* rep_gra
 // Replica gradient reduce, finish: home[e] = home_grad[e] + sum over ranks u (ascending) whose replicas come
 // from here, of u's slot holding expert me*epn+e; each add rounded to the gradient dtype (as torch's
 // in-place add is).  out/home_grad: [epn, n] elements of dtype dt.
-// Work items are (expert, part of its n elements), parts = grid / epn (at least 1) so that a few experts
-// still fill the grid.  Each item's block lists once, in shared memory and in the order of the sum (u, then
-// j, ascending), the slots holding its expert; its threads then add those slots for their elements (the
-// table is not searched per element).  More than REDUCE_LIST such slots: the search per element.
+// Work items are (expert, part of its row), parts = grid / epn (at least 1) so that a few experts still fill
+// the grid.  Each item's block lists once, in shared memory and in the order of the sum (u, then j,
+// ascending), the slots holding its expert; its threads then add those slots for their elements (the table
+// is not searched per element), 16-byte words at a time when vec == 16 (rows of a multiple of 16 bytes,
+// out and home_grad 16-byte aligned), else one element at a time.  More than REDUCE_LIST such slots: the
+// search per element.
 #define REDUCE_LIST 128
+
+// Words [x0, x1) of one expert's row: out = home plus the listed slots' words, in list order (out, home: the
+// row's first word; slot q = u * epn + j is row j of rank u's pool, row_words words per row).
+template <int DT>
+__device__ __forceinline__ void reduce_words(const Ctx* c, int4* out, const int4* home, i64 row_words, i64 x0,
+                                             i64 x1, const int* slot, int cnt, int epn) {
+  constexpr int V = DT == DT_F32 ? 4 : 8;
+  for (i64 x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
+    float a[V], b[V];
+    unpack16<DT>(home[x], a);
+    for (int k = 0; k < cnt; ++k) {
+      const int q = slot[k], u = q / epn, j = q - u * epn;
+      unpack16<DT>(((const int4*)c->pbase[u])[(i64)j * row_words + x], b);
+#pragma unroll
+      for (int i = 0; i < V; ++i) a[i] = round_to(__fadd_rn(a[i], b[i]), DT);
+    }
+    out[x] = pack16<DT>(a);
+  }
+}
+
 extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const void* home_grad, i64 n, int dt, int epn,
-                                                const i64* rep, const i64* rsrc) {
+                                                const i64* rep, const i64* rsrc, int vec) {
   __shared__ int s_slot[REDUCE_LIST];  // u * epn + j
   __shared__ int s_cnt;
   const bool ok = wait_data(c);
@@ -77,7 +99,7 @@ extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const v
   const int parts = max(1, (int)gridDim.x / epn);
   for (i64 item = blockIdx.x; item < (i64)epn * parts; item += gridDim.x) {
     const int e = (int)(item / parts), p = (int)(item % parts);
-    const i64 want = (i64)me * epn + e, x0 = n * p / parts, x1 = n * (p + 1) / parts;
+    const i64 want = (i64)me * epn + e;
     __syncthreads();  // every thread is done with the previous item's list
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
@@ -94,6 +116,16 @@ extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const v
     }
     __syncthreads();
     const int cnt = s_cnt;
+    if (vec == 16 && cnt <= REDUCE_LIST) {  // block-uniform
+      const i64 rw = n * esize / 16, x0 = rw * p / parts, x1 = rw * (p + 1) / parts;
+      int4* o = (int4*)out + (i64)e * rw;
+      const int4* h = (const int4*)home_grad + (i64)e * rw;
+      if (dt == DT_F32) reduce_words<DT_F32>(c, o, h, rw, x0, x1, s_slot, cnt, epn);
+      else if (dt == DT_BF16) reduce_words<DT_BF16>(c, o, h, rw, x0, x1, s_slot, cnt, epn);
+      else reduce_words<DT_F16>(c, o, h, rw, x0, x1, s_slot, cnt, epn);
+      continue;
+    }
+    const i64 x0 = n * p / parts, x1 = n * (p + 1) / parts;
     for (i64 x = x0 + threadIdx.x; x < x1; x += blockDim.x) {
       float a = load_f(home_grad, (i64)e * n + x, dt);
       if (cnt <= REDUCE_LIST) {

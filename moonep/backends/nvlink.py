@@ -721,7 +721,8 @@ class NVLinkBackend(Backend):
         self._launch("moonep_reduce_stage", self.num_sms,
                      (_p(rg), np.int64(rb), np.int32(_vec(rb, rg.data_ptr())), np.int32(epn), _p(rep)))
         self._launch("moonep_reduce_finish", self.sm_count,
-                     (_p(out), _p(hg), np.int64(n), np.int32(_DT[hg.dtype]), np.int32(epn), _p(rep), _p(src)))
+                     (_p(out), _p(hg), np.int64(n), np.int32(_DT[hg.dtype]), np.int32(epn), _p(rep), _p(src),
+                      np.int32(_vec(rb, out.data_ptr(), hg.data_ptr()))))
         return out
 
 

@@ -298,16 +298,17 @@ def case_prefetch_and_reduce_grad_equal_host(rt):
     x, idx, w, _, _ = _problem(rt, E, K, H, S, "hot", seed=17)
     host, nv = _pair(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32)
     g = torch.Generator().manual_seed(rt.rank)
-    Wl = torch.randn(E // R, 3, 5, generator=g)
-    G = torch.randn(2 * (E // R), 3, 5, generator=g)
     with nv, torch.no_grad():
         hh, hn = host.dispatch(x, idx, w), nv.dispatch(x.to(d), idx.to(d), w.to(d))
         _eq(hn.plan.replica_experts, hh.plan.replica_experts, "plan")
-        _eq(nv.prefetch(hn, Wl.to(d)), host.prefetch(hh, Wl), f"rank {rt.rank} prefetch")
-        _eq(nv.reduce_grad(hn, G.to(d)), host.reduce_grad(hh, G), f"rank {rt.rank} reduce_grad")
-        for dt in (torch.bfloat16,):
-            _eq(nv.prefetch(hn, Wl.to(dt).to(d)), host.prefetch(hh, Wl.to(dt)), f"rank {rt.rank} prefetch {dt}")
-            _eq(nv.reduce_grad(hn, G.to(dt).to(d)), host.reduce_grad(hh, G.to(dt)), f"rank {rt.rank} reduce {dt}")
+        # rows of 15 elements go element by element, rows of 32 (a multiple of 16 bytes) in 16-byte words
+        for shape in ((3, 5), (4, 8)):
+            Wl = torch.randn(E // R, *shape, generator=g)
+            G = torch.randn(2 * (E // R), *shape, generator=g)
+            for dt in (torch.float32, torch.bfloat16, torch.float16):
+                ctx = f"rank {rt.rank} {dt} {shape}"
+                _eq(nv.prefetch(hn, Wl.to(dt).to(d)), host.prefetch(hh, Wl.to(dt)), f"{ctx} prefetch")
+                _eq(nv.reduce_grad(hn, G.to(dt).to(d)), host.reduce_grad(hh, G.to(dt)), f"{ctx} reduce_grad")
         nv.synchronize()
 
 
