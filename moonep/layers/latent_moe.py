@@ -209,8 +209,19 @@ class LatentMoE(ShardedExperts, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Args: ``x [..., d_model]`` in the parameters' dtype. Returns ``[..., d_model]``, same dtype.
 
+        Under ``torch.autocast`` the layer computes in its parameters' dtype, as a
+        ``torch.amp.custom_fwd(cast_inputs=...)`` region does: a floating ``x`` of any dtype is cast to it,
+        autocast is off inside, and the output has the parameters' dtype (moonep's buffers and kernels are
+        built for one dtype).  For bf16 compute, give the layer bf16 parameters.
+
         Collective under EP: every rank calls it (with any number of tokens, 0 included).
         """
+        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(x.device.type, enabled=False):
+                return self._forward(x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         dt, dev = self.expert_w_in.dtype, self.expert_w_in.device
         try:  # a bad input on one rank is refused by every rank together, in the dispatch's header
             expect_tensor(x, "x")

@@ -151,6 +151,32 @@ def _raises(match, fn):
     return str(e.value)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_latent_moe_under_autocast_computes_in_its_parameters_dtype(device):
+    """Under torch.autocast (bf16) a float32 layer gives bitwise its float32 output and gradients: the input is
+    cast to the parameters' dtype and autocast is off inside (a bf16 input included)."""
+    m = _layer(torch.float32, device=device)
+    x = torch.randn(9, 16, device=device)
+    want = m(x)
+    want.square().sum().backward()
+    want_g = {k: v.grad.clone() for k, v in m.named_parameters()}
+    m.zero_grad()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = m(x)
+    got.square().sum().backward()
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    for k, v in m.named_parameters():
+        assert torch.equal(v.grad, want_g[k]), k
+    xb = x.bfloat16().requires_grad_()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        yb = m(xb)
+    yb.sum().backward()
+    assert torch.equal(yb, m(xb.detach().float())) and xb.grad.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="x: expected dtype torch.float32"):  # outside autocast: refused
+        m(xb.detach())
+
+
 def test_bad_inputs_name_argument_expected_actual():
     msg = _raises("d_latent", lambda: LatentMoE(16, 32, 6, 2, 8))
     assert "<= d_model (16)" in msg and "got 32" in msg
