@@ -97,6 +97,11 @@ class Runtime:
 
         mark_failed(self, self.timeout.total_seconds())
 
+    def __deepcopy__(self, memo) -> "Runtime":
+        """The runtime itself: it is the job's communicators (a ProcessGroup cannot be copied), so a deep
+        copy of a model that holds it (``copy.deepcopy`` of a patched model) shares it."""
+        return self
+
     def next_instance(self) -> int:
         """Index of the next ExpertParallel on this runtime (construction is collective: same everywhere)."""
         self._instances += 1

@@ -44,6 +44,12 @@ class EPProvider:
         self.rank = 0 if rt is None else rt.rank
         self._cache: dict = {}
 
+    def __deepcopy__(self, memo) -> "EPProvider":
+        """A provider of the same configuration with nothing built yet: a copied model (``copy.deepcopy``)
+        gets ExpertParallel objects of its own, on its first call (collective, as building always is), and
+        never shares the original's buffers or its place in the collectives' call order."""
+        return EPProvider(self.rt, self.num_experts, max_tokens=self.max_tokens, **self.ep_kwargs)
+
     def get(self, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
         """The ExpertParallel for ``s`` tokens of ``width`` in ``dtype`` on ``device`` (collective when it
         must be built or grown).  Without a runtime (a plain process) it is the local backend's."""

@@ -52,6 +52,33 @@ def case_hf_checkpoint_round_trip(rt):
             assert torch.equal(got[k].cpu(), full[k].cpu()), (t, k)
 
 
+def case_hf_patched_model_deepcopies(rt):
+    """copy.deepcopy of a patched Mixtral: the copy shares the runtime, builds ExpertParallel objects of its
+    own, and gives the original's output and gradients bitwise; the two then run in turns."""
+    _hf_or_skip()
+    from layers_reference import tiny_hf
+    from moonep.integrations import patch_hf_moe
+
+    torch.manual_seed(41)
+    model = tiny_hf("mixtral", num_experts=4 * rt.world_size).double()
+    patch_hf_moe(model, rt, max_tokens=16)
+    ids = torch.randint(0, 64, (1, 5 + rt.rank), generator=torch.Generator().manual_seed(rt.rank))
+    model(ids)  # the original has built its ExpertParallel before the copy
+    twin = copy.deepcopy(model)
+    exp, exp2 = model.model.layers[0].mlp.experts, twin.model.layers[0].mlp.experts
+    assert exp2._rt is rt and exp2.moonep_ep is not exp.moonep_ep and not exp2.moonep_ep._cache
+    for step in range(2):
+        outs = []
+        for m in (model, twin):
+            m.zero_grad()
+            logits = m(ids).logits
+            logits.square().sum().backward()
+            outs.append([logits.detach()] + [p.grad for p in m.parameters() if p.grad is not None])
+        assert len(outs[0]) == len(outs[1]) > 1
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), f"rank {rt.rank} step {step} tensor {i}"
+
+
 def case_hf_refusal_on_one_rank_reaches_every_rank(rt):
     """Only rank 0's probe fails: every rank raises, nothing is patched, and the group stays usable."""
     _hf_or_skip()
