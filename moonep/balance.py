@@ -19,6 +19,7 @@ torch code as on CPU runs on the device. Neither syncs with the host.
 """
 from __future__ import annotations
 
+import copy
 import json
 import struct
 
@@ -138,6 +139,16 @@ class QuantileBalancer(torch.nn.Module):
         self._op_id = register_instance(self)  # how moonep::qb_record (torch.compile) finds it
 
     # ---------------------------------------------------------------- routing
+    def __deepcopy__(self, memo) -> "QuantileBalancer":
+        """A copy with its own buffers and the same process group (a ProcessGroup cannot be copied)."""
+        if self.group is not None:
+            memo[id(self.group)] = self.group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        new._op_id = register_instance(new)  # its own entry: compiled routes must record into the copy
+        return new
+
     def route(self, scores: torch.Tensor):
         """Select experts and weights; records required biases when training and not frozen.
 

@@ -94,6 +94,31 @@ def case_latent_moe_float64_matches_dense(rt):
             assert int(st["replicas"].sum()) > 0, st
 
 
+def case_latent_moe_deepcopy(rt):
+    """copy.deepcopy of a LatentMoE that has run: the copy gives its output and gradients bitwise (its own
+    ExpertParallel, the same runtime), and the two run in turns."""
+    import copy
+
+    R = rt.world_size
+    m = _layer(rt, R * -(-(K + 1) // R), seed=5)  # the fewest experts above K that R divides
+    x = torch.randn(4 + rt.rank, D, dtype=torch.float64, generator=torch.Generator().manual_seed(rt.rank))
+    m(x)
+    twin = copy.deepcopy(m)
+    assert twin._rt is rt and twin._ep is not m._ep
+    qb, qb2 = m.balancer, twin.balancer  # its own buffers and compiled-op entry, the same process group
+    assert qb2.group is qb.group and qb2._op_id != qb._op_id and qb2.bias.data_ptr() != qb.bias.data_ptr()
+    for step in range(2):
+        outs = []
+        for mod in (m, twin):
+            mod.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = mod(xi)
+            y.square().sum().backward()
+            outs.append([y.detach(), xi.grad] + [p.grad for p in mod.parameters()])
+        for i, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), f"rank {rt.rank} step {step} tensor {i}"
+
+
 def case_grouped_matmul_path_matches_loop(rt):
     if not hasattr(torch, "_grouped_mm"):
         raise SkipCase("no torch._grouped_mm")
