@@ -138,7 +138,6 @@ class QuantileBalancer(torch.nn.Module):
         self._config_key = None  # where this balancer's settings are published in the group's store
         self._op_id = register_instance(self)  # how moonep::qb_record (torch.compile) finds it
 
-    # ---------------------------------------------------------------- routing
     def __deepcopy__(self, memo) -> "QuantileBalancer":
         """A copy with its own buffers and the same process group (a ProcessGroup cannot be copied)."""
         if self.group is not None:
@@ -149,6 +148,7 @@ class QuantileBalancer(torch.nn.Module):
         new._op_id = register_instance(new)  # its own entry: compiled routes must record into the copy
         return new
 
+    # ---------------------------------------------------------------- routing
     def route(self, scores: torch.Tensor):
         """Select experts and weights; records required biases when training and not frozen.
 
