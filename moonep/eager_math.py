@@ -128,12 +128,17 @@ def register(fn: Callable, name: str) -> int:
     return key
 
 
+def autocast_on(device_type: str) -> bool:
+    """Whether autocast is enabled for ``device_type`` (False for a device type without autocast, e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def call(key: int, *args):
     """``fn(*args)`` of the function registered under ``key``, as one ``moonep::eager_math`` op (tensors
     first, then float constants): a list of its outputs.  Under autocast ``fn`` is called directly: an op's
     body runs without autocast, so it would compute in other dtypes than eager does."""
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if _OFF[0] or (tensors and torch.is_autocast_enabled(tensors[0].device.type)):
+    if _OFF[0] or (tensors and autocast_on(tensors[0].device.type)):
         return _outs(_FNS[key](*args))
     consts = [float(a) for a in args if not isinstance(a, Tensor)]
     return _eager_math(tensors, key, consts)

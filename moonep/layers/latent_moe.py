@@ -17,7 +17,7 @@ from ..balance import QuantileBalancer, normalise_topk
 from ..errors import expect, expect_device, expect_tensor
 from ..experts import ReplicaPool, default_pool, expert_matmul
 from .. import ops
-from ..eager_math import keep_eager
+from ..eager_math import autocast_on, keep_eager
 from .activations import situ_glu_fused
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
@@ -216,7 +216,7 @@ class LatentMoE(ShardedExperts, nn.Module):
 
         Collective under EP: every rank calls it (with any number of tokens, 0 included).
         """
-        if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
             with torch.autocast(x.device.type, enabled=False):
                 return self._forward(x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
         return self._forward(x)
