@@ -79,6 +79,27 @@ def case_hf_patched_model_deepcopies(rt):
             assert torch.equal(a, b), f"rank {rt.rank} step {step} tensor {i}"
 
 
+def case_hf_block_under_autocast(rt):
+    """Under torch.autocast (bf16) a patched Mixtral block runs (its experts in the model's float32) and agrees
+    with the unpatched block under the same autocast to bf16-level round-off of the routing."""
+    _hf_or_skip()
+    from layers_reference import tiny_hf
+    from moonep.integrations import patch_hf_moe
+
+    torch.manual_seed(41)
+    ref = tiny_hf("mixtral", num_experts=4 * rt.world_size)
+    model = copy.deepcopy(ref)
+    patch_hf_moe(model, rt, max_tokens=16)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(rt.world_size, 5, 32, generator=g)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref.model.layers[0].mlp(x)
+        got = model.model.layers[0].mlp(x[rt.rank:rt.rank + 1])
+    want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want[rt.rank:rt.rank + 1], rtol=0, atol=1e-4)
+
+
 def case_hf_refusal_on_one_rank_reaches_every_rank(rt):
     """Only rank 0's probe fails: every rank raises, nothing is patched, and the group stays usable."""
     _hf_or_skip()
