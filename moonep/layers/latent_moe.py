@@ -217,11 +217,10 @@ class LatentMoE(ShardedExperts, nn.Module):
         Collective under EP: every rank calls it (with any number of tokens, 0 included).
         """
         if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):
-                return self._forward(x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(x.device.type, enabled=False):  # one level down, then the code below
+                return self.forward(x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
+        # (the body stays in this frame: a host collective's graph break in a called function would count
+        # twice under torch.compile)
         dt, dev = self.expert_w_in.dtype, self.expert_w_in.device
         try:  # a bad input on one rank is refused by every rank together, in the dispatch's header
             expect_tensor(x, "x")
