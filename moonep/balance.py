@@ -144,7 +144,10 @@ class QuantileBalancer(torch.nn.Module):
             memo[id(self.group)] = self.group
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        # the deferred CUDA check's pinned copy and its event are per instance (an event cannot be copied)
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_bad_host", "_bad_event")}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new._bad_host = new._bad_event = None
         new._op_id = register_instance(new)  # its own entry: compiled routes must record into the copy
         return new
 

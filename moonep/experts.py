@@ -512,6 +512,11 @@ class ReplicaPool:
         self._next: dict = {}     # key -> buffer index of the next fetch
         self._streams: dict = {}  # device -> side stream
 
+    def __deepcopy__(self, memo) -> "ReplicaPool":
+        """The pool itself: a copied model shares it, as every model shares :func:`default_pool` (its slots are
+        scratch that each fetch refills; a CUDA stream cannot be copied)."""
+        return self
+
     def generation(self, key, index: int) -> int:
         return self._gen.get((key, index), 0)
 

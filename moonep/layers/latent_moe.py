@@ -218,7 +218,7 @@ class LatentMoE(ShardedExperts, nn.Module):
         """
         if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
             with torch.autocast(x.device.type, enabled=False):  # one level down, then the code below
-                return self.forward(x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
+                return LatentMoE.forward(self, x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
         # (the body stays in this frame: a host collective's graph break in a called function would count
         # twice under torch.compile)
         dt, dev = self.expert_w_in.dtype, self.expert_w_in.device

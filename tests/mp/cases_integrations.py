@@ -81,7 +81,7 @@ def case_hf_patched_model_deepcopies(rt):
 
 def case_hf_block_under_autocast(rt):
     """Under torch.autocast (bf16) a patched Mixtral block runs (its experts in the model's float32) and agrees
-    with the unpatched block under the same autocast to bf16-level round-off of the routing."""
+    with the unpatched block under the same autocast to bf16's epsilon (relative, in norm)."""
     _hf_or_skip()
     from layers_reference import tiny_hf
     from moonep.integrations import patch_hf_moe
@@ -97,7 +97,9 @@ def case_hf_block_under_autocast(rt):
         got = model.model.layers[0].mlp(x[rt.rank:rt.rank + 1])
     want, got = (t[0] if isinstance(t, tuple) else t for t in (want, got))
     assert got.dtype == want.dtype == torch.float32
-    torch.testing.assert_close(got, want[rt.rank:rt.rank + 1], rtol=0, atol=1e-4)
+    want = want[rt.rank:rt.rank + 1]
+    err = float((got - want).norm() / want.norm())
+    assert err < 2 ** -7, f"rank {rt.rank}: relative difference {err:.2e}, above bf16's epsilon"
 
 
 def case_hf_refusal_on_one_rank_reaches_every_rank(rt):

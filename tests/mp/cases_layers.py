@@ -95,16 +95,19 @@ def case_latent_moe_float64_matches_dense(rt):
 
 
 def case_latent_moe_deepcopy(rt):
-    """copy.deepcopy of a LatentMoE that has run: the copy gives its output and gradients bitwise (its own
-    ExpertParallel, the same runtime), and the two run in turns."""
+    """copy.deepcopy of a LatentMoE that has run and stepped its balancer: the copy gives its output and
+    gradients bitwise (its own ExpertParallel and balancer, the same runtime and replica pool), and the two
+    run in turns."""
     import copy
 
     R = rt.world_size
-    m = _layer(rt, R * -(-(K + 1) // R), seed=5)  # the fewest experts above K that R divides
+    m = _layer(rt, R * -(-(K + 1) // R), seed=5, replica_pool=moonep.ReplicaPool())  # fewest experts > K
     x = torch.randn(4 + rt.rank, D, dtype=torch.float64, generator=torch.Generator().manual_seed(rt.rank))
+    m, x = m.to(rt.device), x.to(rt.device)
     m(x)
+    m.balancer.step()  # on CUDA: leaves the deferred check's event, which the copy must not take
     twin = copy.deepcopy(m)
-    assert twin._rt is rt and twin._ep is not m._ep
+    assert twin._rt is rt and twin._ep is not m._ep and twin.replica_pool is m.replica_pool
     qb, qb2 = m.balancer, twin.balancer  # its own buffers and compiled-op entry, the same process group
     assert qb2.group is qb.group and qb2._op_id != qb._op_id and qb2.bias.data_ptr() != qb.bias.data_ptr()
     for step in range(2):

@@ -176,6 +176,19 @@ def test_latent_moe_under_autocast_computes_in_its_parameters_dtype(device):
     with pytest.raises(ValueError, match="x: expected dtype torch.float32"):  # outside autocast: refused
         m(xb.detach())
 
+    class Doubled(LatentMoE):  # a subclass's forward runs once under autocast too
+        calls = 0
+
+        def forward(self, x):
+            Doubled.calls += 1
+            return 2 * super().forward(x)
+
+    d = Doubled(16, 8, 6, 2, 12, num_shared=2, d_shared=4, device=device)
+    d.load_state_dict(m.state_dict())
+    with torch.autocast(device, dtype=torch.bfloat16):
+        y2 = d(x)
+    assert Doubled.calls == 1 and torch.equal(y2, 2 * want)
+
 
 def test_bad_inputs_name_argument_expected_actual():
     msg = _raises("d_latent", lambda: LatentMoE(16, 32, 6, 2, 8))
