@@ -16,9 +16,8 @@ GPU's clocks coming up during the run reach every variant alike.  Reported, in m
 * ``fp8_prequantised``: the same fp8 dispatch given the pair ``quantize_fp8(x)``, whose wire rows the kernels
   move as bytes: the same bytes as the fused path without the quantisation in the send (the pair's packing
   into wire rows is a torch copy outside the dispatch kernels, in ``call_graph_us`` only).
-* ``torch_gather_bf16``, ``torch_gather_wire``: ``torch.index_select`` of the token rows (bf16) and of the
-  fp8 wire rows into the ``s * K`` rows in expert order, in the same rounds: torch's kernel moving the same
-  bytes (reading each row per copy, storing it once), a reference for what the dispatch kernels could reach.
+* ``torch_gather_*``, ``torch_fill_*`` (``device_us``): torch kernels storing the same bytes in the same rounds
+  (:func:`references`), the reference for what the dispatch kernels could reach.
 Target: fp8 ``dispatch_us`` <= 0.65 x bf16 ``dispatch_us``.  The fp8 rows received are also checked bitwise
 against ``moonep.quant.quantize_fp8`` of the token each row holds (``fp8_rows_bitwise``).  The JSON records
 the command, the commit, the machine and, in its config, the send fanout the "ep" program was compiled with
@@ -62,16 +61,29 @@ def _dispatch_us(kernels) -> float:
     return round(sum(v for k, v in kernels.items() if k in _DISPATCH or "quant" in k), 1)
 
 
-def _gather_us(src, index, out) -> float:
-    """Device time [us] of ``torch.index_select(src, 0, index, out=out)``: torch's own kernel moving the same
-    bytes as a dispatch (each row read per copy, stored once), the roofline the dispatch kernels are read
-    against."""
+def _device_us(fn) -> float:
+    """Device time [us] of one ``fn()`` between two CUDA events."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
-    torch.index_select(src, 0, index, out=out)
+    fn()
     b.record()
     b.synchronize()
     return a.elapsed_time(b) * 1e3
+
+
+def references(x, idx):
+    """{name: fn}: torch kernels moving the bytes a dispatch stores, timed in the same rounds as the dispatches.
+    ``torch_gather_*``: ``torch.index_select`` of the token rows (bf16) or the fp8 wire rows into the ``s * K``
+    rows in expert order (each row read per copy, stored once); ``torch_fill_*``: ``zero_()`` of those ``s * K``
+    rows, the store-only rate of the memory system for the same bytes."""
+    s, K = idx.shape
+    tok = (torch.argsort(idx.flatten(), stable=True) // K).to(x.device)
+    wire = pack_pair(*quantize_fp8(x))  # uint8 [s, wire_bytes(H)]
+    out_bf16 = torch.empty(s * K, x.shape[1], dtype=x.dtype, device=x.device)
+    out_wire = torch.empty(s * K, wire.shape[1], dtype=wire.dtype, device=x.device)
+    return {"torch_gather_bf16": lambda: torch.index_select(x, 0, tok, out=out_bf16),
+            "torch_gather_wire": lambda: torch.index_select(wire, 0, tok, out=out_wire),
+            "torch_fill_bf16": out_bf16.zero_, "torch_fill_wire": out_wire.zero_}
 
 
 def _check_fp8_rows(h, x) -> bool:
@@ -116,27 +128,22 @@ def measure(rt, x, idx, w, E, iters, rounds):
     """Every variant of :data:`VARIANTS` on its own ExpertParallel (bf16 tokens), all built and warmed up first,
     then timed in ``rounds`` interleaved rounds of ``iters // rounds`` calls each, so that a drift of the GPU's
     clocks during the run reaches every variant alike, and with them the torch gathers of the same bytes
-    (``torch_gather_bf16``, ``torch_gather_wire``: ``gather_us``).  Returns ({variant: per-kernel and
+    (:func:`references`: ``device_us``).  Returns ({variant: per-kernel and
     whole-call times [us], rows, row bytes, the fp8 rows' check}, [per round: {variant: median us}])."""
     eps, inputs, per = {}, {}, {}
     for name, (fp8, pre) in VARIANTS.items():
         eps[name] = expert_parallel(rt, torch.bfloat16, fp8, x, idx, E)
         inputs[name] = quantize_fp8(x) if pre else x
         per[name] = {}
-    # torch baselines: the K copies of every token gathered in expert order, as bf16 rows and as fp8 wire rows
-    s, K = idx.shape
-    tok = (torch.argsort(idx.flatten(), stable=True) // K).to(x.device)
-    wire = pack_pair(*quantize_fp8(x))  # uint8 [s, wire_bytes(H)]
-    gathers = {"torch_gather_bf16": (x, torch.empty(s * K, x.shape[1], dtype=x.dtype, device=x.device)),
-               "torch_gather_wire": (wire, torch.empty(s * K, wire.shape[1], dtype=wire.dtype, device=x.device))}
-    per.update({name: {} for name in gathers})
+    refs = references(x, idx)
+    per.update({name: {} for name in refs})
     by_round = []
     with torch.no_grad():
         for name, ep in eps.items():
             for _ in range(5):
                 ep.dispatch(inputs[name], idx, w)
-        for src, out in gathers.values():
-            torch.index_select(src, 0, tok, out=out)
+        for fn in refs.values():
+            fn()
         torch.cuda.synchronize()
         for _ in range(rounds):
             this = {}
@@ -147,9 +154,9 @@ def measure(rt, x, idx, w, E, iters, rounds):
                     for k, v in c.items():
                         per[name].setdefault(k, []).append(v)
                 this[name] = round(float(np.median([_dispatch_us(c) for c in calls])), 1)
-            for name, (src, out) in gathers.items():
-                ts = [_gather_us(src, tok, out) for _ in range(max(1, iters // rounds))]
-                per[name].setdefault("gather", []).extend(ts)
+            for name, fn in refs.items():
+                ts = [_device_us(fn) for _ in range(max(1, iters // rounds))]
+                per[name].setdefault("device", []).extend(ts)
                 this[name] = round(float(np.median(ts)), 1)
             by_round.append(this)
         res = {}
@@ -167,8 +174,8 @@ def measure(rt, x, idx, w, E, iters, rounds):
                 r["fp8_rows_bitwise"] = _check_fp8_rows(h, x)
             ep.synchronize()
             res[name] = r
-    for name in gathers:
-        res[name] = dict(gather_us=_medians(per[name])[0]["gather"])
+    for name in refs:
+        res[name] = dict(device_us=_medians(per[name])[0]["device"])
     for ep in eps.values():
         ep.close()
     return res, by_round
@@ -214,8 +221,10 @@ def main(argv=None) -> int:
                results=res, rounds=by_round, fp8_over_bf16_by_round=round_ratios,
                fp8_over_bf16_dispatch=round(ratio, 3), fp8_over_bf16_call=round(call_ratio, 3),
                prequantised_over_bf16_dispatch=round(res["fp8_prequantised"]["dispatch_us"] / bf, 3),
-               torch_gather_wire_over_bf16=round(res["torch_gather_wire"]["gather_us"]
-                                                 / res["torch_gather_bf16"]["gather_us"], 3),
+               torch_gather_wire_over_bf16=round(res["torch_gather_wire"]["device_us"]
+                                                 / res["torch_gather_bf16"]["device_us"], 3),
+               torch_fill_wire_over_bf16=round(res["torch_fill_wire"]["device_us"]
+                                               / res["torch_fill_bf16"]["device_us"], 3),
                quantisation_fused=fused, fp8_rows_bitwise=res["fp8"]["fp8_rows_bitwise"],
                target="fp8 dispatch (quantisation included) <= 0.65 x bf16 dispatch",
                meets_target=bool(ratio <= 0.65 and fused and res["fp8"]["fp8_rows_bitwise"]))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -87,6 +87,9 @@ for s in "$@"; do case $s in
             step fp8_ab_no$b 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_ab_no$b.json; done
           for p in $(ls -r .prof/ab/*.patch); do patch -s -p1 < $p; done  # back to the tree, measured again last
           step fp8_ab_0again 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_ab_0again.json ;;
+  fp8_try) for p in .prof/try/*.patch; do b=$(basename $p .patch)  # each patch on its own: applied, measured, taken out
+             patch -s -p1 < $p && step fp8_try_$b 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_try_$b.json
+             patch -s -p1 -R < $p; done ;;
   fp8_diag) MOONEP_NVLINK_DIAG=1 step fp8_diag_no_rows 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_diag_no_rows.json
             step fp8_diag_tree 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_diag_tree.json ;;  # loads, quantisation, metadata: no row stores; then the tree
   fp8_threads) for t in 768 640 512 768; do MOONEP_DISPATCH_THREADS=$t step fp8_threads${t}_$SECONDS 200 \
