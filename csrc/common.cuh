@@ -729,8 +729,9 @@ __device__ __forceinline__ float q8_word(const int4 w, bool pow2, unsigned* c, b
   return q8_words<DT, 1>(&w, pow2, c, bad);
 }
 
-// Bytes of an fp8 wire row (moonep/fp8.py wire_bytes): H codes, H/128 float32 scales, zeros to a multiple of 16.
-__host__ __device__ __forceinline__ i64 q8_wire_bytes(i64 H) { return (H + 4 * (H / Q8_GROUP) + 15) & ~(i64)15; }
+// Bytes of an fp8 wire row (moonep/fp8.py wire_bytes): H codes, H/128 float32 scales, zeros to a multiple of 128
+// (every row starts on a line: its stores fill whole lines).
+__host__ __device__ __forceinline__ i64 q8_wire_bytes(i64 H) { return (H + 4 * (H / Q8_GROUP) + 127) & ~(i64)127; }
 
 // Lane (g & 31) keeps the scale of group g (returns sreg, updated): sc is the scale each lane's group got, the
 // warp-wide word holds groups [g0, g0 + 32/L), L lanes each.

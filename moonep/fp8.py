@@ -2,10 +2,12 @@
 
 ``ExpertParallel(..., dispatch_dtype=torch.float8_e4m3fn)`` moves every token as one **wire row** of bytes:
 
-    [ q: H e4m3fn codes | scales: H/128 float32 | zeros ]   wire_bytes(H) = H + 4 * H/128, rounded up to 16
+    [ q: H e4m3fn codes | scales: H/128 float32 | zeros ]   wire_bytes(H) = H + 4 * H/128, rounded up to 128
 
-(:mod:`moonep.quant` gives the quantisation rule; the padding, 0 to 12 bytes, none when ``H % 512 == 0``, keeps
-every row 16-byte aligned for the kernels' vector stores).  Every backend moves these rows as raw bytes with its
+(:mod:`moonep.quant` gives the quantisation rule).  The padding, 0 to 124 bytes (32 at H 7168, none when
+``H % 4096 == 0``), starts every row on a 128-byte line: a row's stores then fill whole lines, and on the
+H200 the fp8 dispatch at H 7168 took ~5 % less time than with rows padded to 16 bytes only
+(docs/performance.md).  Every backend moves these rows as raw bytes with its
 ordinary row machinery (one row per token and destination rank, expanded into the token's slot rows
 there), so the plan, the slot layout and the static shapes are those of the token dtype.  ``h.tokens`` and
 ``h.scales`` are views of the received ``[cap, wire_bytes(H)]`` rows (row stride ``wire_bytes(H)``, not
@@ -35,15 +37,15 @@ _WIRE_KERNEL = {torch.float32: "moonep_quant_wire_f32", torch.bfloat16: "moonep_
 
 
 def wire_bytes(H: int) -> int:
-    """Bytes of one wire row: ``H`` fp8 codes, ``H/128`` float32 scales, zeros up to a multiple of 16 bytes
+    """Bytes of one wire row: ``H`` fp8 codes, ``H/128`` float32 scales, zeros up to a multiple of 128 bytes
     (``q8_wire_bytes`` in csrc/common.cuh)."""
-    return (H + 4 * (H // GROUP) + 15) // 16 * 16
+    return (H + 4 * (H // GROUP) + 127) // 128 * 128
 
 
 def split_wire(rows: torch.Tensor, H: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of uint8 wire rows ``[n, wire_bytes(H)]``: ``(q float8_e4m3fn [n, H], scales float32 [n, H/128])``."""
     q = rows[:, :H].view(FP8)
-    scales = rows[:, H:H + 4 * (H // GROUP)].view(torch.float32)  # row stride wire_bytes(H): a multiple of 16
+    scales = rows[:, H:H + 4 * (H // GROUP)].view(torch.float32)  # row stride wire_bytes(H): a multiple of 128
     return q, scales
 
 

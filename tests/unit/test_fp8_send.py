@@ -163,8 +163,9 @@ def want_row(x: torch.Tensor, pow2: bool) -> np.ndarray:
 def test_wire_bytes_agree(lib):
     for H in (128, 256, 384, 512, 640, 4224, 7168, 8192 + 384):
         wb = fp8.wire_bytes(H)
-        assert lib.wire_bytes(H) == wb and wb % 16 == 0 and 0 <= wb - (H + 4 * (H // 128)) < 16
-    assert fp8.wire_bytes(7168) == 7392  # the DeepSeek-V3 hidden size: no padding
+        assert lib.wire_bytes(H) == wb and wb % 128 == 0 and 0 <= wb - (H + 4 * (H // 128)) < 128
+    assert fp8.wire_bytes(7168) == 7424  # the DeepSeek-V3 hidden size: 7392 bytes of codes and scales, 32 of zeros
+    assert fp8.wire_bytes(4096) == 4224  # H % 4096 == 0: no padding
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
