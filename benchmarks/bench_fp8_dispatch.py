@@ -8,7 +8,11 @@ three variants (bf16, fp8, fp8 pre-quantised) are built and warmed up first, the
 ``--rounds`` rounds (``rounds``: each round's dispatch_us medians; ``fp8_over_bf16_by_round``), so that the
 GPU's clocks coming up during the run reach every variant alike.  Reported, in microseconds:
 * kernels: per-kernel device time of one dispatch from CUDA events around every launch (eager calls), the
-  median over all timed calls (``kernels_mean``: the mean).  The fp8 dispatch quantises inside the dispatch
+  median over all timed calls (``kernels_mean``: the mean).  Every timed call is queued behind ~1 ms of GPU
+  sleep (``QUEUE_CYCLES``), so that the host launches its kernels while the GPU is busy and the events time
+  the kernels alone: launched onto an idle GPU, the event before a kernel is passed at once and the span
+  also holds the host's launch call (``dispatch_us_launch_bound``, timed in the same rounds: how earlier
+  versions of this bench measured).  The fp8 dispatch quantises inside the dispatch
   kernels, so ``quantiser_kernels`` lists any separate quantiser launch (none expected);
 * ``dispatch_us``: what moves the tokens, the dispatch kernels plus any quantiser; the routing kernels
   (route_gather, planner) are the same for both and reported apart (``routing_us``);
@@ -61,9 +65,23 @@ def _dispatch_us(kernels) -> float:
     return round(sum(v for k, v in kernels.items() if k in _DISPATCH or "quant" in k), 1)
 
 
+# GPU cycles of sleep queued before every timed call (~1 ms): the host then launches the call's kernels while
+# the GPU is still busy, so the events around a launch time the kernel, not the host's launch call as well.
+QUEUE_CYCLES = 2_000_000
+
+
+def _queued(fn):
+    """``fn`` behind :data:`QUEUE_CYCLES` of GPU sleep."""
+    def step():
+        torch.cuda._sleep(QUEUE_CYCLES)
+        return fn()
+    return step
+
+
 def _device_us(fn) -> float:
-    """Device time [us] of one ``fn()`` between two CUDA events."""
+    """Device time [us] of one ``fn()`` between two CUDA events, queued behind a sleep (see QUEUE_CYCLES)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(QUEUE_CYCLES)
     a.record()
     fn()
     b.record()
@@ -148,12 +166,17 @@ def measure(rt, x, idx, w, E, iters, rounds):
         for _ in range(rounds):
             this = {}
             for name, ep in eps.items():
-                calls = [phase_sums(ep._backend, lambda: ep.dispatch(inputs[name], idx, w))
+                calls = [phase_sums(ep._backend, _queued(lambda: ep.dispatch(inputs[name], idx, w)))
                          for _ in range(max(1, iters // rounds))]
                 for c in calls:
                     for k, v in c.items():
                         per[name].setdefault(k, []).append(v)
                 this[name] = round(float(np.median([_dispatch_us(c) for c in calls])), 1)
+                # the same calls launched onto an idle GPU, as earlier versions of this bench timed them
+                idle = [phase_sums(ep._backend, lambda: ep.dispatch(inputs[name], idx, w))
+                        for _ in range(max(1, iters // rounds))]
+                per[name].setdefault("launch_bound", []).extend(_dispatch_us(c) for c in idle)
+                this[name + "_launch_bound"] = round(float(np.median([_dispatch_us(c) for c in idle])), 1)
             for name, fn in refs.items():
                 ts = [_device_us(fn) for _ in range(max(1, iters // rounds))]
                 per[name].setdefault("device", []).extend(ts)
@@ -161,10 +184,12 @@ def measure(rt, x, idx, w, E, iters, rounds):
             by_round.append(this)
         res = {}
         for name, ep in eps.items():
+            launch_bound = per[name].pop("launch_bound")
             med, mean = _medians(per[name])
             xin = inputs[name]
             r = dict(kernels=med, kernels_mean=mean, quantiser_kernels=sorted(k for k in med if "quant" in k),
                      dispatch_us=_dispatch_us(med),
+                     dispatch_us_launch_bound=round(float(np.median(launch_bound)), 1),
                      routing_us=round(sum(med.get(k, 0.0) for k in _ROUTE), 1),
                      call_graph_us=round(graph_time(lambda: ep.dispatch(xin, idx, w), n=10, reps=7), 1))
             h = ep.dispatch(xin, idx, w)
@@ -219,7 +244,11 @@ def main(argv=None) -> int:
                config=dict(tokens=s, hidden=H, experts=E, topk=K, ranks=1, transport="nvlink", iters=args.iters,
                            rounds=args.rounds, **_fanout()),
                results=res, rounds=by_round, fp8_over_bf16_by_round=round_ratios,
+               fp8_over_bf16_by_round_launch_bound=[round(r["fp8_launch_bound"] / r["bf16_launch_bound"], 3)
+                                                    for r in by_round],
                fp8_over_bf16_dispatch=round(ratio, 3), fp8_over_bf16_call=round(call_ratio, 3),
+               fp8_over_bf16_dispatch_launch_bound=round(res["fp8"]["dispatch_us_launch_bound"]
+                                                         / res["bf16"]["dispatch_us_launch_bound"], 3),
                prequantised_over_bf16_dispatch=round(res["fp8_prequantised"]["dispatch_us"] / bf, 3),
                torch_gather_wire_over_bf16=round(res["torch_gather_wire"]["device_us"]
                                                  / res["torch_gather_bf16"]["device_us"], 3),
