@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -60,6 +60,10 @@ for s in "$@"; do case $s in
                 -k regex:moonep_dispatch_fused --launch-skip 5 -c 1 -o $o/ncu_fp8_$wr python3 tools/profile_fp8_dispatch.py --wire $wr
               ncu --import $o/ncu_fp8_$wr.ncu-rep --page details > $o/details_fp8_$wr.txt 2>&1
               ncu --import $o/ncu_fp8_$wr.ncu-rep --page source --csv --print-source cuda > $o/src_fp8_$wr.csv 2>&1; done ;;
+  ncu_fp8_time) for wr in bf16 fp8 fp8_pre; do  # the fused dispatch's own duration, 20 launches per wire format
+              step ncu_fp8_time_$wr 150 ncu --clock-control none --metrics gpu__time_duration.sum --csv \
+                -k regex:moonep_dispatch_fused --launch-skip 5 --launch-count 20 python3 tools/profile_fp8_dispatch.py \
+                --wire $wr --calls 30; done ;;
   ncu_import) mkdir -p /tmp/src; for r in .prof/*.ncu-rep; do b=$(basename $r .ncu-rep)  # reports carried in .prof/
               n=$(ncu --import $r --page source --csv --print-source cuda 2>&1 | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
               cp csrc/planner.cu /tmp/src/$n; ncu --import $r --page source --csv --print-source cuda --import-source yes --source-folders /tmp/src > $o/src_$b.csv 2>&1
