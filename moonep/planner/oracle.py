@@ -7,7 +7,6 @@ never exceed ``E``). Only practical for small cases (``E * R`` up to a few hundr
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,7 +48,7 @@ def oracle_plan(counts, *, slack: float = 0.0, time_limit: float = 60.0,
     nz = len(zpairs)
     nv = 2 * P + nz + 1
     iM = nv - 1
-    rows, lo, hi = [], [], []
+    lo, hi = [], []
     A = lil_matrix((3 * P + R + E + R + R + 1, nv))
     k = 0
 
