@@ -53,9 +53,13 @@ _DISPATCH = ("dispatch", "zero", "send", "expand")  # labels of bench_ep_gpu._PH
 _ROUTE = ("route_gather", "planner", "layout", "validate", "gather")
 
 
+def _median(v) -> float:
+    return round(float(np.median(v)), 1)
+
+
 def _medians(per):
     """{label: [us per call]} -> ({label: median}, {label: mean}), rounded to 0.1 us."""
-    med = {k: round(float(np.median(v)), 1) for k, v in per.items()}
+    med = {k: _median(v) for k, v in per.items()}
     mean = {k: round(float(np.mean(v)), 1) for k, v in per.items()}
     return med, mean
 
@@ -148,13 +152,14 @@ def measure(rt, x, idx, w, E, iters, rounds):
     clocks during the run reaches every variant alike, and with them the torch gathers of the same bytes
     (:func:`references`: ``device_us``).  Returns ({variant: per-kernel and
     whole-call times [us], rows, row bytes, the fp8 rows' check}, [per round: {variant: median us}])."""
-    eps, inputs, per = {}, {}, {}
+    eps, inputs, per, launch_bound = {}, {}, {}, {}
     for name, (fp8, pre) in VARIANTS.items():
         eps[name] = expert_parallel(rt, torch.bfloat16, fp8, x, idx, E)
         inputs[name] = quantize_fp8(x) if pre else x
-        per[name] = {}
+        per[name], launch_bound[name] = {}, []
     refs = references(x, idx)
     per.update({name: {} for name in refs})
+    n = max(1, iters // rounds)  # calls per variant and round
     by_round = []
     with torch.no_grad():
         for name, ep in eps.items():
@@ -166,30 +171,27 @@ def measure(rt, x, idx, w, E, iters, rounds):
         for _ in range(rounds):
             this = {}
             for name, ep in eps.items():
-                calls = [phase_sums(ep._backend, _queued(lambda: ep.dispatch(inputs[name], idx, w)))
-                         for _ in range(max(1, iters // rounds))]
+                call = lambda: ep.dispatch(inputs[name], idx, w)  # noqa: E731
+                calls = [phase_sums(ep._backend, _queued(call)) for _ in range(n)]
                 for c in calls:
                     for k, v in c.items():
                         per[name].setdefault(k, []).append(v)
-                this[name] = round(float(np.median([_dispatch_us(c) for c in calls])), 1)
+                this[name] = _median([_dispatch_us(c) for c in calls])
                 # the same calls launched onto an idle GPU, as earlier versions of this bench timed them
-                idle = [phase_sums(ep._backend, lambda: ep.dispatch(inputs[name], idx, w))
-                        for _ in range(max(1, iters // rounds))]
-                per[name].setdefault("launch_bound", []).extend(_dispatch_us(c) for c in idle)
-                this[name + "_launch_bound"] = round(float(np.median([_dispatch_us(c) for c in idle])), 1)
+                idle = [_dispatch_us(phase_sums(ep._backend, call)) for _ in range(n)]
+                launch_bound[name] += idle
+                this[name + "_launch_bound"] = _median(idle)
             for name, fn in refs.items():
-                ts = [_device_us(fn) for _ in range(max(1, iters // rounds))]
+                ts = [_device_us(fn) for _ in range(n)]
                 per[name].setdefault("device", []).extend(ts)
-                this[name] = round(float(np.median(ts)), 1)
+                this[name] = _median(ts)
             by_round.append(this)
         res = {}
         for name, ep in eps.items():
-            launch_bound = per[name].pop("launch_bound")
             med, mean = _medians(per[name])
             xin = inputs[name]
             r = dict(kernels=med, kernels_mean=mean, quantiser_kernels=sorted(k for k in med if "quant" in k),
-                     dispatch_us=_dispatch_us(med),
-                     dispatch_us_launch_bound=round(float(np.median(launch_bound)), 1),
+                     dispatch_us=_dispatch_us(med), dispatch_us_launch_bound=_median(launch_bound[name]),
                      routing_us=round(sum(med.get(k, 0.0) for k in _ROUTE), 1),
                      call_graph_us=round(graph_time(lambda: ep.dispatch(xin, idx, w), n=10, reps=7), 1))
             h = ep.dispatch(xin, idx, w)
