@@ -39,7 +39,8 @@ class PrefetchLatentMoE(LatentMoE):
         idx, w = self.route(x_r)
         ep = self._ep.get(x.shape[0], self.topk, self.d_latent, x.dtype, x.device)
         h = ep.dispatch(self.down(x_d), idx, w)
-        w_in, w_out = ep.prefetch(h, self.expert_w_in), ep.prefetch(h, self.expert_w_out)
+        w_in = ep.prefetch(h, self.experts.expert_weight("w_in"))
+        w_out = ep.prefetch(h, self.experts.expert_weight("w_out"))
         a = situ_glu_fused(moonep.slot_matmul(h.tokens, h.cu_seqlens, w_in, self.matmul))
         u = ep.combine(moonep.slot_matmul(a, h.cu_seqlens, w_out, self.matmul), h)
         return (self.up(self.norm(u)) + self.shared(x_s)).reshape(shape)
@@ -123,10 +124,11 @@ def main(argv=None):
             model, pool = stack(rt, L, path=path, dtype=dtype)
             peak = peak_memory(rt, model)
             layer = model.layers[0]
-            expert = sum(p.numel() * p.element_size() for p in (layer.expert_w_in, layer.expert_w_out)) // layer.epn
+            epn = layer.experts.moonep_epn
+            expert = sum(p.to_local().numel() * p.element_size() for p in (layer.experts.w_in, layer.experts.w_out)) // epn
             rows.append(dict(layers=L, path=path, peak_bytes=peak, pool_bytes=pool.nbytes() if pool else 0,
-                             expert_bytes=expert, epn=layer.epn,
-                             home_expert_bytes_per_layer=expert * layer.epn))
+                             expert_bytes=expert, epn=epn,
+                             home_expert_bytes_per_layer=expert * epn))
             del model, pool
     peaks = torch.tensor([r["peak_bytes"] for r in rows], dtype=torch.int64)
     if rt.world_size > 1:  # the largest rank's figure

@@ -46,7 +46,8 @@ def run_soak(rt, *, steps: int, seed: int, warmup: int, sample_every: int, phase
     """Train ``steps`` steps from ``seed``; returns the loss curve, its hash, RSS samples and skew figures.
 
     Collective: every rank of ``rt`` calls it. The result is identical on every rank except ``rss``."""
-    from moonep.layers import LatentMoE, balancer_step, sync_grads
+    from moonep.layers import LatentMoE, balancer_step
+    from moonep.training import sync_grads
 
     R = rt.world_size
     E = experts_per_rank * R

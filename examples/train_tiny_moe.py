@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import moonep
-from moonep.layers import LatentMoE, balancer_step, sync_grads
+from moonep.layers import LatentMoE, balancer_step
+from moonep.training import sync_grads
 
 
 class Corpus:

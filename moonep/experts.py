@@ -333,7 +333,7 @@ class _ModuleSlots(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, meta, *params):
-        template, names, epn, reps, cu, width = meta
+        template, names, epn, reps, cu, width, _ = meta
         with torch.enable_grad():
             rows_l = rows.detach().requires_grad_()
             homes = [p.detach().requires_grad_() for p in params]
@@ -352,7 +352,7 @@ class _ModuleSlots(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         out, rows_l, homes, reps_l = ctx.graph
-        _, names, epn, reps, _, _ = ctx.meta
+        _, names, epn, reps, _, _, scale = ctx.meta
         for r in reps:
             r.weights_for_backward()  # the slots hold this layer's replicas again (refetched if reused)
         leaves = [rows_l, *homes, *reps_l]
@@ -364,13 +364,13 @@ class _ModuleSlots(torch.autograd.Function):
             home_g = torch.stack([fill(grads[1 + i * epn + j], homes[i * epn + j]) for j in range(epn)])
             rep_g = fill(grads[1 + len(homes) + i], reps_l[i])
             total = r.reduce(home_g, rep_g)
-            param_grads += list(total.unbind(0))
+            param_grads += list((total if scale == 1 else total * scale).unbind(0))
         ctx.graph = None
         return (fill(grads[0], rows_l), None, *param_grads)
 
 
 def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tensor, experts: list,
-                 replicas: dict, out_width: int) -> torch.Tensor:
+                 replicas: dict, out_width: int, grad_scale: float = 1.0) -> torch.Tensor:
     """Any expert module on the ``2*epn`` slots: ``experts[j]`` itself on home slot ``j``, and ``template``
     with the pool's parameters (``torch.func.functional_call``) on the replica slots.
 
@@ -382,6 +382,8 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
         replicas: parameter name -> :class:`Replicas` from :meth:`ReplicaPool.fetch` of the stacked
             ``[epn, *shape]`` home parameter of that name.
         out_width: the experts' output width.
+        grad_scale: multiplies the home experts' parameter gradients (``1/R``: the mean over the ranks, the
+            data-parallel convention of :mod:`moonep.training`).
     Returns:
         ``[cap, out_width]`` in ``rows.dtype``; padding rows zero.  Differentiable with respect to ``rows`` and
         every home expert's parameters (replica parameter gradients are added at home; collective in the
@@ -395,7 +397,7 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
         return slot_apply(lambda j, x: experts[j](x) if j < epn else
                           functional_call(template, {n: reps[n][j - epn] for n in names}, (x,)),
                           rows, cu_seqlens, out_width)
-    meta = (template, names, epn, [replicas[n] for n in names], cu_seqlens, out_width)
+    meta = (template, names, epn, [replicas[n] for n in names], cu_seqlens, out_width, float(grad_scale))
     return _ModuleSlots.apply(rows, meta, *params)
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .config import env_float
 from .errors import MoonepError, expect
@@ -89,6 +90,8 @@ class Runtime:
     _owns_pg: bool = field(default=False, repr=False)
     failed: bool = field(default=False, repr=False)  # a collective raised MoonepError (peer dead/stalled)
     _instances: int = field(default=0, repr=False)  # ExpertParallel objects built here (order-check ids)
+    mesh: object = field(default=None, repr=False)  # the experts' 1-D "ep" DeviceMesh (moonep.training.expert_mesh)
+    dp_mesh: object = field(default=None, repr=False)  # its data-parallel sibling, when moonep built the mesh
 
     def _give_up(self) -> None:
         """A shutdown barrier failed or expired: remember it, and under mpirun make sure the process ends
@@ -263,7 +266,9 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
     """Initialise moonep's runtime from whatever launched this process.
 
     Args:
-        group: an existing ``torch.distributed`` ProcessGroup to use instead of creating one.
+        group: an existing ``torch.distributed`` ProcessGroup to use instead of creating one, or a 1-D
+            DeviceMesh (the ``"ep"`` dimension of a ``("dp", "ep")`` mesh): its group, and expert parameters
+            become DTensors over that mesh (FSDP2 shards them over its ``"dp"`` sibling).
         backend: "gloo" or "nccl"; default NCCL when the device is CUDA, else gloo.
         device: "cpu" or "cuda"; default CUDA when available.
         timeout: seconds before a collective that waits on a dead or stalled peer raises (default 60,
@@ -280,6 +285,11 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         if backend == "nccl":
             want_cuda = True
     env = os.environ
+    mesh = None
+    if isinstance(group, DeviceMesh):
+        expect(group.ndim == 1, "group", "a ProcessGroup or a 1-D DeviceMesh (e.g. mesh['ep'])",
+               f"a {group.ndim}-D DeviceMesh")
+        mesh, group = group, group.get_group()
     if group is not None or dist.is_initialized():
         pg = group if group is not None else dist.group.WORLD
         rank, size = dist.get_rank(pg), dist.get_world_size(pg)
@@ -290,7 +300,9 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         be = dist.get_backend(pg)
         cpu_group = pg if be == "gloo" else dist.new_group(list(range(dist.get_world_size())), backend="gloo",
                                                             timeout=td)
-        return Runtime(rank, size, local_rank, local_size, dev, pg, cpu_group, be, "external", td)
+        rt = Runtime(rank, size, local_rank, local_size, dev, pg, cpu_group, be, "external", td)
+        rt.mesh = mesh
+        return rt
 
     launcher = detect_launcher()
     comm = None

@@ -31,9 +31,11 @@ import types
 
 import torch
 from torch import nn
+from ..errors import expect
 from ..experts import default_pool, module_slots, stack_parameters, stacked_views_intact
 from ..layers.parallel import EPProvider, ShardedModuleDict, home_range, resolve_group
 from ..runtime import local_runtime
+from ..training.params import check_replicated, mark_for_ddp
 from .common import PROBE_RTOL, agree, ep_kwargs_error, pool_error, rel_diff
 
 PROBE_TOKENS = 16
@@ -77,7 +79,8 @@ def _experts_apply(provider, experts: list, x, idx, w, cache=None, pool=None):
     pool = pool or default_pool()
     # the one place weights move: this step's replicas into the shared pool; home experts run in place
     replicas = {n: pool.fetch(ep, h, t, n) for n, t in _stacked(experts, cache).items()}
-    return ep.combine(module_slots(experts[0], h.tokens, h.cu_seqlens, experts, replicas, x.shape[1]), h)
+    scale = 1.0 / provider.world_size  # expert gradients: the mean over the ranks (moonep.training)
+    return ep.combine(module_slots(experts[0], h.tokens, h.cu_seqlens, experts, replicas, x.shape[1], scale), h)
 
 
 def _forward(block, x, provider, experts, cache=None):
@@ -93,7 +96,12 @@ def _forward(block, x, provider, experts, cache=None):
 def _ep_forward(self, x: torch.Tensor) -> torch.Tensor:
     """Patched forward: ``x [..., H]`` -> ``[..., H]`` (``x.dtype``). Collective."""
     experts = getattr(self, self.moonep_experts)
-    return _forward(self, x, self.moonep_ep, [experts[str(e)] for e in experts.home], self.moonep_cache)
+    home = [experts[str(e)] for e in experts.home]
+    # FSDP2 would gather parameters of different experts from different ranks into one (the same on every rank)
+    expect(not any(hasattr(p, "device_mesh") for p in home[0].parameters()), "model",
+           f"the experts of {type(self).__name__} left out of FSDP2 (fully_shard(..., "
+           "ignored_params=set(moonep.training.expert_parameters(model))))", "experts sharded by fully_shard")
+    return _forward(self, x, self.moonep_ep, home, self.moonep_cache)
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -201,7 +209,7 @@ def _plans(model, blocks, rt, route, shared, experts, example_input):
 # --------------------------------------------------------------------------------------------- patch
 def patch_generic(model: nn.Module, group=None, *, route="route", shared=None, experts: str = "experts",
                   example_input: torch.Tensor | None = None, max_tokens: int | None = None,
-                  replica_pool=None, **ep_kwargs) -> nn.Module:
+                  replica_pool=None, broadcast_from: int | None = None, **ep_kwargs) -> nn.Module:
     """Run the experts of every block of ``model`` (itself included) that has an ``experts`` ModuleList
     through moonep expert parallelism, in place; or refuse, before changing anything.
 
@@ -218,9 +226,12 @@ def patch_generic(model: nn.Module, group=None, *, route="route", shared=None, e
         max_tokens: static EP capacity per rank (``None``: sized from the largest batch seen).
         replica_pool: the :class:`moonep.ReplicaPool` the replicas are fetched into (default: the process's
             shared pool, shared by every block).
+        broadcast_from: ``None``: the model must be bitwise equal on every rank, or the patch is refused
+            naming the first parameter that differs; a rank: its values are copied to every rank.
     Returns:
         ``model``; each patched block's forward ``x [..., H] -> [..., H]`` equals its own up to
-        floating-point summation order.
+        floating-point summation order.  Prepared for DDP (:func:`moonep.training.prepare`); its expert
+        gradients are the mean over the ranks, as DDP makes the others'.
     Raises:
         ValueError naming the block and what it cannot reproduce, on every rank (collective).
     Every rank must build the same unpatched model (same seed or checkpoint) before patching.
@@ -240,6 +251,7 @@ def patch_generic(model: nn.Module, group=None, *, route="route", shared=None, e
         for _, blk in blocks:
             blk.__dict__.pop("moonep_route", None), blk.__dict__.pop("moonep_shared", None)
     agree(rt, err)
+    check_replicated(model, rt, broadcast_from=broadcast_from)  # every rank cuts its experts from its own copy
     providers: dict = {}
     for blk, fn, E in plans:
         if E not in providers:
@@ -250,5 +262,5 @@ def patch_generic(model: nn.Module, group=None, *, route="route", shared=None, e
         blk.moonep_ep, blk.moonep_route, blk.moonep_shared = providers[E], fn, shared
         blk.moonep_experts, blk.moonep_pool, blk.moonep_cache = experts, replica_pool, {}
         blk.forward = types.MethodType(_ep_forward, blk)
-    return model
+    return mark_for_ddp(model)
 

@@ -8,7 +8,6 @@ Two call conventions of the experts module are understood:
 
 * **routed** (Mixtral, Qwen, DeepSeek, GPT-OSS, LongCat-Flash, ...):
   ``experts(hidden [T, H], top_k_index int [T, K], top_k_weights [T, K]) -> sum_k w_k f_{e_k}(x)``.
-  LongCat-Flash's zero-computation experts (ids ``>= E``) are identities: added here, never dispatched.
 * **dense** (Llama-4): ``experts(routed_in [E*T, H]) -> [E*T, H]``, every expert applied to its own
   block of rows, the rows of unselected experts being zeros (the block pre-scales them by the router).
 
@@ -24,10 +23,15 @@ the eager block's bits.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
+from ..errors import MoonepError
 from ..layers.parallel import EPProvider, home_range, resolve_group
+from ..training.params import check_replicated, mark_for_ddp
+from ..training.sharding import shard_experts_param
 from .common import agree, ep_kwargs_error, pool_error
 from .hf_check import Refused, find_moe_modules, model_type, verdict
 from .hf_experts import EPDenseExperts, EPExperts, EPRoutedExperts, clone, ep_class, fused_expert_maths, setup
@@ -38,19 +42,25 @@ __all__ = ["patch_hf_moe", "find_moe_modules", "fused_expert_maths", "EPExperts"
 
 
 def patch_hf_moe(model: nn.Module, group=None, *, max_tokens: int | None = None, replica_pool=None,
-                 **ep_kwargs) -> nn.Module:
+                 broadcast_from: int | None = None, **ep_kwargs) -> nn.Module:
     """Run every MoE block's experts of a transformers model through moonep, in place; or refuse.
 
     Args:
         model: a transformers (>= 5) model, built identically on every rank (same seed or checkpoint).
-        group: Runtime / ProcessGroup / ``None`` (the launcher's job, or one process).
+        group: Runtime / ProcessGroup / 1-D DeviceMesh (``mesh["ep"]`` of a ``("dp", "ep")`` mesh) / ``None``
+            (the launcher's job, or one process).
         max_tokens: static per-rank capacity (rows ``T`` of one experts call; for Llama-4, selected
             (token, expert) pairs); ``None`` sizes the buffers from the largest call seen.
         replica_pool: the :class:`moonep.ReplicaPool` the replicas are fetched into (default: the process's
             shared pool); every layer shares it, the home experts are used in place.
+        broadcast_from: ``None`` (default): the model must be bitwise equal on every rank, or the patch is
+            refused naming the first parameter that differs; a rank: its values are copied to every rank.
         ep_kwargs: passed to :class:`moonep.ExpertParallel` (``slack``, ``align``, ``transport``, ...).
     Returns:
-        ``model``, whose outputs equal the unpatched model's up to floating-point summation order.
+        ``model``, whose outputs equal the unpatched model's up to floating-point summation order.  Each rank
+        holds its home experts as ``Shard(0)`` DTensors of the original ``[E, ...]`` parameters; the model is
+        prepared for DDP, FSDP2 and checkpoints (:func:`moonep.training.prepare`; docs/training.md), and its
+        ``save_pretrained`` writes the full model (collective: call it on every rank; rank 0 writes).
     Raises:
         ValueError naming the model type and the reason, on every rank, before anything is changed, when
         some MoE part has another structure or its experts compute something the fused layout does not.
@@ -67,21 +77,42 @@ def patch_hf_moe(model: nn.Module, group=None, *, max_tokens: int | None = None,
         err = (f"model: expected an MoE model moonep can run exactly, got model type {model_type(model)!r}: "
                f"checking it raised {type(e).__name__}: {e}")
     agree(rt, err)
+    # the experts are cut from every rank's full copy: every parameter, experts too, must agree first
+    check_replicated(model, rt, broadcast_from=broadcast_from)
     providers: dict = {}
-    for (name, block, ex), (base, E, names, identity_from, sig) in zip(fused, layouts):
+    for (name, block, ex), (base, E, names, sig) in zip(fused, layouts):
         if E not in providers:
             providers[E] = EPProvider(rt, E, max_tokens=max_tokens, **ep_kwargs)
         home = home_range(E, rt)
-        last = rt is None or rt.rank == rt.world_size - 1
-        params = {}
-        for k in names:
-            p = ex._parameters[k]
-            rows = p.detach()[home.start:home.stop]
-            if p.shape[0] > E and last:  # LongCat-Flash: the zero experts' unused rows stay on the last rank
-                rows = torch.cat([rows, p.detach()[E:]])
-            params[k] = nn.Parameter(rows.clone(), requires_grad=p.requires_grad)
+        params = {k: shard_experts_param(ex._parameters[k].detach()[home.start:home.stop].clone(), rt, E,
+                                         ex._parameters[k].requires_grad) for k in names}
         new = clone(ex, ep_class(base, type(ex)), params)
-        block.experts = setup(new, base, E, names, identity_from, sig, providers[E], rt)
+        block.experts = setup(new, base, E, names, sig, providers[E], rt)
         block.experts.moonep_pool = replica_pool
         keep_router_eager(block)  # compiled, the router computes what it computes eagerly (hf_router.py)
+    mark_for_ddp(model)
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained = types.MethodType(_save_pretrained, model)
     return model
+
+
+def _save_pretrained(self, save_directory, *args, **kwargs):
+    """``save_pretrained`` of a patched model: the full model, its experts gathered from every rank, in the
+    unpatched layout (``from_pretrained`` of the unpatched class loads it).  Collective: call it on every rank;
+    only ``is_main_process`` (default: rank 0) writes."""
+    from ..training import full_state_dict
+    from ..training.params import moonep_runtime
+
+    rt = moonep_runtime(self)
+    if "state_dict" in kwargs:
+        raise ValueError("state_dict: expected None for a patched model (moonep gathers the full state dict from "
+                         "every rank), got a state dict")
+    try:
+        full = full_state_dict(self)
+    except MoonepError:
+        raise
+    except RuntimeError as exc:  # a rank that never called save_pretrained: the gather times out
+        raise MoonepError(f"save_pretrained: gathering the experts from every rank failed ({str(exc)[:300]}); it "
+                          "is collective on a patched model: call it on every rank (rank 0 writes)") from exc
+    kwargs.setdefault("is_main_process", rt is None or rt.rank == 0)
+    return type(self).save_pretrained(self, save_directory, *args, state_dict=full, **kwargs)

@@ -35,7 +35,7 @@ def eager_forward(ex):
 
 
 def layout(ex: nn.Module):
-    """``(base class, E, sharded parameter names, identity_from, forward signature)`` of a fused experts
+    """``(base class, E, sharded parameter names, forward signature)`` of a fused experts
     module; raises ``Refused`` with the reason when its structure is not one of the two conventions."""
     down = ex._parameters.get("down_proj")
     if not (isinstance(down, nn.Parameter) and down.dim() == 3):
@@ -46,14 +46,9 @@ def layout(ex: nn.Module):
         raise Refused("its `experts` module has neither a fused `gate_up_proj` nor an `up_proj` [E, ...]")
     E = down.shape[0]
     names = [n for n, p in ex._parameters.items() if p is not None and p.dim() >= 1 and p.shape[0] == E]
-    identity_from = None
-    if up.shape[0] != E:
-        Z = int(getattr(ex, "zero_expert_num", 0) or 0)
-        if not (Z > 0 and up.shape[0] == E + Z):
-            raise Refused(f"`{'gate_up_proj' if gated else 'up_proj'}` has {up.shape[0]} experts and "
-                           f"`down_proj` {E}")
-        identity_from = E  # LongCat-Flash: ids E .. E+Z-1 are zero-computation (identity) experts
-        names.append("gate_up_proj" if gated else "up_proj")
+    if up.shape[0] != E:  # the expert shards are Shard(0) DTensors of [E, ...]: one row per expert
+        raise Refused(f"`{'gate_up_proj' if gated else 'up_proj'}` has {up.shape[0]} experts and "
+                       f"`down_proj` {E}")
     others = [n for n, p in ex._parameters.items() if p is not None and n not in names]
     if others:
         raise Refused(f"its `experts` module has parameters {others} that are not per-expert")
@@ -61,23 +56,23 @@ def layout(ex: nn.Module):
     args = [p for p in list(sig.parameters.values())[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(args) == 3 and len(sig.parameters) == 4:
         base = EPRoutedExperts
-    elif len(args) == 1 and len(sig.parameters) == 2 and identity_from is None and gated:
+    elif len(args) == 1 and len(sig.parameters) == 2 and gated:
         base = EPDenseExperts
         if any(n.endswith("_bias") for n in names):
             raise Refused("its dense (Llama-4 style) experts have biases, so unselected experts are not zero")
     else:
         raise Refused(f"`experts.forward{sig}` is neither (hidden_states, top_k_index, top_k_weights) nor "
                        "Llama-4's (hidden_states)")
-    return base, E, tuple(names), identity_from, sig
+    return base, E, tuple(names), sig
 
 
 # --------------------------------------------------------------------------------------------- probe
-def _probe_inputs(base, ex, n, E, identity_from, H, scale, g):
+def _probe_inputs(base, n, H, scale, g):
     if base is EPDenseExperts:
         x = torch.randn(n * PROBE_TOKENS, H, generator=g, dtype=torch.float64) * scale
         x = x * (torch.rand(n * PROBE_TOKENS, 1, generator=g) < 0.5)   # unselected experts' rows are zero
         return (x.requires_grad_(),)
-    ids = list(range(n)) + ([] if identity_from is None else list(range(E, E + int(ex.zero_expert_num))))
+    ids = list(range(n))
     K = min(2, len(ids))
     idx = torch.stack([torch.tensor(ids)[torch.randperm(len(ids), generator=g)[:K]] for _ in range(PROBE_TOKENS)])
     idx[: PROBE_TOKENS // 4, -1] = idx[: PROBE_TOKENS // 4, 0]   # a few tokens pick one expert twice
@@ -94,7 +89,7 @@ def probe(ex: nn.Module, layout) -> None:
 
 
 def _probe_grad_on(ex: nn.Module, layout) -> None:
-    base, E, names, identity_from, sig = layout
+    base, E, names, sig = layout
     n = min(E, PROBE_EXPERTS)
     to = dict(dtype=torch.float64, device=torch.device("cpu"))
     params = {k: nn.Parameter(p.detach()[:n].to(**to)) if k in names else nn.Parameter(p.detach().to(**to))
@@ -102,12 +97,12 @@ def _probe_grad_on(ex: nn.Module, layout) -> None:
     ref_mod = clone(ex, type(ex), params, to)
     mine = clone(ex, ep_class(base, type(ex)), dict(params), to)
     provider = EPProvider(local_runtime("cpu"), n, transport="local")
-    setup(mine, base, n, names, identity_from, sig, provider, None)
+    setup(mine, base, n, names, sig, provider, None)
     g = torch.Generator().manual_seed(1234)
     H = ex._parameters["down_proj"].shape[1 if not mine.moonep_transposed else 2]
     eager = eager_forward(ex)
     for scale in PROBE_SCALES:
-        args = _probe_inputs(base, ex, n, E, identity_from, H, scale, g)
+        args = _probe_inputs(base, n, H, scale, g)
         want, got = eager(ref_mod, *args), mine(*args)
         dy = torch.randn(want.shape, generator=g, dtype=torch.float64)
         leaves = [a for a in args if a.requires_grad]

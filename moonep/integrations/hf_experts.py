@@ -85,40 +85,67 @@ def _gate(ex, h):
     return ex.act_fn(gate) * up
 
 
+# --------------------------------------------------------------------------------------------- dtypes
+# transformers' experts implementations (config._experts_implementation) differ in the dtype they compute in:
+# "eager" (F.linear per expert) and "batched_mm" (torch.bmm) follow torch.autocast and refuse activations whose
+# dtype differs from the weights'; the others ("grouped_mm", ...) cast the activations to the weights' dtype
+# and ignore autocast.  A patched module computes where its own implementation would.
+_AUTOCAST_IMPLS = ("eager", "batched_mm")
+
+
+def compute_dtype(ex: nn.Module, x: torch.Tensor, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the unpatched experts module ``ex`` computes in, for activations ``x`` and weights of
+    ``weight_dtype`` (raises ``ValueError`` where it would refuse the mix)."""
+    impl = getattr(getattr(ex, "config", None), "_experts_implementation", None) or "eager"
+    if impl not in _AUTOCAST_IMPLS:
+        return weight_dtype
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    expect(x.dtype == weight_dtype, "hidden_states", f"dtype {weight_dtype}, the experts' weights' (their "
+           f"{impl!r} implementation multiplies the two as they are, outside torch.autocast)", x.dtype)
+    return x.dtype
+
+
 # --------------------------------------------------------------------------------------------- modules
 class EPExperts(ShardedExperts, nn.Module):
     """Base of the patched experts modules. A patched module is the original module (same class, via a
     subclass made on the fly, same attributes and sub-modules, same state-dict keys) whose per-expert
-    parameters hold only this rank's home experts ``[epn, ...]`` and whose forward runs ExpertParallel.
+    parameters hold only this rank's home experts (``Shard(0)`` DTensors of the full ``[E, ...]`` tensors)
+    and whose forward runs ExpertParallel.
 
-    A full state dict loads at any ``R`` (each rank keeps its rows); :func:`moonep.layers.full_state_dict`
-    gathers one. LongCat-Flash's ``gate_up_proj`` has rows for its zero experts too (never read): the last
-    rank keeps them after its home rows, so the gathered checkpoint has the original shape.
+    A checkpoint loads at any ``R`` (each rank keeps its rows); ``torch.distributed.checkpoint`` reshards it;
+    :func:`moonep.training.full_state_dict` gathers the unpatched layout.
     """
 
     sharded_params: tuple = ()
 
-    def _home(self, name: str) -> torch.Tensor:
-        p = getattr(self, name)
-        return p if p.shape[0] == self.moonep_epn else p[:self.moonep_epn]
+    def _home(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``[epn, ...]`` home experts of parameter ``name`` in ``dtype`` (a cast keeps the gradient path)."""
+        w = self.expert_weight(name)
+        return w if w.dtype == dtype else w.to(dtype)
 
-    def _expert_out(self, ep, h) -> torch.Tensor:
-        """``[cap, H]`` outputs of every dispatched row: the home experts' parameters are read in place and
-        the replicas this step placed here are fetched into the model's replica pool, here, the one place
-        of this adapter that moves weights."""
+    def _weight_dtype(self) -> torch.dtype:
+        return getattr(self, self.sharded_params[0]).dtype
+
+    def _expert_out(self, ep, h, dtype: torch.dtype) -> torch.Tensor:
+        """``[cap, H]`` outputs of every dispatched row, in ``dtype``: the home experts' parameters are read in
+        place (cast to ``dtype`` if they differ) and the replicas this step placed here are fetched into the
+        model's replica pool, here, the one place of this adapter that moves weights."""
         pool = getattr(self, "moonep_pool", None) or default_pool()
-        home = {n: self._home(n) for n in self.sharded_params}
+        home = {n: self._home(n, dtype) for n in self.sharded_params}
         replicas = {n: pool.fetch(ep, h, w, n) for n, w in home.items()}
-        return fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas)
+        with torch.autocast(h.tokens.device.type, enabled=False):  # the dtype is decided: no second cast
+            return fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        lo, epn, E = self.moonep_rank * self.moonep_epn, self.moonep_epn, self.moonep_num_experts
-        for name in self.sharded_params:
-            t = state_dict.get(prefix + name)
-            if t is not None and t.shape[0] >= E and getattr(self, name).shape[0] != t.shape[0]:
-                tail = t[E:] if getattr(self, name).shape[0] > epn else t[:0]
-                state_dict[prefix + name] = torch.cat([t[lo:lo + epn], tail])
-        super(ShardedExperts, self)._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    def _dtype_or_refuse(self, x: torch.Tensor, ep_of) -> torch.dtype:
+        """:func:`compute_dtype` of ``x``; a refusal is raised on every rank together (through the dispatch that
+        the peers are making: ``ep_of(dtype)`` gives its ExpertParallel)."""
+        try:
+            return compute_dtype(self, x, self._weight_dtype())
+        except ValueError as exc:
+            ep_of(x.dtype).refuse("dispatch", str(exc))
+            raise
 
 
 class EPRoutedExperts(EPExperts):
@@ -134,24 +161,21 @@ class EPRoutedExperts(EPExperts):
         same = idx[:, :, None] == idx[:, None, :]
         w = (same * w[:, None, :]).sum(-1)
         idx = idx.masked_fill(torch.tril(same, diagonal=-1).any(-1), -1)
-        extra = None
-        if self.moonep_identity_from is not None:  # zero-computation experts: w * x, here, not dispatched
-            ident = idx >= self.moonep_identity_from
-            extra = (w * ident).sum(-1, keepdim=True) * x
-            idx = idx.masked_fill(ident, -1)
+        ep_of = lambda dt: self.moonep_ep.get(x.shape[0], idx.shape[1], x.shape[1], dt, x.device)  # noqa: E731
+        dt = self._dtype_or_refuse(x, ep_of)
         if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
-            y = self._compiled_experts(x, idx, w)
+            y = self._compiled_experts(x.to(dt), idx, w, dt)
         else:
-            ep = self.moonep_ep.get(x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
-            h = ep.dispatch(x, idx, w)
-            y = ep.combine(self._expert_out(ep, h), h)
-        return (y if extra is None else y + extra).to(x.dtype)
+            ep = ep_of(dt)
+            h = ep.dispatch(x.to(dt), idx, w)  # rows travel in the compute dtype: a cast commutes with a move
+            y = ep.combine(self._expert_out(ep, h, dt), h)
+        return y.to(x.dtype)
 
-    def _compiled_experts(self, x, idx, w):
+    def _compiled_experts(self, x, idx, w, dt):
         """``forward``'s dispatch, experts and combine through :mod:`moonep.ops` (under ``torch.compile``): the
         replicas of each step are kept until its backward (not pooled)."""
         from .. import ops
-        home = {n: self._home(n) for n in self.sharded_params}
+        home = {n: self._home(n, dt) for n in self.sharded_params}
         ep = ops.get_ep(self.moonep_ep, x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
         h = ops.dispatch(ep, x, idx, w)
         replicas = dict(zip(home, ops.prefetch_replicas(h, *home.values())))
@@ -172,9 +196,11 @@ class EPDenseExperts(EPExperts):
         x = hidden_states.view(E, -1, H)
         e_idx, t_idx = (x != 0).any(-1).nonzero(as_tuple=True)   # host sync: the rows that can contribute
         rows = x[e_idx, t_idx]
-        ep = self.moonep_ep.get(rows.shape[0], 1, H, x.dtype, x.device)
-        h = ep.dispatch(rows, e_idx[:, None], torch.ones(rows.shape[0], 1, dtype=x.dtype, device=x.device))
-        y = ep.combine(self._expert_out(ep, h), h)
+        ep_of = lambda dt: self.moonep_ep.get(rows.shape[0], 1, H, dt, x.device)  # noqa: E731
+        dt = self._dtype_or_refuse(rows, ep_of)
+        ep = ep_of(dt)
+        h = ep.dispatch(rows.to(dt), e_idx[:, None], torch.ones(rows.shape[0], 1, dtype=dt, device=x.device))
+        y = ep.combine(self._expert_out(ep, h, dt), h)
         return x.new_zeros(x.shape).index_put((e_idx, t_idx), y.to(x.dtype)).view(-1, H)
 
 
@@ -206,13 +232,12 @@ def clone(ex: nn.Module, cls, params: dict, to=None) -> nn.Module:
     return new
 
 
-def setup(new, base, E, names, identity_from, sig, provider, rt):
+def setup(new, base, E, names, sig, provider, rt):
     """Give a cloned module what its patched forward reads: the provider of ExpertParallel instances,
     ``E`` and this rank's share, the layout flags and the original forward's signature. Returns ``new``."""
     R, r = (1, 0) if rt is None else (rt.world_size, rt.rank)
-    new.moonep_ep, new._rt, new.sharded_params = provider, rt, names
+    new.moonep_ep, new._rt, new.sharded_params = provider, rt, tuple(names)
     new.moonep_num_experts, new.moonep_epn, new.moonep_rank = E, E // R, r
-    new.moonep_identity_from = identity_from
     new.moonep_gated = "gate_up_proj" in names
     new.moonep_transposed = bool(getattr(new, "is_transposed", base is EPDenseExperts))
     # bind() of the module's own signature, without `self`: the block may name the arguments its way

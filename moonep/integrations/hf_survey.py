@@ -7,7 +7,7 @@ with the unpatched model: it must match, or be refused at patch time.
 Per type (tiny random float32 config, :mod:`moonep.integrations.hf_tiny`): every rank builds the same
 model and feeds its own batch. Compared with the unpatched model: the logits (eval mode), and the
 gradients of one training step (train mode, the same random seed before each batch), the unpatched ones
-all-reduced over the ranks' batches, the patched ones completed by :func:`moonep.layers.sync_grads`
+averaged over the ranks' batches, the patched ones completed by :func:`moonep.training.sync_grads`
 (expert shards against their home rows). ``matched`` means both differences are within :data:`RTOL` of
 the largest reference value (per parameter, with a floor of 1e-3 of the largest gradient): fp32
 round-off from the order of the sums. ``refused``: patch_hf_moe raised at patch time. ``not built``: the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..layers.parallel import all_reduce_grads
+from ..training.grads import all_reduce_grads
 from .hf import EPDenseExperts, EPExperts, find_moe_modules, patch_hf_moe
 
 RTOL = 1e-4      # |patched - unpatched| <= RTOL * max|unpatched|, logits and every gradient
@@ -79,11 +79,11 @@ def _gather_max(rt, v: float) -> float:
     return float(t)
 
 
-def _sum_over_ranks(model, rt) -> None:
-    """All-reduce (sum) every gradient of the unpatched ``model``, missing ones as zeros."""
+def _mean_over_ranks(model, rt) -> None:
+    """Average every gradient of the unpatched ``model`` over the ranks (as DDP does), missing ones as zeros."""
     if rt is None or rt.world_size == 1:
         return
-    all_reduce_grads(list(model.parameters()), rt.group)
+    all_reduce_grads(list(model.parameters()), rt.group, average=True)
 
 
 def _grad_diff(ref, model, rt) -> float:
@@ -101,10 +101,11 @@ def _grad_diff(ref, model, rt) -> float:
     for k, p in model.named_parameters():
         want = refp[k].grad if refp[k].grad is not None else torch.zeros_like(refp[k])
         got = p.grad if p.grad is not None else torch.zeros_like(p)
+        got = got.to_local() if hasattr(got, "to_local") else got
         if k in owner:
             m = owner[k]
-            lo, E = m.moonep_rank * m.moonep_epn, m.moonep_num_experts
-            want = torch.cat([want[lo:lo + m.moonep_epn], want[E:] if p.shape[0] > m.moonep_epn else want[:0]])
+            lo = m.moonep_rank * m.moonep_epn
+            want = want[lo:lo + m.moonep_epn]
         worst = max(worst, _rel(got, want, floor))
     return worst
 
@@ -113,7 +114,7 @@ def check_type(model_type: str, class_name: str, rt=None) -> Row | None:
     """Patch ``model_type``'s tiny model over ``rt`` (``None``: one process) and compare; ``None`` when its
     model holds no MoE block. Collective: every rank calls it for the same types in the same order."""
     from . import hf_tiny
-    from ..layers import sync_grads
+    from ..training import sync_grads
 
     t0 = time.perf_counter()
     rank = 0 if rt is None else rt.rank
@@ -144,9 +145,9 @@ def check_type(model_type: str, class_name: str, rt=None) -> Row | None:
             got, _ = _run(model, ids, proj, False, rank)
         row.logits_diff = _rel(got, want)
         _run(ref, ids, proj, True, rank)[1].backward()
-        _sum_over_ranks(ref, rt)   # the reference gradient: summed over every rank's batch
+        _mean_over_ranks(ref, rt)   # the reference gradient: averaged over every rank's batch
         _run(model, ids, proj, True, rank)[1].backward()
-        sync_grads(model, average=False)
+        sync_grads(model)
         row.grad_diff = _grad_diff(ref, model, rt)
     except Exception as e:
         row.status, row.reason = "FAILED", f"{type(e).__name__}: {str(e)[:200]}"
@@ -169,8 +170,7 @@ def describe(model) -> str:
                      "biases" if any(n.endswith("_bias") for n in m.sharded_params) else "",
                      "no gate" if not m.moonep_gated else
                      "own gate" if gate is not None and gate.__name__ != "_default_apply_gate" else "",
-                     "post-expert norm" if getattr(m, "has_post_expert_norm", False) else "",
-                     "zero-computation experts kept local" if m.moonep_identity_from is not None else ""]
+                     "post-expert norm" if getattr(m, "has_post_expert_norm", False) else ""]
             d = ", ".join(w for w in words if w)
             if d not in out:
                 out.append(d)

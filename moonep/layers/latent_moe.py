@@ -19,6 +19,7 @@ from ..experts import ReplicaPool, default_pool, expert_matmul
 from .. import ops
 from ..eager_math import autocast_on, keep_eager
 from .activations import situ_glu_fused
+from ..training.sharding import shard_experts_param
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -76,7 +77,28 @@ def _init(shape, fan_in: int, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=g) / fan_in ** 0.5
 
 
-class LatentMoE(ShardedExperts, nn.Module):
+class LatentExperts(ShardedExperts, nn.Module):
+    """The routed SiTU-GLU experts of a :class:`LatentMoE`, this rank's home experts (``epn`` of ``E``).
+
+    Parameters: ``w_in [E, l, 2F]`` (gate ``g`` columns then ``u``) and ``w_out [E, F, l]``, ``Shard(0)``
+    DTensors over the expert-parallel mesh (local ``[epn, ...]``; plain tensors without a process group).
+    A module of their own so that FSDP2 can give the experts their own mesh
+    (:func:`moonep.training.fully_shard_experts`)."""
+
+    sharded_params = ("w_in", "w_out")
+
+    def __init__(self, w_in: torch.Tensor, w_out: torch.Tensor, num_experts: int, rt):
+        super().__init__()
+        self._rt, self.moonep_num_experts, self.moonep_epn = rt, num_experts, w_in.shape[0]
+        self.moonep_rank = 0 if rt is None else rt.rank
+        self.w_in = shard_experts_param(w_in, rt, num_experts)
+        self.w_out = shard_experts_param(w_out, rt, num_experts)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.moonep_num_experts}, home experts={self.moonep_epn}"
+
+
+class LatentMoE(nn.Module):
     """Latent-space Mixture-of-Experts layer with expert parallelism.
 
     Args:
@@ -102,12 +124,10 @@ class LatentMoE(ShardedExperts, nn.Module):
 
     Parameters (float ``dtype``): ``router.weight [E, d]``, ``down.weight [l, d]``, ``norm.weight [l]``,
     ``up.weight [d, l]``, ``shared_w_in [Ns, d, 2*Fs]``, ``shared_w_out [Ns, Fs, d]`` (replicated), and the
-    home-expert shards ``expert_w_in [epn, l, 2F]`` (gate ``g`` columns then ``u``) and
-    ``expert_w_out [epn, F, l]``. The model is initialised identically at every ``R`` from the default RNG
-    (one seed is drawn and broadcast from rank 0).
+    routed experts ``experts.w_in [E, l, 2F]``, ``experts.w_out [E, F, l]`` (:class:`LatentExperts`: each rank
+    holds its home experts). The model is initialised identically at every ``R`` from the default RNG (one
+    seed is drawn and broadcast from rank 0).
     """
-
-    sharded_params = ("expert_w_in", "expert_w_out")
 
     def __init__(self, d_model: int, d_latent: int, num_experts: int, topk: int, d_expert: int,
                  num_shared: int = 2, d_shared: int | None = None, group=None, balancer="qb", *,
@@ -135,11 +155,11 @@ class LatentMoE(ShardedExperts, nn.Module):
                "None or a positive int", repr(max_tokens))
         rt = resolve_group(group)
         home = home_range(num_experts, rt)  # raises for E % R != 0
-        self._rt, self.ep_rank = rt, (0 if rt is None else rt.rank)
+        self._rt = rt
         self.world_size = 1 if rt is None else rt.world_size
         self.d_model, self.d_latent, self.num_experts, self.topk = d_model, d_latent, num_experts, topk
         self.d_expert, self.num_shared, self.d_shared = d_expert, num_shared, d_shared
-        self.epn, self.matmul, self.eps = len(home), matmul, eps
+        self.matmul, self.eps = matmul, eps
         dev = torch.device(device) if device is not None else (rt.device if rt is not None else torch.device("cpu"))
 
         seed = int(torch.randint(0, 2**62, (1,)))
@@ -160,8 +180,10 @@ class LatentMoE(ShardedExperts, nn.Module):
         self.shared_w_in = mk(_init((num_shared, d, 2 * Fs), d, seed + 3))
         self.shared_w_out = mk(_init((num_shared, Fs, d), Fs, seed + 4))
         # Each expert from its own seed: the shards of any R assemble into the same full model.
-        self.expert_w_in = mk(torch.stack([_init((l, 2 * Fe), l, seed + 10 + 2 * e) for e in home]))
-        self.expert_w_out = mk(torch.stack([_init((Fe, l), Fe, seed + 11 + 2 * e) for e in home]))
+        local = lambda t: t.to(device=dev, dtype=dtype)  # noqa: E731
+        self.experts = LatentExperts(local(torch.stack([_init((l, 2 * Fe), l, seed + 10 + 2 * e) for e in home])),
+                                     local(torch.stack([_init((Fe, l), Fe, seed + 11 + 2 * e) for e in home])),
+                                     E, rt)
 
         if balancer == "qb":
             # K = E selects every expert: nothing to balance, and QB needs a (K+1)-th score.
@@ -186,10 +208,13 @@ class LatentMoE(ShardedExperts, nn.Module):
         return _FanOut.apply(x, 3) if x.requires_grad else (x, x, x)
 
     def _norm(self, u: torch.Tensor) -> torch.Tensor:
-        """``self.norm(u)`` for ``u [s, l]``, as eager computes it also when compiled."""
+        """``self.norm(u)`` for ``u [s, l]``, as eager computes it also when compiled; under autocast in
+        float32, as autocast runs a layer norm (the ``up`` projection then casts it back)."""
+        if u.dtype != self.norm.weight.dtype and autocast_on(u.device.type):
+            u = u.float()
         if not _plain(self.norm, nn.RMSNorm) or self.norm.eps is None or self.norm.weight is None:
             return self.norm(u)
-        return _rms_norm(u, self.norm.weight, self.norm.eps)
+        return _rms_norm(u, self.norm.weight.to(u.dtype), self.norm.eps)
 
     def route(self, x: torch.Tensor):
         """``x [s, d]`` -> ``(topk_idx int64 [s, K], weights [s, K] in x.dtype)``; weights sum to 1."""
@@ -207,26 +232,25 @@ class LatentMoE(ShardedExperts, nn.Module):
         return _shared_out(h, self.shared_w_out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Args: ``x [..., d_model]`` in the parameters' dtype. Returns ``[..., d_model]``, same dtype.
+        """Args: ``x [..., d_model]`` in the parameters' dtype. Returns ``[..., d_model]``.
 
-        Under ``torch.autocast`` the layer computes in its parameters' dtype, as a
-        ``torch.amp.custom_fwd(cast_inputs=...)`` region does: a floating ``x`` of any dtype is cast to it,
-        autocast is off inside, and the output has the parameters' dtype (moonep's buffers and kernels are
-        built for one dtype).  For bf16 compute, give the layer bf16 parameters.
+        Under ``torch.autocast`` the layer computes as autocast has it: its projections in the autocast dtype,
+        and so the routed experts too (the latent rows travel and the expert GEMMs run in that dtype, the
+        expert weights cast to it as autocast casts a linear layer's); ``x`` may then be of any float dtype.
 
         Collective under EP: every rank calls it (with any number of tokens, 0 included).
         """
-        if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
-            with torch.autocast(x.device.type, enabled=False):  # one level down, then the code below
-                return LatentMoE.forward(self, x.to(self.expert_w_in.dtype) if x.is_floating_point() else x)
         # (the body stays in this frame: a host collective's graph break in a called function would count
         # twice under torch.compile)
-        dt, dev = self.expert_w_in.dtype, self.expert_w_in.device
+        pdt, dev = self.down.weight.dtype, self.down.weight.device
+        amp = isinstance(x, torch.Tensor) and autocast_on(x.device.type)
+        dt = torch.get_autocast_dtype(x.device.type) if amp else pdt  # what the latent rows are computed in
         try:  # a bad input on one rank is refused by every rank together, in the dispatch's header
             expect_tensor(x, "x")
             expect(x.dim() >= 1 and x.shape[-1] == self.d_model, "x", f"shape [..., d_model={self.d_model}]",
                    list(x.shape))
-            expect(x.dtype == dt, "x", f"dtype {dt} (the layer's parameters)", x.dtype)
+            expect(x.dtype == pdt or (amp and x.is_floating_point()), "x",
+                   f"dtype {pdt} (the layer's parameters; any float dtype under torch.autocast)", x.dtype)
             expect(x.device.type == dev.type, "x", f"device {dev} (the layer's parameters)", x.device)
             shape = x.shape
             x = x.reshape(-1, self.d_model)
@@ -235,23 +259,35 @@ class LatentMoE(ShardedExperts, nn.Module):
         except ValueError as exc:
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
-        z = _project(self.down, x_d)  # [s, l]
+        z = _project(self.down, x_d)  # [s, l], in dt
         ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
+        w_in, w_out = self._expert_weight("w_in", dt), self._expert_weight("w_out", dt)
         if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
-            u, self.last_stats = ops.latent_experts(ep, z, idx, w, self.expert_w_in, self.expert_w_out,
-                                                    _situ_glu, self.matmul)
+            u, self.last_stats = ops.latent_experts(ep, z, idx, w, w_in, w_out, _situ_glu, self.matmul)
             return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)
         h = ep.dispatch(z, idx, w)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = self.replica_pool or default_pool()
-        r_in = pool.fetch(ep, h, self.expert_w_in, "w_in")
-        r_out = pool.fetch(ep, h, self.expert_w_out, "w_out")
+        r_in, r_out = pool.fetch(ep, h, w_in, "w_in"), pool.fetch(ep, h, w_out, "w_out")
         cu = h.cu_seqlens
-        a = situ_glu_fused(expert_matmul(h.tokens, cu, self.expert_w_in, r_in, impl=self.matmul))   # [cap, F]
-        u = ep.combine(expert_matmul(a, cu, self.expert_w_out, r_out, impl=self.matmul), h)          # [s, l]
+        with torch.autocast(dev.type, enabled=False):  # the experts' dtype is decided: dt
+            a = situ_glu_fused(expert_matmul(h.tokens, cu, w_in, r_in, impl=self.matmul))   # [cap, F]
+            out = expert_matmul(a, cu, w_out, r_out, impl=self.matmul)                        # [cap, l]
+        u = ep.combine(out, h)                                                                # [s, l]
         y = _project(self.up, self._norm(u)) + self.shared(x_s)
         self._record(h.plan)
         return y.reshape(shape)
+
+    def _expert_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """``[epn, ...]`` home experts of ``experts.<name>`` in ``dtype`` (a cast, as autocast casts a weight)."""
+        w = self.experts.expert_weight(name)
+        return w if w.dtype == dtype else w.to(dtype)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for old, new in (("expert_w_in", "experts.w_in"), ("expert_w_out", "experts.w_out")):
+            if prefix + old in state_dict:  # checkpoints written before the experts had their own module
+                state_dict[prefix + new] = state_dict.pop(prefix + old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _record(self, plan) -> None:
         """Per-step balance figures for logging (tensors, no host sync)."""
@@ -261,7 +297,7 @@ class LatentMoE(ShardedExperts, nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_latent={self.d_latent}, num_experts={self.num_experts}, "
                 f"topk={self.topk}, d_expert={self.d_expert}, num_shared={self.num_shared}, "
-                f"d_shared={self.d_shared}, R={self.world_size}, epn={self.epn}")
+                f"d_shared={self.d_shared}, R={self.world_size}")
 
 
 def dist_bcast(box: list, rt) -> None:

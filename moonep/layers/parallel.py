@@ -1,24 +1,26 @@
-"""Expert sharding for layers: which group, the ExpertParallel engine, sharded state dicts, gradients.
+"""Expert sharding for layers: which group, the ExpertParallel engine, and the expert-shard modules.
 
-Expert weights are ordinary ``nn.Parameter``s holding only this rank's home experts (``[epn, ...]`` rows
-``rank*epn .. rank*epn+epn-1`` of the full ``[E, ...]``). Everything else is replicated: its gradient
-covers this rank's tokens only, so :func:`sync_grads` all-reduces it (DDP would broadcast rank 0's
-parameters and clobber the expert shards, so it must not wrap these models as is).
+Expert weights hold only this rank's home experts (rows ``rank*epn .. rank*epn+epn-1`` of the full
+``[E, ...]``), as DTensors (:mod:`moonep.training.sharding`).  Everything else is replicated; how the two
+meet DDP, FSDP2, clipping and checkpoints is :mod:`moonep.training`.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from ..balance import QuantileBalancer
 from ..ep import ExpertParallel
 from ..errors import expect
 from ..runtime import Runtime, detect_launcher, init
+from ..training.sharding import local_experts
 
 
 # --------------------------------------------------------------------------------------------- group
 def resolve_group(group):
-    """``None`` -> the launcher's job (``moonep.init()``) or, for a plain single process, no group at all.
+    """``None`` -> the launcher's job (``moonep.init()``) or, for a plain single process, no group at all; a
+    ProcessGroup or a 1-D DeviceMesh (``mesh["ep"]``) -> a runtime over it.
 
     Returns a :class:`moonep.Runtime` or ``None`` (one process, no ``torch.distributed`` needed).
     """
@@ -71,22 +73,44 @@ class EPProvider:
 
 # --------------------------------------------------------------------------------------------- state
 class ShardedExperts:
-    """Mixin for modules whose parameters named in ``sharded_params`` are ``[epn, ...]`` home shards.
+    """Mixin for modules whose parameters named in ``sharded_params`` hold this rank's home experts.
 
-    ``load_state_dict`` accepts either the shard or the full ``[E, ...]`` tensor (the home rows are taken),
-    so a full checkpoint loads at any ``R``; :func:`full_state_dict` builds one.
-    Set ``self.num_experts``, ``self.epn``, ``self.ep_rank`` and ``self._rt`` in ``__init__``.
+    Each is a ``Shard(0)`` DTensor of the full ``[E, ...]`` tensor over the expert-parallel mesh (a plain
+    ``[epn, ...]`` tensor without a process group): :mod:`moonep.training.sharding`.  A layer computes with
+    :meth:`expert_weight`.  ``load_state_dict`` accepts the full ``[E, ...]`` tensor (each rank keeps its home
+    rows), the ``[epn, ...]`` shard, or a DTensor (a DCP or ``get_model_state_dict`` checkpoint), so a
+    checkpoint loads at any ``R``.  Set ``moonep_num_experts``, ``moonep_epn``, ``moonep_rank`` and ``_rt``.
     """
 
     sharded_params: tuple = ()
 
+    def expert_weight(self, name: str) -> torch.Tensor:
+        """``[epn, ...]``: this rank's home experts of parameter ``name``, read in place, their gradient averaged
+        over the ranks (:func:`moonep.training.local_experts`)."""
+        return local_experts(getattr(self, name), 1 if self._rt is None else self._rt.world_size)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        lo = self.ep_rank * self.epn
         for name in self.sharded_params:
-            t = state_dict.get(prefix + name)
-            if t is not None and t.shape[0] == self.num_experts and self.num_experts != self.epn:
-                state_dict[prefix + name] = t[lo:lo + self.epn]
+            t, p = state_dict.get(prefix + name), getattr(self, name, None)
+            if t is not None and p is not None:
+                state_dict[prefix + name] = self._in_layout(t, p)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _in_layout(self, t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """A checkpoint's tensor ``t`` for parameter ``p``: full, shard or DTensor -> ``p``'s layout."""
+        if isinstance(t, DTensor):
+            if isinstance(p, DTensor) and t.device_mesh == p.device_mesh and t.placements == p.placements:
+                return t
+            t = t.full_tensor()
+        E, epn = self.moonep_num_experts, self.moonep_epn
+        if t.dim() == 0 or t.shape[0] not in (E, epn):
+            return t  # a wrong shape: load_state_dict reports it
+        rows = t[self.moonep_rank * epn:(self.moonep_rank + 1) * epn] if t.shape[0] == E else t
+        if not isinstance(p, DTensor):
+            return rows
+        local = p.to_local()
+        return DTensor.from_local(rows.to(local.device), p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
 
 
 class ShardedModuleDict(torch.nn.ModuleDict):
@@ -105,84 +129,7 @@ class ShardedModuleDict(torch.nn.ModuleDict):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def _sharded(model):
-    """``(stacked keys, per-expert key prefixes, runtime)`` of every sharded module in ``model``."""
-    stacked, prefixes, rt = [], [], None
-    for name, m in model.named_modules():
-        pre = name + "." if name else ""
-        if isinstance(m, ShardedExperts):
-            stacked += [pre + p for p in m.sharded_params]
-            rt = rt or m._rt
-        elif isinstance(m, ShardedModuleDict):
-            prefixes.append(pre)
-            rt = rt or m._rt
-    return stacked, prefixes, rt
-
-
-def full_state_dict(model: torch.nn.Module) -> dict:
-    """The state dict of the whole model as one process would hold it (full ``[E, ...]`` experts).
-
-    Collective over the experts' group (every rank calls it; every rank gets the same dict, on CPU for
-    the gathered entries). Meant for checkpoints of models whose experts fit in host memory.
-    """
-    sd = model.state_dict()
-    stacked, prefixes, rt = _sharded(model)
-    mine = {k: v.detach().cpu() for k, v in sd.items()
-            if k in stacked or any(k.startswith(p) for p in prefixes)}
-    parts = [mine]
-    if rt is not None and rt.world_size > 1:
-        parts = [None] * rt.world_size
-        dist.all_gather_object(parts, mine, group=rt.cpu_group)
-    out = {k: v for k, v in sd.items() if k not in mine}
-    for k in stacked:
-        out[k] = torch.cat([p[k] for p in parts])
-    for p in parts:
-        out.update({k: v for k, v in p.items() if k not in stacked})
-    return out
-
-
-def load_full_state_dict(model: torch.nn.Module, state_dict: dict, strict: bool = True):
-    """Load a full (unsharded) state dict into a model sharded over any ``R``; each rank keeps its rows."""
-    return model.load_state_dict(state_dict, strict=strict)
-
-
 # --------------------------------------------------------------------------------------------- training
-def sync_grads(model: torch.nn.Module, average: bool = True) -> None:
-    """Finish the backward of an expert-parallel model: all-reduce the replicated parameters' gradients.
-
-    Expert gradients already hold every rank's contribution (reduce_grad). With ``average=True`` every
-    gradient is divided by ``R``, which is the gradient of the mean of the ranks' losses. Collective.
-    """
-    stacked, prefixes, rt = _sharded(model)
-    if rt is None or rt.world_size == 1:
-        return
-    params = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    shard = [p for k, p in params if k in stacked or any(k.startswith(q) for q in prefixes)]
-    shard_ids = {id(p) for p in shard}
-    rep = [p for _, p in params if id(p) not in shard_ids]
-    all_reduce_grads(rep, rt.group)
-    if average:
-        for p in rep + shard:
-            if p.grad is not None:
-                p.grad.div_(rt.world_size)
-
-
-def all_reduce_grads(params: list, group) -> None:
-    """Sum the gradients of ``params`` over ``group``, in one flat all-reduce; a missing gradient counts as
-    zeros (every rank must contribute the same layout). Collective."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    off = 0
-    for p in params:
-        p.grad.copy_(flat[off:off + p.numel()].view_as(p.grad))
-        off += p.numel()
-
-
 def balancer_step(model: torch.nn.Module) -> None:
     """``step()`` every QuantileBalancer in ``model`` (collective); call once per optimizer step."""
     for m in model.modules():

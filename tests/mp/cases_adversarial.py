@@ -26,7 +26,8 @@ import torch
 import moonep
 from ep_reference import dense_reference, make_problem, run_slots
 from layers_reference import dense_latent_moe
-from moonep.layers import LatentMoE, full_state_dict
+from moonep.layers import LatentMoE
+from moonep.training import full_state_dict
 
 E, K, H, S, F = 12, 2, 16, 8, 4   # E divisible by 2, 3 and 4
 BOUND = 5.0                       # seconds; the timeouts are 60 s

@@ -6,7 +6,7 @@ import torch
 import moonep  # noqa: F401
 from layers_reference import RoutedMoE
 from moonep.integrations import patch_generic, softmax_topk
-from moonep.layers import full_state_dict, sync_grads
+from moonep.training import full_state_dict, sync_grads
 from moonep.testing.mp import SkipCase
 
 
@@ -147,14 +147,14 @@ def _generic_check(rt, kind, seed, **patch_kw):
     xl = x[sl].to(dev).requires_grad_()
     y = model(xl)
     (y * dy[sl].to(dev)).sum().backward()
-    sync_grads(model, average=False)
+    sync_grads(model)  # every gradient: the mean over the ranks' losses
     rx = x.clone().requires_grad_()
     (ref(rx) * dy).sum().backward()
     tol = dict(rtol=0, atol=1e-11)
     ctx = f"{kind} rank {rt.rank}/{R}"
     torch.testing.assert_close(y.detach().cpu(), ref(x)[sl].detach(), **tol, msg=lambda s: f"y {ctx}: {s}")
     torch.testing.assert_close(xl.grad.cpu(), rx.grad[sl], **tol, msg=lambda s: f"dx {ctx}: {s}")
-    want = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in ref.named_parameters()}
+    want = {k: torch.zeros_like(p) if p.grad is None else p.grad / R for k, p in ref.named_parameters()}
     for k, p in model.named_parameters():
         got = torch.zeros_like(p) if p.grad is None else p.grad
         torch.testing.assert_close(got.cpu(), want[k], **tol, msg=lambda s: f"d{k} {ctx}: {s}")

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 import moonep  # noqa: F401
 from layers_reference import PlainLM, dense_latent_moe, tiny_hf
-from moonep.layers import LatentMoE, balancer_step, full_state_dict, sync_grads
+from moonep.layers import LatentMoE, balancer_step
+from moonep.training import expert_parameters, full_state_dict, sync_grads
 from moonep.testing.mp import SkipCase
 
 # mprun runs as __main__, so its SkipCase is a different class from the importable one: raise that one.
@@ -54,7 +55,7 @@ def _check_against_dense(rt, m, bias, seed, sizes):
     xl = x[sl].to(dev).requires_grad_()
     y = m(xl)
     (y * gy[sl].to(dev)).sum().backward()
-    sync_grads(m, average=False)
+    sync_grads(m)  # the data-parallel convention: every gradient is the mean over the ranks' losses
 
     full = full_state_dict(m)
     p = {k: v.detach().double().cpu().clone().requires_grad_() for k, v in full.items() if k != "balancer.bias"
@@ -66,9 +67,12 @@ def _check_against_dense(rt, m, bias, seed, sizes):
     ctx = f"rank {rt.rank}/{R} E={E} seed={seed}"
     torch.testing.assert_close(y.cpu(), ry[sl].detach(), **tol, msg=lambda s: f"y {ctx}: {s}")
     torch.testing.assert_close(xl.grad.cpu(), rx.grad[sl], **tol, msg=lambda s: f"dx {ctx}: {s}")
+    experts = {id(q) for q in expert_parameters(m)}
     for k, v in m.named_parameters():
-        want = p[k].grad[home] if k in m.sharded_params else p[k].grad
-        torch.testing.assert_close(v.grad.cpu(), want, **tol, msg=lambda s: f"d{k} {ctx}: {s}")
+        got, want = v.grad, p[k].grad / R
+        if id(v) in experts:
+            got, want = got.to_local(), want[home]
+        torch.testing.assert_close(got.cpu(), want, **tol, msg=lambda s: f"d{k} {ctx}: {s}")
     # The guarantee: equal receive counts on every rank.
     recv = m.last_stats["recv_counts"]
     assert int(recv.max()) - int(recv.min()) <= 1 and int(recv.sum()) == T * K, (ctx, recv)
@@ -134,7 +138,7 @@ def case_grouped_matmul_path_matches_loop(rt):
         xl = x.clone().requires_grad_()
         y = m(xl)
         y.square().sum().backward()
-        outs.append((y.detach(), xl.grad, m.expert_w_in.grad))
+        outs.append((y.detach(), xl.grad, m.experts.w_in.grad.to_local()))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
@@ -151,7 +155,7 @@ def case_state_dict_reshard(rt):
     buf.seek(0)
     m = _layer(rt, E, seed=99)
     m.load_state_dict(torch.load(buf))
-    assert m.expert_w_in.shape[0] == E // R
+    assert m.experts.w_in.to_local().shape[0] == E // R and m.experts.w_in.shape[0] == E
     back = full_state_dict(m)
     assert back.keys() == ref.keys()
     for k in ref:
@@ -175,7 +179,7 @@ def case_training_steps_stay_consistent(rt):
         balancer_step(m)
         recv = m.last_stats["recv_counts"]
         assert int(recv.max()) == int(recv.min()) == 16 * K, recv
-    state = {k: float(v.double().sum()) for k, v in m.state_dict().items() if k not in m.sharded_params}
+    state = {k: float(v.double().sum()) for k, v in m.state_dict().items() if not k.startswith("experts.")}
     states = _gather(rt, state)
     assert all(s == states[0] for s in states), states
     assert float(m.balancer.bias.abs().sum()) > 0
@@ -234,7 +238,7 @@ def case_hf_logits_equal(rt):
 
 def case_hf_mixtral_expert_grads(rt):
     """Backward through the patched model: each rank's expert gradients equal the unpatched model's on the
-    global batch (all ranks' tokens), restricted to its home experts."""
+    global batch (all ranks' tokens), restricted to its home experts, averaged over the ranks (DDP's mean)."""
     _hf_or_skip()
     from moonep.integrations import patch_hf_moe
 
@@ -247,6 +251,8 @@ def case_hf_mixtral_expert_grads(rt):
     model.zero_grad()
     patch_hf_moe(model, rt)
     model(every[rt.rank].to(rt.device)).logits.square().sum().backward()
-    got = model.model.layers[1].mlp.experts.gate_up_proj.grad.cpu()
+    got = model.model.layers[1].mlp.experts.gate_up_proj.grad
+    assert got.shape == want.shape  # a DTensor of the full [E, ...] gradient, this rank's rows local
     epn = E // R
-    torch.testing.assert_close(got, want[rt.rank * epn:(rt.rank + 1) * epn], rtol=0, atol=1e-10)
+    torch.testing.assert_close(got.to_local().cpu(), want[rt.rank * epn:(rt.rank + 1) * epn] / R, rtol=0,
+                               atol=1e-10)

@@ -157,8 +157,9 @@ def case_pool_memory_does_not_grow_with_layers(rt):
             pools[path, L] = pool.nbytes() if pool is not None else 0
             del model
     layer = stack(rt, 1, path="pool", dtype=dtype)[0].layers[0]
-    expert = sum(p.numel() * p.element_size() for p in (layer.expert_w_in, layer.expert_w_out)) // layer.epn
-    epn = layer.epn
+    epn = layer.experts.moonep_epn
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in (layer.experts.w_in, layer.experts.w_out)]
+    expert = sum(p.numel() * p.element_size() for p in local) // epn
     grow_pool = peaks["pool", 4] - peaks["pool", 2]
     grow_old = peaks["prefetch", 4] - peaks["prefetch", 2]
     # the old path holds a [2*epn] copy of each layer's experts until the backward: 2 layers more cost at

@@ -17,13 +17,13 @@ def dense_latent_moe(p: dict, x: torch.Tensor, topk: int, bias=None, eps: float 
     w = w / w.sum(1, keepdim=True)
     z = x @ p["down.weight"].T                                            # [T, l]
     u = torch.zeros_like(z)
-    Fe = p["expert_w_out"].shape[1]
+    Fe = p["experts.w_out"].shape[1]
     for e in range(E):
         for k in range(topk):
             rows = (sel[:, k] == e).nonzero().squeeze(1)
             if rows.numel():
-                gu = z[rows] @ p["expert_w_in"][e]
-                out = situ(gu[:, :Fe], gu[:, Fe:]) @ p["expert_w_out"][e]
+                gu = z[rows] @ p["experts.w_in"][e]
+                out = situ(gu[:, :Fe], gu[:, Fe:]) @ p["experts.w_out"][e]
                 u = u.index_add(0, rows, w[rows, k, None] * out)
     un = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps) * p["norm.weight"]
     y = un @ p["up.weight"].T

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mp"))  # tests/mp:
 from layers_reference import PlainLM, RoutedMoE  # noqa: E402
 
 from moonep.integrations import patch_generic, softmax_topk  # noqa: E402
-from moonep.layers import full_state_dict  # noqa: E402
+from moonep.training import full_state_dict  # noqa: E402
 
 
 def _forward_backward(block, x, dy):

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from moonep.integrations import hf_experts as hf_mod  # noqa: E402
 from moonep.integrations import hf_survey, hf_tiny, patch_hf_moe  # noqa: E402
-from moonep.layers import full_state_dict  # noqa: E402
+from moonep.training import full_state_dict  # noqa: E402
 
 TYPES = dict(hf_tiny.moe_model_types())
 

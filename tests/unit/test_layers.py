@@ -9,7 +9,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mp"))  # tests/mp: the shared references
 from layers_reference import PlainLM, dense_latent_moe, situ  # noqa: E402
 
-from moonep.layers import LatentMoE, SiTUGLU, full_state_dict, situ_glu  # noqa: E402
+from moonep.layers import LatentMoE, SiTUGLU, situ_glu  # noqa: E402
+from moonep.training import full_state_dict  # noqa: E402
 from moonep.layers.grouped import slot_matmul  # noqa: E402
 from moonep.layers.parallel import home_range  # noqa: E402
 
@@ -107,7 +108,7 @@ def test_state_dict_roundtrip_and_init_independent_of_seed_state():
     torch.manual_seed(123)
     b = LatentMoE(16, 8, 6, 2, 12, d_shared=4, dtype=torch.float64)
     full = full_state_dict(a)
-    assert full.keys() == a.state_dict().keys() and full["expert_w_in"].shape == (6, 8, 24)
+    assert full.keys() == a.state_dict().keys() and full["experts.w_in"].shape == (6, 8, 24)
     b.load_state_dict(full)
     x = torch.randn(5, 16, dtype=torch.float64)
     assert torch.equal(a(x), b(x))
@@ -153,41 +154,43 @@ def _raises(match, fn):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_latent_moe_under_autocast_computes_in_its_parameters_dtype(device):
-    """Under torch.autocast (bf16) a float32 layer gives bitwise its float32 output and gradients: the input is
-    cast to the parameters' dtype and autocast is off inside (a bf16 input included)."""
+def test_latent_moe_under_autocast_computes_its_experts_in_bf16(device):
+    """Under torch.autocast (bf16) a float32 layer computes as autocast has it: the latent rows travel and the
+    experts compute in bf16 (a bf16 ExpertParallel, bf16 expert GEMMs), its output is bf16 and within bf16's
+    precision of the float32 output; the gradients reach the float32 parameters; a bf16 ``x`` is taken."""
+    from moonep import experts as ex_mod
+
     m = _layer(torch.float32, device=device)
     x = torch.randn(9, 16, device=device)
     want = m(x)
     want.square().sum().backward()
     want_g = {k: v.grad.clone() for k, v in m.named_parameters()}
     m.zero_grad()
-    with torch.autocast(device, dtype=torch.bfloat16):
-        got = m(x)
-    got.square().sum().backward()
-    assert got.dtype == torch.float32 and torch.equal(got, want)
+    seen = []
+    real = ex_mod._run
+    ex_mod._run = lambda impl, grouped, loop, a, *args: seen.append(a.dtype) or real(impl, grouped, loop, a, *args)
+    try:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            got = m(x)
+    finally:
+        ex_mod._run = real
+    assert got.dtype == torch.bfloat16 and seen and set(seen) == {torch.bfloat16}, seen
+    assert any(key[2] == torch.bfloat16 for key in m._ep._cache), list(m._ep._cache)  # rows moved in bf16
+    scale = float(want.detach().abs().max())
+    assert float((got.float() - want).abs().max()) <= 0.05 * scale, "bf16 autocast far from float32"
+    got.float().square().sum().backward()
     for k, v in m.named_parameters():
-        assert torch.equal(v.grad, want_g[k]), k
+        assert v.grad.dtype == torch.float32 and torch.isfinite(v.grad).all(), k
+        g = v.grad.to_local() if hasattr(v.grad, "to_local") else v.grad
+        w = want_g[k].to_local() if hasattr(want_g[k], "to_local") else want_g[k]
+        assert float((g - w).abs().max()) <= 0.1 * float(w.abs().max()) + 1e-6, k
     xb = x.bfloat16().requires_grad_()
     with torch.autocast(device, dtype=torch.bfloat16):
         yb = m(xb)
-    yb.sum().backward()
-    assert torch.equal(yb, m(xb.detach().float())) and xb.grad.dtype == torch.bfloat16
+    yb.float().sum().backward()
+    assert yb.dtype == torch.bfloat16 and xb.grad.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="x: expected dtype torch.float32"):  # outside autocast: refused
         m(xb.detach())
-
-    class Doubled(LatentMoE):  # a subclass's forward runs once under autocast too
-        calls = 0
-
-        def forward(self, x):
-            Doubled.calls += 1
-            return 2 * super().forward(x)
-
-    d = Doubled(16, 8, 6, 2, 12, num_shared=2, d_shared=4, device=device)
-    d.load_state_dict(m.state_dict())
-    with torch.autocast(device, dtype=torch.bfloat16):
-        y2 = d(x)
-    assert Doubled.calls == 1 and torch.equal(y2, 2 * want)
 
 
 def test_bad_inputs_name_argument_expected_actual():
