@@ -507,6 +507,13 @@ class ExpertParallel:
         return out
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
+    def sync(self) -> None:
+        """A collective that moves nothing: every rank reaches this point of its calls together, or every rank
+        raises :class:`moonep.MoonepError` (a peer that makes another call instead is reported at once, one
+        that makes none after the timeout).  Ends a section whose call counts must agree (``generate()``)."""
+        with self._collective("sync"):
+            pass
+
     def refuse(self, op: str, message: str) -> None:
         """Refuse this rank's part of collective ``op`` (``"dispatch"``, ``"combine"``, ``"prefetch"`` or
         ``"reduce_grad"``) while the peers make that call with their own arguments: every rank raises

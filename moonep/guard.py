@@ -26,7 +26,7 @@ from .errors import MoonepError
 
 MAGIC = 0x6D6F6F6E  # "moon": a header from anything else is reported as such
 OPS = ("dispatch", "combine", "prefetch", "reduce_grad", "dispatch.backward", "combine.backward",
-       "prefetch.backward")
+       "prefetch.backward", "sync")
 _CODE = {name: i + 1 for i, name in enumerate(OPS)}
 SIG_WORDS = 8  # the call's signature: what must agree across ranks (dtypes, shapes, step, autograd pattern)
 HEADER_WORDS = 5 + SIG_WORDS  # magic, instance, op, seq, refused, signature

@@ -91,9 +91,28 @@ def patch_hf_moe(model: nn.Module, group=None, *, max_tokens: int | None = None,
         block.experts.moonep_pool = replica_pool
         keep_router_eager(block)  # compiled, the router computes what it computes eagerly (hf_router.py)
     mark_for_ddp(model)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained = types.MethodType(_save_pretrained, model)
+    model.moonep_providers = list(providers.values())
+    for name, fn in (("save_pretrained", _save_pretrained), ("generate", _generate)):
+        if hasattr(model, name):
+            setattr(model, name, types.MethodType(fn, model))
     return model
+
+
+def _generate(self, *args, **kwargs):
+    """``generate`` of a patched model: every forward is collective, so every rank must run as many as the
+    others.  After generating, the ranks check that they stopped together; a rank that stopped earlier
+    (its sequences finished first) and the ones still decoding all raise :class:`moonep.MoonepError` at once,
+    telling to pass ``synced_gpus=True`` (finished ranks then keep joining the forwards)."""
+    try:
+        out = type(self).generate(self, *args, **kwargs)
+        for provider in self.moonep_providers:
+            for ep in list(provider._cache.values()):
+                ep.sync()
+        return out
+    except MoonepError as exc:
+        raise MoonepError(f"generate(): the ranks left the collective at different steps ({exc}); every rank "
+                          "must run as many forward passes as the others: pass synced_gpus=True to "
+                          "generate()") from exc
 
 
 def _save_pretrained(self, save_directory, *args, **kwargs):

@@ -94,6 +94,35 @@ class LatentExperts(ShardedExperts, nn.Module):
         self.w_in = shard_experts_param(w_in, rt, num_experts)
         self.w_out = shard_experts_param(w_out, rt, num_experts)
 
+    def forward(self, ep, z: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, pool=None,
+                matmul: str = "auto"):
+        """The routed experts on the latent tokens: ``u = sum_k w_k SiTU-GLU_{e_k}(z)``. Collective.
+
+        Args:
+            ep: the :class:`moonep.ExpertParallel` of ``z``'s dtype; ``z [s, l]`` latent tokens, in the dtype
+                the experts compute in (their weights are cast to it); ``topk_idx`` int64 ``[s, K]``,
+                ``topk_weights [s, K]``; ``pool``: the :class:`moonep.ReplicaPool` (default: the process's).
+        Returns:
+            ``(u [s, l] in z's dtype, stats)``: ``stats`` the figures of :attr:`LatentMoE.last_stats`.
+        The weights are read here, inside this module's forward, so that FSDP2 (which shards them over the
+        data-parallel ranks) gathers them for exactly this call."""
+        dt = z.dtype
+        w_in, w_out = (w if w.dtype == dt else w.to(dt) for w in map(self.expert_weight, ("w_in", "w_out")))
+        if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
+            return ops.latent_experts(ep, z, topk_idx, topk_weights, w_in, w_out, _situ_glu, matmul)
+        h = ep.dispatch(z, topk_idx, topk_weights)
+        # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
+        pool = pool or default_pool()
+        r_in, r_out = pool.fetch(ep, h, w_in, "w_in"), pool.fetch(ep, h, w_out, "w_out")
+        cu = h.cu_seqlens
+        with torch.autocast(z.device.type, enabled=False):  # the experts' dtype is decided: z's
+            a = situ_glu_fused(expert_matmul(h.tokens, cu, w_in, r_in, impl=matmul))   # [cap, F]
+            out = expert_matmul(a, cu, w_out, r_out, impl=matmul)                        # [cap, l]
+        plan = h.plan
+        stats = dict(expert_load=plan.assignment.sum(1), recv_counts=plan.recv_counts,
+                     replicas=(plan.replica_experts >= 0).sum(1))
+        return ep.combine(out, h), stats                                                 # [s, l]
+
     def extra_repr(self) -> str:
         return f"num_experts={self.moonep_num_experts}, home experts={self.moonep_epn}"
 
@@ -249,8 +278,8 @@ class LatentMoE(nn.Module):
             expect_tensor(x, "x")
             expect(x.dim() >= 1 and x.shape[-1] == self.d_model, "x", f"shape [..., d_model={self.d_model}]",
                    list(x.shape))
-            expect(x.dtype == pdt or (amp and x.is_floating_point()), "x",
-                   f"dtype {pdt} (the layer's parameters; any float dtype under torch.autocast)", x.dtype)
+            expect(x.dtype == pdt or (amp and x.is_floating_point()), "x", f"dtype {pdt} (the layer's parameters)",
+                   x.dtype)  # (any float dtype under torch.autocast)
             expect(x.device.type == dev.type, "x", f"device {dev} (the layer's parameters)", x.device)
             shape = x.shape
             x = x.reshape(-1, self.d_model)
@@ -261,38 +290,14 @@ class LatentMoE(nn.Module):
             raise  # refuse() raised already; this is not reached
         z = _project(self.down, x_d)  # [s, l], in dt
         ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
-        w_in, w_out = self._expert_weight("w_in", dt), self._expert_weight("w_out", dt)
-        if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
-            u, self.last_stats = ops.latent_experts(ep, z, idx, w, w_in, w_out, _situ_glu, self.matmul)
-            return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)
-        h = ep.dispatch(z, idx, w)
-        # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
-        pool = self.replica_pool or default_pool()
-        r_in, r_out = pool.fetch(ep, h, w_in, "w_in"), pool.fetch(ep, h, w_out, "w_out")
-        cu = h.cu_seqlens
-        with torch.autocast(dev.type, enabled=False):  # the experts' dtype is decided: dt
-            a = situ_glu_fused(expert_matmul(h.tokens, cu, w_in, r_in, impl=self.matmul))   # [cap, F]
-            out = expert_matmul(a, cu, w_out, r_out, impl=self.matmul)                        # [cap, l]
-        u = ep.combine(out, h)                                                                # [s, l]
-        y = _project(self.up, self._norm(u)) + self.shared(x_s)
-        self._record(h.plan)
-        return y.reshape(shape)
-
-    def _expert_weight(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """``[epn, ...]`` home experts of ``experts.<name>`` in ``dtype`` (a cast, as autocast casts a weight)."""
-        w = self.experts.expert_weight(name)
-        return w if w.dtype == dtype else w.to(dtype)
+        u, self.last_stats = self.experts(ep, z, idx, w, self.replica_pool, self.matmul)      # [s, l]
+        return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for old, new in (("expert_w_in", "experts.w_in"), ("expert_w_out", "experts.w_out")):
             if prefix + old in state_dict:  # checkpoints written before the experts had their own module
                 state_dict[prefix + new] = state_dict.pop(prefix + old)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def _record(self, plan) -> None:
-        """Per-step balance figures for logging (tensors, no host sync)."""
-        self.last_stats = dict(expert_load=plan.assignment.sum(1), recv_counts=plan.recv_counts,
-                               replicas=(plan.replica_experts >= 0).sum(1))
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_latent={self.d_latent}, num_experts={self.num_experts}, "

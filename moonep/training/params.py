@@ -60,7 +60,9 @@ def moonep_runtime(model: nn.Module):
     group); ``ValueError`` if ``model`` holds none, or layers of different groups."""
     from ..layers.parallel import ShardedExperts, ShardedModuleDict
 
-    rts = {id(m._rt): m._rt for m in model.modules() if isinstance(m, (ShardedExperts, ShardedModuleDict))}
+    # one entry per process group (layers built from the same group or mesh may hold runtimes of their own)
+    rts = {id(getattr(m._rt, "group", None)) if m._rt is not None else None: m._rt for m in model.modules()
+           if isinstance(m, (ShardedExperts, ShardedModuleDict))}
     expect(len(rts) >= 1, "model", "a module holding moonep expert-parallel layers (LatentMoE, or a model "
            "patched by patch_hf_moe / patch_generic)", f"a {type(model).__name__} with none")
     expect(len(rts) == 1, "model", "moonep layers of one expert-parallel group", f"layers of {len(rts)} groups")

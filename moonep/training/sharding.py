@@ -37,16 +37,21 @@ def expert_mesh(rt) -> DeviceMesh | None:
     if mesh is not None:
         return mesh
     kind = rt.device.type
-    R = rt.world_size
-    if dist.get_world_size() == R:
-        mine, _ = dist.new_subgroups(group_size=1, backend=dist.get_backend(rt.group))
-        root = DeviceMesh.from_group([mine, rt.group], kind, mesh=torch.arange(R).view(1, R),
-                                     mesh_dim_names=("dp", "ep"))
-        mesh, rt.dp_mesh = root["ep"], root["dp"]
-    else:
-        mesh = DeviceMesh.from_group(rt.group, kind, mesh_dim_names=("ep",))
-    rt.mesh = mesh
-    return mesh
+    key = (id(rt.group), kind)
+    if key not in _MESHES:  # one per group: every runtime over it (moonep.init() again) shares the mesh
+        R = rt.world_size
+        if dist.get_world_size() == R:
+            mine, _ = dist.new_subgroups(group_size=1, backend=dist.get_backend(rt.group))
+            root = DeviceMesh.from_group([mine, rt.group], kind, mesh=torch.arange(R).view(1, R),
+                                         mesh_dim_names=("dp", "ep"))
+            _MESHES[key] = (rt.group, root["ep"], root["dp"])
+        else:
+            _MESHES[key] = (rt.group, DeviceMesh.from_group(rt.group, kind, mesh_dim_names=("ep",)), None)
+    _, rt.mesh, rt.dp_mesh = _MESHES[key]
+    return rt.mesh
+
+
+_MESHES: dict = {}  # (id of a process group, device type) -> (the group, its "ep" mesh, its "dp" mesh or None)
 
 
 def shard_experts_param(local: torch.Tensor, rt, num_experts: int, requires_grad: bool = True) -> torch.nn.Parameter:

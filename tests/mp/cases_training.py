@@ -34,7 +34,7 @@ def _train(rt, model, opt, steps, *, start=0, clip=None, global_batch=False, wor
     """``steps`` optimizer steps; returns each step's loss, averaged over the ranks."""
     losses = []
     for step in range(start, start + steps):
-        ids = batch(step, rt.rank, world or rt.world_size, global_batch=global_batch)
+        ids = batch(step, rt.rank, world or rt.world_size, global_batch=global_batch, device=rt.device)
         opt.zero_grad()
         loss = loss_of(model, ids)
         loss.backward()
@@ -68,26 +68,25 @@ def case_ddp_trains_as_the_unpatched_model(rt):
 
 
 def case_gradient_accumulation_matches(rt):
-    """1, 2 and 4 micro-batches under DDP.no_sync() give the unpatched model's gradients; so does sync_grads
-    after every micro-batch without a wrapper (safe at any point)."""
+    """1, 2 and 4 micro-batches under DDP.no_sync() give the unpatched model's gradients (of the whole batch
+    under DDP); so does sync_grads after every micro-batch without a wrapper (safe at any point)."""
     for kind in _kinds():
+        ids = torch.cat([batch(0, rt.rank, device=rt.device), batch(1, rt.rank, device=rt.device)])
+        ref = DDP(unpatched(kind, device=rt.device))
+        loss_of(ref, ids).backward()
+        want = full_grads(ref)
         for micro in (1, 2, 4):
-            ref, mine = twins(kind, rt)
-            grads = []
-            for model in (DDP(ref), DDP(mine)):
-                ids = torch.cat([batch(0, rt.rank), batch(1, rt.rank)])
-                for i, chunk in enumerate(ids.chunk(micro)):
-                    ctx = model.no_sync() if i < micro - 1 else contextlib.nullcontext()
-                    with ctx:
-                        (loss_of(model, chunk) / micro).backward()
-                grads.append(full_grads(model))
-            assert_close_dicts(grads[1], grads[0], FP32_TOL, f"{kind} gradients, {micro} micro-batch(es)")
-        if kind == "mixtral":  # no wrapper: sync_grads after each micro-batch
-            mine = patched(kind, rt)
-            for chunk in torch.cat([batch(0, rt.rank), batch(1, rt.rank)]).chunk(4):
-                (loss_of(mine, chunk) / 4).backward()
-                moonep.training.sync_grads(mine)
-            assert_close_dicts(full_grads(mine), grads[0], FP32_TOL, "mixtral, sync_grads per micro-batch")
+            model = DDP(patched(kind, rt))
+            for i, chunk in enumerate(ids.chunk(micro)):
+                ctx = model.no_sync() if i < micro - 1 else contextlib.nullcontext()
+                with ctx:
+                    (loss_of(model, chunk) / micro).backward()
+            assert_close_dicts(full_grads(model), want, FP32_TOL, f"{kind} gradients, {micro} micro-batch(es)")
+        mine = patched(kind, rt)  # no wrapper: sync_grads after each micro-batch
+        for chunk in ids.chunk(4):
+            (loss_of(mine, chunk) / 4).backward()
+            moonep.training.sync_grads(mine)
+        assert_close_dicts(full_grads(mine), want, FP32_TOL, f"{kind}, sync_grads after every micro-batch")
 
 
 # ------------------------------------------------------------------------------------------ FSDP2
@@ -126,6 +125,31 @@ def case_fsdp2_trains_as_the_unpatched_model(rt):
             assert max(abs(a - b) / abs(b) for a, b in zip(*losses)) <= tol, (what, losses)
 
 
+def case_fsdp2_on_a_dp_by_ep_mesh(rt):
+    """A (dp=2, ep=2) mesh: experts sharded over "ep" and data parallel over "dp" (fully_shard_experts with
+    mesh["dp"]), every other parameter over all 4 ranks: the unpatched model's gradients and losses under
+    FSDP2 over the 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _hf_or_skip()
+    if rt.world_size != 4:
+        raise SkipCase("a (2, 2) mesh: runs at 4 ranks")
+    mesh = init_device_mesh(rt.device.type, (2, 2), mesh_dim_names=("dp", "ep"))
+    for kind in ("mixtral", "latent"):
+        ref = _fully_shard(unpatched(kind, eager=True, device=rt.device), False, None)
+        mine = patched(kind, mesh["ep"], eager=True)
+        moonep.training.fully_shard_experts(mine, mesh=mesh["dp"])
+        mine = _fully_shard(mine, False, None)
+        grads, losses = [], []
+        for model in (ref, mine):
+            opt = _adamw(model)
+            losses.append(_train(rt, model, opt, 1))
+            grads.append(full_grads(model))
+            losses[-1] += _train(rt, model, opt, 2, start=1)
+        assert_close_dicts(grads[1], grads[0], FP32_TOL, f"{kind} (dp, ep) mesh gradients")
+        assert max(abs(a - b) / abs(b) for a, b in zip(*losses)) <= FP32_TOL, (kind, losses)
+
+
 def case_fsdp2_refuses_sharding_experts_over_their_own_ranks(rt):
     """fully_shard_experts over a mesh that holds other expert-parallel ranks: ValueError naming mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -134,7 +158,7 @@ def case_fsdp2_refuses_sharding_experts_over_their_own_ranks(rt):
     if rt.world_size == 1:
         raise SkipCase("one rank: every mesh is this rank")
     mine = patched("mixtral", rt)
-    world = init_device_mesh("cpu", (rt.world_size,))
+    world = init_device_mesh(rt.device.type, (rt.world_size,))
     try:
         moonep.training.fully_shard_experts(mine, mesh=world)
     except ValueError as e:
@@ -150,7 +174,7 @@ def case_clip_grad_norm_is_global(rt):
     for kind in _kinds():
         ref, mine = twins(kind, rt)
         dref, dmine = DDP(ref), DDP(mine)
-        ids = batch(0, rt.rank)
+        ids = batch(0, rt.rank, device=rt.device)
         loss_of(dref, ids).backward()
         loss_of(dmine, ids).backward()
         want = torch.nn.utils.clip_grad_norm_(dref.parameters(), 0.05)
@@ -251,19 +275,19 @@ def case_full_checkpoint_loads_into_the_unpatched_model(rt):
         mine = patched(kind, rt)
         _train(rt, mine, _adamw(mine), 1, clip=moonep.training.sync_grads)
         mine.eval()
-        ids = batch(7, 0)
+        ids = batch(7, 0, device=rt.device)
         with torch.no_grad():
             logits = mine(input_ids=ids).logits
         for full in (moonep.training.full_state_dict(mine),
                      get_model_state_dict(mine, options=StateDictOptions(full_state_dict=True))):
-            ref = unpatched(kind, seed=5).eval()
+            ref = unpatched(kind, seed=5, device=rt.device).eval()
             ref.load_state_dict(full, strict=True)
             with torch.no_grad():
                 assert rel(ref(input_ids=ids).logits.double(), logits.double()) <= 1e-5, kind
         path = _shared_dir(rt)
         mine.save_pretrained(path)
         rt.barrier()
-        ref = type(unpatched(kind)).from_pretrained(path).eval()
+        ref = type(unpatched(kind)).from_pretrained(path).to(rt.device).eval()
         with torch.no_grad():
             assert rel(ref(input_ids=ids).logits.double(), logits.double()) <= 1e-5, kind
         rt.barrier()
@@ -285,16 +309,17 @@ def case_autocast_matches_the_unpatched_model(rt):
 
     for kind in [k for k in _kinds() if k != "latent"]:
         ref, mine = twins(kind, rt, eager=True)
-        ids = batch(3, rt.rank)
+        ids = batch(3, rt.rank, device=rt.device)
+        dev = rt.device.type
         seen, real = [], ex_mod._run
         ex_mod._run = lambda impl, g, lp, a, *args: seen.append(a.dtype) or real(impl, g, lp, a, *args)
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(dev, dtype=torch.bfloat16):
                 lm = loss_of(mine, ids)
         finally:
             ex_mod._run = real
         assert seen and set(seen) == {torch.bfloat16}, (kind, set(seen))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(dev, dtype=torch.bfloat16):
             lr = loss_of(ref, ids)
         assert abs(float(lm.detach()) - float(lr.detach())) <= BF16_TOL * abs(float(lr.detach())), kind
         lr.backward()
@@ -311,9 +336,9 @@ def case_autocast_matches_the_unpatched_model(rt):
         ref, mine = twins("mixtral", rt, eager=eager)
         ex_ref, ex_mine = ref.model.layers[0].mlp.experts, mine.model.layers[0].mlp.experts
         g = torch.Generator().manual_seed(rt.rank)
-        x = torch.randn(5, ref.config.hidden_size, generator=g).bfloat16()
-        idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(5)])
-        w = torch.rand(5, 2, generator=g)
+        x = torch.randn(5, ref.config.hidden_size, generator=g).bfloat16().to(rt.device)
+        idx = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(5)]).to(rt.device)
+        w = torch.rand(5, 2, generator=g).to(rt.device)
         if eager:
             for ex in (ex_ref, ex_mine):
                 try:
@@ -331,8 +356,8 @@ def case_latent_stack_under_autocast_matches_local(rt):
     """A LatentMoE stack under bf16 autocast: experts in bf16, the same loss as the stack without expert
     parallelism under the same autocast (within bf16 round-off)."""
     ref, mine = twins("latent", rt)
-    ids = batch(4, rt.rank)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    ids = batch(4, rt.rank, device=rt.device)
+    with torch.autocast(rt.device.type, dtype=torch.bfloat16):
         lr, lm = loss_of(ref, ids), loss_of(mine, ids)
     assert abs(float(lm) - float(lr)) <= BF16_TOL * abs(float(lr)), (float(lm), float(lr))
     assert any(key[2] == torch.bfloat16 for layer in mine.layers for key in layer._ep._cache)
@@ -348,14 +373,14 @@ def case_ranks_that_differ_are_refused_at_patch_time(rt):
     from moonep.integrations import patch_hf_moe
 
     try:
-        patch_hf_moe(unpatched("mixtral", seed=rt.rank), rt)
+        patch_hf_moe(unpatched("mixtral", seed=rt.rank, device=rt.device), rt)
     except ValueError as e:
         assert "model.embed_tokens.weight: expected the same value on every rank" in str(e), e
     else:
         raise AssertionError("patch_hf_moe took models that differ across ranks")
-    mine = patch_hf_moe(unpatched("mixtral", seed=rt.rank), rt, broadcast_from=0)
-    ref = unpatched("mixtral", seed=0).eval()
-    ids = batch(2, rt.rank)
+    mine = patch_hf_moe(unpatched("mixtral", seed=rt.rank, device=rt.device), rt, broadcast_from=0)
+    ref = unpatched("mixtral", seed=0, device=rt.device).eval()
+    ids = batch(2, rt.rank, device=rt.device)
     with torch.no_grad():
         assert rel(mine.eval()(input_ids=ids).logits.double(), ref(input_ids=ids).logits.double()) <= 1e-5
     stack = patched("latent", rt)
@@ -368,3 +393,73 @@ def case_ranks_that_differ_are_refused_at_patch_time(rt):
             assert not kw and "embed.weight: expected the same value on every rank" in str(e), e
         else:
             assert kw, "prepare took a stack whose embedding differs across ranks"
+
+
+# ------------------------------------------------------------------------------------------ generation
+def case_generate_ranks_that_stop_apart_raise_together(rt):
+    """generate() where the ranks stop at different steps: a MoonepError on every rank, naming the op, saying
+    that the ranks left at different steps and to pass synced_gpus=True; with synced_gpus=True it works."""
+    _hf_or_skip()
+    if rt.world_size == 1:
+        raise SkipCase("one rank always stops with itself")
+    mine = patched("mixtral", rt).eval()
+    ids = batch(5, rt.rank, device=rt.device)[:1]
+    steps = 2 + 2 * (rt.rank % 2)  # odd ranks decode longer
+    kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        try:
+            mine.generate(ids, **kw)
+        except moonep.MoonepError as e:
+            msg = str(e)
+            assert "left the collective at different steps" in msg and "synced_gpus=True" in msg, msg
+            assert "sync #" in msg and "dispatch #" in msg, msg
+        else:
+            raise AssertionError("generate() returned although the ranks stopped at different steps")
+        out = mine.generate(ids, synced_gpus=True, **kw)
+    assert out.shape[1] == ids.shape[1] + steps, out.shape
+
+
+# ------------------------------------------------------------------------------------------ refusals
+def case_wrappers_refuse_what_they_cannot_do_right(rt):
+    """DDP of an unprepared module holding moonep layers, and fully_shard of a block whose experts did not
+    get fully_shard_experts: refused at wrap time (expert shards are DTensors), never silently wrong."""
+    from torch.distributed.fsdp import fully_shard
+
+    from training_models import LatentLM
+
+    stack = LatentLM(rt, device=rt.device)  # not prepared: DDP would broadcast rank 0's experts
+    try:
+        DDP(stack)
+    except RuntimeError as e:
+        assert "DTensor" in str(e), e
+    else:
+        raise AssertionError("DDP wrapped a module whose expert shards it would overwrite")
+    try:
+        fully_shard(LatentLM(rt, device=rt.device).layers[0])
+    except (RuntimeError, ValueError, TypeError) as e:  # torch's words: overlapping or unnamed meshes
+        assert "mesh" in str(e) or "Invariant" in str(e), e
+    else:
+        if rt.world_size > 1:
+            raise AssertionError("fully_shard sharded the experts over the expert-parallel ranks")
+
+
+# ------------------------------------------------------------------------------------------ recomputation
+def case_activation_checkpointing_matches(rt):
+    """Activation checkpointing (transformers' gradient_checkpointing_enable; torch.utils.checkpoint around
+    each LatentMoE block): the unpatched model's gradients under DDP."""
+    from torch.utils.checkpoint import checkpoint
+
+    _hf_or_skip()
+    for kind in ("mixtral", "latent"):
+        ref, mine = twins(kind, rt)
+        for m in (ref, mine):
+            if kind == "latent":
+                for layer in m.layers:
+                    layer.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(layer.forward)
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(use_reentrant=False))
+        grads = []
+        for model in (DDP(ref), DDP(mine)):
+            loss_of(model, batch(6, rt.rank, device=rt.device)).backward()
+            grads.append(full_grads(model))
+        assert_close_dicts(grads[1], grads[0], FP32_TOL, f"{kind} gradients with activation checkpointing")

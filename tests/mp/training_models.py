@@ -19,13 +19,13 @@ VOCAB, SEQ, BATCH = 64, 6, 2
 class LatentLM(nn.Module):
     """Embedding, ``layers`` residual LatentMoE blocks, a head: a language model of LatentMoE layers."""
 
-    def __init__(self, group, layers: int = 2, d: int = 32, num_experts: int = 8, **kw):
+    def __init__(self, group, layers: int = 2, d: int = 32, num_experts: int = 8, device="cpu", **kw):
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, d)
+        self.embed = nn.Embedding(VOCAB, d, device=device)
         self.layers = nn.ModuleList(
             moonep.LatentMoE(d, d // 2, num_experts, 2, 24, num_shared=1, d_shared=16, group=group, balancer=None,
-                             **kw) for _ in range(layers))
-        self.head = nn.Linear(d, VOCAB, bias=False)
+                             device=device, **kw) for _ in range(layers))
+        self.head = nn.Linear(d, VOCAB, bias=False, device=device)
 
     def forward(self, input_ids, labels=None):
         x = self.embed(input_ids)
@@ -45,41 +45,44 @@ def hf_class(kind: str) -> str:
     return dict(hf_tiny.moe_model_types())[kind]
 
 
-def unpatched(kind: str, seed: int = 0, eager: bool = False, dtype=torch.float32):
-    """The unpatched model of ``kind`` in ``dtype``, train mode, identical on every rank.  ``eager``: the
-    transformers experts' eager implementation (F.linear per expert; forced for float64, which the default
-    grouped_mm implementation does not take)."""
+def unpatched(kind: str, seed: int = 0, eager: bool = False, dtype=torch.float32, device="cpu"):
+    """The unpatched model of ``kind`` in ``dtype`` on ``device``, train mode, identical on every rank.
+    ``eager``: the transformers experts' eager implementation (F.linear per expert; forced for float64, which
+    the default grouped_mm implementation does not take)."""
     if kind == "latent":
         torch.manual_seed(seed)
-        return LatentLM(local_runtime("cpu")).to(dtype).train()
+        return LatentLM(local_runtime(device), device=device).to(dtype).train()
     from moonep.integrations import hf_tiny
 
-    m = hf_tiny.build(kind, hf_class(kind), seed=seed).to(dtype)
+    m = hf_tiny.build(kind, hf_class(kind), seed=seed).to(device=device, dtype=dtype)
     if eager or dtype == torch.float64:
         m.set_experts_implementation("eager")
     return m.train()
 
 
-def patched(kind: str, rt, seed: int = 0, eager: bool = False, dtype=torch.float32, **kw):
-    """The same model with moonep expert parallelism over ``rt`` (prepared for DDP)."""
+def patched(kind: str, rt, seed: int = 0, eager: bool = False, dtype=torch.float32, device=None, **kw):
+    """The same model with moonep expert parallelism over ``rt`` (a Runtime or a mesh; prepared for DDP),
+    on ``device`` (default: ``rt``'s)."""
+    device = device or getattr(rt, "device", None) or "cpu"
     if kind == "latent":
         torch.manual_seed(seed)
-        return moonep.training.prepare(LatentLM(rt, max_tokens=BATCH * SEQ * 4, **kw).to(dtype).train())
+        model = LatentLM(rt, max_tokens=BATCH * SEQ * 4, device=device, **kw).to(device=device, dtype=dtype)
+        return moonep.training.prepare(model.train())
     from moonep.integrations import patch_hf_moe
 
-    return patch_hf_moe(unpatched(kind, seed, eager, dtype), rt, max_tokens=BATCH * SEQ * 4, **kw)
+    return patch_hf_moe(unpatched(kind, seed, eager, dtype, device), rt, max_tokens=BATCH * SEQ * 4, **kw)
 
 
-def batch(step: int, rank: int, world: int = 1, *, global_batch: bool = False):
+def batch(step: int, rank: int, world: int = 1, *, global_batch: bool = False, device="cpu"):
     """int64 ``[BATCH, SEQ]`` token ids of ``rank`` at ``step``; ``global_batch``: the rows of one global batch
     of ``4 * BATCH`` sequences split evenly over ``world`` ranks (the same data at any ``world``)."""
     if global_batch:
         g = torch.Generator().manual_seed(1000 + step)
         ids = torch.randint(0, VOCAB, (4 * BATCH, SEQ), generator=g)
         n = 4 * BATCH // world
-        return ids[rank * n:(rank + 1) * n]
+        return ids[rank * n:(rank + 1) * n].to(device)
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
 
 
 def loss_of(model, ids):
@@ -124,8 +127,8 @@ def assert_close_dicts(got: dict, want: dict, tol: float, what: str) -> None:
 
 
 def twins(kind: str, rt, seed: int = 0, eager: bool = False, dtype=torch.float32, **kw):
-    """``(unpatched, patched)`` models of ``kind`` with the same weights."""
-    return unpatched(kind, seed, eager, dtype), patched(kind, rt, seed, eager, dtype, **kw)
+    """``(unpatched, patched)`` models of ``kind`` with the same weights, on ``rt``'s device."""
+    return unpatched(kind, seed, eager, dtype, rt.device), patched(kind, rt, seed, eager, dtype, **kw)
 
 
 def blocks(model):
