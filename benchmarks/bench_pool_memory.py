@@ -125,7 +125,8 @@ def main(argv=None):
             peak = peak_memory(rt, model)
             layer = model.layers[0]
             epn = layer.experts.moonep_epn
-            expert = sum(p.to_local().numel() * p.element_size() for p in (layer.experts.w_in, layer.experts.w_out)) // epn
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in (layer.experts.w_in, layer.experts.w_out)]
+            expert = sum(p.numel() * p.element_size() for p in local) // epn
             rows.append(dict(layers=L, path=path, peak_bytes=peak, pool_bytes=pool.nbytes() if pool else 0,
                              expert_bytes=expert, epn=epn,
                              home_expert_bytes_per_layer=expert * epn))

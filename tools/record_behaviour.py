@@ -29,6 +29,8 @@ def _digest(t) -> dict:
     import torch
 
     t = t.detach()
+    if hasattr(t, "to_local"):  # a DTensor (expert shards): this rank's part
+        t = t.to_local()
     if t.dim() == 0:
         t = t.reshape(1)
     b = t.contiguous().cpu().view(torch.uint8).numpy().tobytes() if t.numel() else b""

@@ -28,7 +28,13 @@ def _report(args, rank: int) -> int:
     missing = missing_packages(args.plot, "cpu", progress=False)
     if missing:
         return _fail_missing(missing, rank)
-    doc = json.loads(Path(args.report).read_text())
+    try:
+        doc = json.loads(Path(args.report).read_text())
+    except (OSError, ValueError) as exc:  # a missing, unreadable or not-JSON file: one line, no traceback
+        if rank == 0:
+            print(f"moonep-bench: --report: expected a JSON file written by moonep-bench, got {args.report!r} "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        return 2
     print(report.tables(doc))
     if args.plot:
         print(f"# wrote {report.plot(doc, Path(args.report))}")

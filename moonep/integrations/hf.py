@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import types
 
-import torch
 from torch import nn
 
 from ..errors import MoonepError

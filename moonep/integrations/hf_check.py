@@ -5,6 +5,7 @@ on a float64 probe (:func:`probe`) and must agree, forward and backward. Nothing
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import re
 
@@ -96,6 +97,10 @@ def _probe_grad_on(ex: nn.Module, layout) -> None:
               for k, p in ex._parameters.items() if p is not None}
     ref_mod = clone(ex, type(ex), params, to)
     mine = clone(ex, ep_class(base, type(ex)), dict(params), to)
+    if getattr(ex, "config", None) is not None:  # float64: the eager experts implementation (grouped_mm has none)
+        cfg = copy.copy(ex.config)
+        cfg._experts_implementation = "eager"
+        ref_mod.config = mine.config = cfg
     provider = EPProvider(local_runtime("cpu"), n, transport="local")
     setup(mine, base, n, names, sig, provider, None)
     g = torch.Generator().manual_seed(1234)

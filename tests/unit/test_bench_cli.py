@@ -100,3 +100,15 @@ def test_report_needs_no_progress_bar(monkeypatch):
     lines = cli.missing_packages(plot=True, device="cpu", progress=False)
     assert len(lines) == 1 and "matplotlib" in lines[0]
     assert len(cli.missing_packages(plot=True, device="cpu")) == 2
+
+
+def test_report_of_a_missing_file_is_one_line(tmp_path, capsys):
+    """``--report`` of a file that is not there (or not JSON): one line naming it, exit 2, no traceback."""
+    from moonep.bench.__main__ import main
+
+    for bad in (tmp_path / "nothere.json", tmp_path / "garbage.json"):
+        if bad.name == "garbage.json":
+            bad.write_text("not json")
+        assert main(["--report", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and "--report: expected a JSON file" in err and str(bad) in err, err
