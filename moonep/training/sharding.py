@@ -60,6 +60,9 @@ def shard_experts_param(local: torch.Tensor, rt, num_experts: int, requires_grad
     mesh = expert_mesh(rt)
     if mesh is None:
         return torch.nn.Parameter(local, requires_grad=requires_grad)
+    from .optim import install
+
+    install()  # optimizers holding these and plain parameters step under implicit replication (optim.py)
     shape = (num_experts, *local.shape[1:])
     stride, n = [], 1
     for d in reversed(shape):  # the full tensor's contiguous strides

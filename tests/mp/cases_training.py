@@ -67,6 +67,28 @@ def case_ddp_trains_as_the_unpatched_model(rt):
             assert_close_dicts(full_params(dmine), want, ptol, f"{kind} {dtype} parameters after 3 DDP steps")
 
 
+def case_foreach_optimizers_step_expert_dtensors_with_plain_parameters(rt):
+    """torch's foreach optimizer kernels (AdamW's default on CUDA) refuse lists mixing DTensors and plain
+    tensors; moonep steps such an optimizer under implicit replication: foreach=True gives the per-tensor
+    loop's parameters bitwise, with an LR scheduler too, and leaves DTensor's implicit replication off."""
+    from torch.distributed.tensor import DTensor
+
+    _hf_or_skip()
+    out = []
+    for foreach in (False, True):
+        model = DDP(patched("mixtral", rt))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        for step in range(2):
+            opt.zero_grad()
+            loss_of(model, batch(step, rt.rank, device=rt.device)).backward()
+            opt.step()
+            sched.step()
+        out.append(full_params(model))
+        assert not DTensor._op_dispatcher._allow_implicit_replication
+    assert all(torch.equal(out[0][k], out[1][k]) for k in out[0])
+
+
 def case_gradient_accumulation_matches(rt):
     """1, 2 and 4 micro-batches under DDP.no_sync() give the unpatched model's gradients (of the whole batch
     under DDP); so does sync_grads after every micro-batch without a wrapper (safe at any point)."""

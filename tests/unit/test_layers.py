@@ -63,7 +63,7 @@ def test_slot_matmul(impl):
 def _layer(dtype=torch.float64, **kw):
     # one process without a group, whatever other tests left initialised (moonep.init()): plain parameters
     args = dict(d_model=16, d_latent=8, num_experts=6, topk=2, d_expert=12, num_shared=2, d_shared=4,
-                group=local_runtime(kw.get("device")))
+                group=local_runtime(kw.get("device", "cpu")))
     args.update(kw)
     torch.manual_seed(0)
     return LatentMoE(dtype=dtype, **args)
