@@ -193,11 +193,22 @@ class LatentMoE(ShardedExperts, nn.Module):
 
     def route(self, x: torch.Tensor):
         """``x [s, d]`` -> ``(topk_idx int64 [s, K], weights [s, K] in x.dtype)``; weights sum to 1."""
+        idx, w, pending = self._select(x)
+        self._record_routing(pending)
+        return idx, w
+
+    def _select(self, x: torch.Tensor):
+        """:meth:`route` without recording in the balancer: ``(topk_idx, weights, pending)``; the forward
+        records ``pending`` once its collectives went through, so a refused forward changes nothing."""
         scores = _sigmoid(_project(self.router, x))
         if self.balancer is not None:
-            return self.balancer.route(scores)
+            return self.balancer.select(scores)
         w, idx = scores.topk(self.topk, dim=1)
-        return idx, normalise_topk(w)
+        return idx, normalise_topk(w), None
+
+    def _record_routing(self, pending) -> None:
+        if pending is not None:
+            self.balancer.record(pending)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the shared SiTU-GLU experts on ``x [s, d]`` -> ``[s, d]``."""
@@ -231,7 +242,7 @@ class LatentMoE(ShardedExperts, nn.Module):
             shape = x.shape
             x = x.reshape(-1, self.d_model)
             x_r, x_d, x_s = self._inputs(x)
-            idx, w = self.route(x_r)
+            idx, w, pending = self._select(x_r)
         except ValueError as exc:
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
@@ -240,6 +251,7 @@ class LatentMoE(ShardedExperts, nn.Module):
         if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
             u, self.last_stats = ops.latent_experts(ep, z, idx, w, self.expert_w_in, self.expert_w_out,
                                                     _situ_glu, self.matmul)
+            self._record_routing(pending)
             return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)
         h = ep.dispatch(z, idx, w)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
@@ -249,6 +261,7 @@ class LatentMoE(ShardedExperts, nn.Module):
         cu = h.cu_seqlens
         a = situ_glu_fused(expert_matmul(h.tokens, cu, self.expert_w_in, r_in, impl=self.matmul))   # [cap, F]
         u = ep.combine(expert_matmul(a, cu, self.expert_w_out, r_out, impl=self.matmul), h)          # [s, l]
+        self._record_routing(pending)  # the step's collectives went through on every rank
         y = _project(self.up, self._norm(u)) + self.shared(x_s)
         self._record(h.plan)
         return y.reshape(shape)
@@ -265,6 +278,7 @@ class LatentMoE(ShardedExperts, nn.Module):
 
 
 def dist_bcast(box: list, rt) -> None:
-    import torch.distributed as dist
+    from ..guard import SEED
 
-    dist.broadcast_object_list(box, src=dist.get_global_rank(rt.cpu_group, 0), group=rt.cpu_group)
+    # rank 0's int seed, in one header exchange (a rank in another moonep collective fails cleanly)
+    box[0] = rt.host.agree(SEED, box[0], what="LatentMoE construction (seed)")[0]
