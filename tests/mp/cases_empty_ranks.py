@@ -18,7 +18,7 @@ from ep_reference import dense_reference, expert, routing, run_slots
 
 LAYOUTS = ("contiguous", "expanded", "transposed", "sliced")
 WEIGHT_LAYOUTS = ("contiguous", "transposed", "sliced")  # expert weights have no rows to repeat
-E_PER_RANK, K, H, F, S = 2, 2, 6, 4, 5
+E_PER_RANK, K, H, F, S = 2, 2, 8, 4, 5
 
 
 def _laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
