@@ -722,7 +722,7 @@ def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack:
 # --------------------------------------------------------------------------------------------- layers
 @torch.compiler.disable
 def _get_ep_eager(provider, s, topk, width, dtype, device):
-    # host work (a max all-reduce of s with max_tokens=None, or building the instance): one graph break
+    # host work (the largest s of any rank with max_tokens=None, or building the instance): one graph break
     return provider.get(s, topk, width, dtype, device)
 
 
@@ -761,7 +761,7 @@ def latent_experts(ep, z: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_in: 
 def _qb_record(raw: Tensor, values: Tensor, bias: Tensor, lo: Tensor, width: Tensor, counts: Tensor, work: Tensor,
                balancer_id: int, first: bool, check: bool) -> None:
     """``QuantileBalancer._record_cuda`` (one kernel, CUDA): required biases of ``raw [s, E]`` (cutoffs in
-    column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1]``; ``first``: this micro-batch sets the
+    column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1+31]``; ``first``: this micro-batch sets the
     range ``lo``/``width`` (0-d) from ``bias [E]``; ``check``: count bad scores (flags in ``work``)."""
     bal = op_state.instance(balancer_id)
     # the balancer with the tensors the compiled graph passed (functionalisation may pass copies)
