@@ -22,14 +22,18 @@ from __future__ import annotations
 import copy
 import json
 import struct
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import cuda_runtime
 from .eager_math import keep_eager
+from .balance_check import STATE_BITS, state_bits, states_differ
 from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor
+from .guard import BALANCER
 from .op_state import register_instance
+from .transport.host_group import HostGroup, host_of
 
 __all__ = ["QuantileBalancer", "histogram_quantiles", "normalise_topk"]
 
@@ -43,6 +47,9 @@ def _normalise(w: torch.Tensor) -> torch.Tensor:
 normalise_topk = keep_eager(_normalise, "normalise_topk")  # keep_eager keeps the docstring
 
 _CHECKED: dict = {}  # a group's global ranks -> balancers whose settings were checked on it so far
+_DIFFERS = ("QuantileBalancer.step: expected the same bias and num_steps on every rank (they are replicated), "
+            "got states that differ across ranks (e.g. a checkpoint loaded on some ranks only); the step was "
+            "refused on every rank and the state left as it was: load the same state on every rank")
 _TORCH_BALANCE = "torch ops for Quantile Balancing's histograms and step"  # the fallback, in CuPy's warning
 
 
@@ -73,6 +80,18 @@ def histogram_quantiles(counts: torch.Tensor, topk: int, lo: torch.Tensor, width
     return b, m
 
 
+class _Pending(NamedTuple):
+    """What :meth:`QuantileBalancer.record` records: the scores (detached; float32 or wider off the kernel
+    path), the top-(K+1) biased scores ``[s, K+1]``, whether scores are checked on the device, whether the
+    kernels record, and the scores to check (or ``None``)."""
+
+    scores: torch.Tensor
+    values: torch.Tensor
+    deferred: bool
+    fused: bool
+    check: Optional[torch.Tensor]
+
+
 def _record_op(balancer, raw, values, check: bool) -> None:
     """``balancer._record_cuda`` through the custom op ``moonep::qb_record`` (compiled code)."""
     from .ops import qb_record
@@ -99,7 +118,8 @@ class QuantileBalancer(torch.nn.Module):
         device: where the bias and counts live (``.to()`` moves them too).
 
     Buffers: ``bias`` float32 ``[E]`` (persistent), ``num_steps`` int64 0-dim (persistent), the counts
-    int32 ``[E*B + 1]`` (the last slot counts micro-batches with bad scores; not persistent).
+    int32 ``[E*B + 1 + 31]`` (slot ``E*B`` counts micro-batches with bad scores, the last 31 carry the
+    cross-rank state check; not persistent).
     Recording happens only in training mode and not frozen; ``eval()`` routes without recording.
     """
 
@@ -123,19 +143,25 @@ class QuantileBalancer(torch.nn.Module):
         E, B = num_experts, bins
         self.register_buffer("bias", torch.zeros(E, dtype=torch.float32, device=device))
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.int64, device=device))
-        self.register_buffer("_counts", torch.zeros(E * B + 1, dtype=torch.int32, device=device), persistent=False)
+        # [E*B] histograms, [1] micro-batches with bad scores, [STATE_BITS] the state check (balance_check.py)
+        self.register_buffer("_counts", torch.zeros(E * B + 1 + STATE_BITS, dtype=torch.int32, device=device),
+                             persistent=False)
         self.register_buffer("_row_start", torch.arange(E, dtype=torch.int32, device=device) * B,
                              persistent=False)  # [E] int32: flat index of each expert's bin 0
         self.register_buffer("_lo", torch.zeros((), device=device), persistent=False)      # range of this step
         self.register_buffer("_width", torch.ones((), device=device), persistent=False)
-        self.register_buffer("_bad_total", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        # running totals: [0] micro-batches with bad scores, [1] steps refused because the ranks' states differ
+        self.register_buffer("_bad_total", torch.zeros(2, dtype=torch.int64, device=device), persistent=False)
         # CUDA kernels' scratch: [0:E] uncentred quantiles (float64 bits), [E] m, [E+1] two int32 flags
         self.register_buffer("_work", torch.zeros(E + 2, dtype=torch.int64, device=device), persistent=False)
         self._recording = False  # host flag: counts recorded since the last step (avoids reading device)
         self._bad_host = self._bad_event = None  # CUDA deferred check: pinned copy of _bad_total + its event
-        self._bad_reported = 0
+        self._bad_reported = [0, 0]
         self._config_checked = False  # the ranks' settings agree (checked by the first step of a group)
         self._config_key = None  # where this balancer's settings are published in the group's store
+        self._group_index = -1  # this balancer's index among those of its group (from the settings check)
+        self._host = None  # the header-first collectives of the group's gloo group (False: none)
+        self._steps_called = 0  # host count of step() calls (named in errors; num_steps is on the device)
         self._op_id = register_instance(self)  # how moonep::qb_record (torch.compile) finds it
 
     def __deepcopy__(self, memo) -> "QuantileBalancer":
@@ -145,9 +171,9 @@ class QuantileBalancer(torch.nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         # the deferred CUDA check's pinned copy and its event are per instance (an event cannot be copied)
-        state = {k: v for k, v in self.__dict__.items() if k not in ("_bad_host", "_bad_event")}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_bad_host", "_bad_event", "_host")}
         new.__dict__.update(copy.deepcopy(state, memo))
-        new._bad_host = new._bad_event = None
+        new._bad_host = new._bad_event = new._host = None
         new._op_id = register_instance(new)  # its own entry: compiled routes must record into the copy
         return new
 
@@ -161,6 +187,18 @@ class QuantileBalancer(torch.nn.Module):
             ``(topk_idx, weights)``: int64 ``[s, K]`` (by decreasing biased score) and ``[s, K]`` in
             ``scores.dtype``, ``scores[i, idx] / sum``; differentiable wrt ``scores``, never wrt ``bias``.
         """
+        idx, weights, pending = self.select(scores)
+        self.record(pending)
+        return idx, weights
+
+    def select(self, scores: torch.Tensor):
+        """:meth:`route` without recording: ``(topk_idx, weights, pending)``, where ``pending`` is what
+        :meth:`record` records (``None`` when nothing is to be: eval mode, frozen).
+
+        For callers that record only once the routing has been used: :class:`moonep.LatentMoE` records
+        after its step's collectives went through on every rank, so a forward refused on every rank leaves
+        every rank's balancer as it was.  Record before the next :meth:`step` (the cutoffs are the current
+        bias's)."""
         E, K = self.num_experts, self.topk
         expect_tensor(scores, "scores", dim=2)
         expect(scores.shape[1] == E, "scores", f"shape [s, {E}] (num_experts={E})", f"{list(scores.shape)}")
@@ -179,14 +217,22 @@ class QuantileBalancer(torch.nn.Module):
                 s = s.to(ctype)
             top = torch.topk(s + self.bias.to(ctype), K + 1 if record else K, dim=1)
             idx = top.indices[:, :K]
-            if record:
-                if fused and torch.compiler.is_compiling():  # the kernel launch as a custom op (moonep/ops.py)
-                    _record_op(self, s, top.values, mode == "deferred")
-                elif fused:  # reads the scores in their own dtype
-                    self._record_cuda(s, top.values, mode == "deferred")
-                else:
-                    self._record(s.to(ctype), top.values[:, K], scores if mode == "deferred" else None)
-        return idx, normalise_topk(scores.gather(1, idx))
+        deferred = mode == "deferred"
+        pending = _Pending(s, top.values, deferred, fused, s if deferred else None) if record else None
+        return idx, normalise_topk(scores.gather(1, idx)), pending
+
+    @torch.no_grad()
+    def record(self, pending) -> None:
+        """Record the required biases of a :meth:`select` (its ``pending``; ``None``: nothing)."""
+        if pending is None:
+            return
+        s, values, deferred, fused, raw = pending
+        if fused and torch.compiler.is_compiling():  # the kernel launch as a custom op (moonep/ops.py)
+            _record_op(self, s, values, deferred)
+        elif fused:  # reads the scores in their own dtype
+            self._record_cuda(s, values, deferred)
+        else:
+            self._record(s.to(torch.promote_types(s.dtype, torch.float32)), values[:, self.topk], raw)
 
     def _record(self, s: torch.Tensor, alpha: torch.Tensor, raw) -> None:
         """Scatter-add ``r = alpha[:, None] - s`` ([s, E]) into the counts; device ops only."""
@@ -204,7 +250,8 @@ class QuantileBalancer(torch.nn.Module):
         self._counts.index_add_(0, flat, torch.ones((), dtype=torch.int32, device=flat.device).expand(flat.numel()))
         if raw is not None and raw.numel():  # deferred validation: +1 per micro-batch with bad scores
             mn, mx = torch.aminmax(raw.detach())  # one pass; NaN propagates into both
-            self._counts[-1:].add_(~((mn >= 0) & (mx <= 1)))
+            bad = self.num_experts * B
+            self._counts[bad:bad + 1].add_(~((mn >= 0) & (mx <= 1)))
 
     # ---------------------------------------------------------------- CUDA kernels
     _KERNEL_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16", torch.float64: "f64"}
@@ -306,7 +353,7 @@ class QuantileBalancer(torch.nn.Module):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Pool the counts (one int32 all-reduce of ``E*B + 1``) and set the bias used from now on.
+        """Pool the counts (one int32 all-reduce of ``E*B + 1 + 31``) and set the bias used from now on.
 
         Collective over ``group`` unless frozen. No host sync on CUDA. The first step checks that every
         rank built the balancer with the same ``num_experts``, ``topk``, ``bins``, ``ema``, ``validate``
@@ -314,66 +361,116 @@ class QuantileBalancer(torch.nn.Module):
         ``ValueError`` on every rank, naming the argument and each rank's value, where the counts'
         all-reduce of different sizes would abort the process or hang.  An empty histogram (no tokens on
         any rank) or a step with bad scores leaves the bias unchanged.
+
+        Every step also checks that the ranks hold the same ``bias`` and ``num_steps`` (a hash of them
+        rides in the all-reduce, :mod:`moonep.balance_check`): where they differ (a checkpoint loaded on one
+        rank only), the step is refused on every rank, leaving the state as it was, with ``ValueError``
+        (CPU: this step; CUDA: a later step, without syncing).  On a gloo group (or a NCCL group made by
+        ``moonep.init``) the all-reduce is preceded by a header exchange on the gloo group
+        (:mod:`moonep.transport.host_group`): a rank in another moonep collective fails cleanly.
         """
         if self.frozen:
             self._reset_counts()
             return
-        if not self._config_checked and self._world() > 1:
-            self._check_config()
-        if self._kernel_step():
-            if self._world() > 1:
-                self._all_reduce_counts()
-            self._step_cuda()
-            self._report_bad(None)
+        R = self._world()
+        self._steps_called += 1
+        host = None
+        if R > 1:
+            if not self._config_checked:
+                self._check_config()
+            host = self._host_group()  # None: a NCCL group moonep did not make (no gloo group for a header)
+        if host is None:
+            self._report_bad(*self._update(R))
             return
-        if not self._recording:  # nothing recorded here: same range as the peers, from the same bias
-            self._set_range()
-        if self._world() > 1:
-            self._all_reduce_counts()
-        E, B = self.num_experts, self.bins
-        b, m = histogram_quantiles(self._counts[:-1].view(E, B), self.topk, self._lo, self._width)
-        b = b - b.mean()
-        if self.ema > 0:
-            b = self.ema * self.bias.to(torch.float64) + (1.0 - self.ema) * b
-            b = b - b.mean()
-        bad = self._counts[-1].clone()
-        ok = (m > 0) & (bad == 0)
-        self.bias.copy_(torch.where(ok, b.to(torch.float32), self.bias))
-        self.num_steps += 1
-        self._reset_counts()
-        self._report_bad(bad)
+        what = f"QuantileBalancer.step #{self._steps_called}"
+        host.agree(BALANCER, self._counts.numel(), instance=self._group_index, what=what)
+        with host.span(what):  # left part way on this rank (an interrupt): the group is abandoned
+            found = self._update(R)
+        self._report_bad(*found)  # after the collectives: every rank is in step, whatever is raised
 
-    def _report_bad(self, bad: torch.Tensor) -> None:
-        """Raise for bad scores once their count is on the host; never blocks on CUDA.
+    def _update(self, R: int):
+        """The step after its header: all-reduce, new bias (unless refused), reset.  Returns what
+        :meth:`_report_bad` reports: ``(bad, differs)``."""
+        E, B = self.num_experts, self.bins
+        differs = before = None
+        if R > 1:
+            self._counts[E * B + 1:].copy_(state_bits(self.bias, self.num_steps))
+            before = self.bias.clone(), self.num_steps.clone()
+        if self._kernel_step():
+            if R > 1:
+                self._all_reduce_counts()
+                differs = states_differ(self._counts[E * B + 1:], R)
+            self._step_cuda()  # resets the histograms and the bad count
+            bad = None  # the kernels added it to the running total
+        else:
+            if not self._recording:  # nothing recorded here: same range as the peers, from the same bias
+                self._set_range()
+            if R > 1:
+                self._all_reduce_counts()
+                differs = states_differ(self._counts[E * B + 1:], R)
+            b, m = histogram_quantiles(self._counts[:E * B].view(E, B), self.topk, self._lo, self._width)
+            b = b - b.mean()
+            if self.ema > 0:
+                b = self.ema * self.bias.to(torch.float64) + (1.0 - self.ema) * b
+                b = b - b.mean()
+            bad = self._counts[E * B].clone()
+            ok = (m > 0) & (bad == 0)
+            self.bias.copy_(torch.where(ok, b.to(torch.float32), self.bias))
+            self.num_steps += 1
+        if differs is not None:  # refused on every rank (all see the same sums): the state stays as it was
+            self.bias.copy_(torch.where(differs, before[0], self.bias))
+            self.num_steps.copy_(torch.where(differs, before[1], self.num_steps))
+        self._reset_counts()
+        return bad, differs
+
+    def _report_bad(self, bad, differs=None) -> None:
+        """Raise for bad scores (``bad``: this step's count, ``None`` when the kernels added it to the total)
+        or for ranks whose states differ (``differs``: bool 0-dim, or ``None``) once they are on the host;
+        never blocks on CUDA.
 
         CUDA: a running device total is copied (non-blocking) into pinned memory each step; a later
         ``step`` reads it only once its event has completed, so the error surfaces a step or so late.
-        ``bad=None``: the kernels already added it to the total. Inside CUDA-graph capture only the device
-        total moves; the first eager ``step`` after it reports.
+        Inside CUDA-graph capture only the device total moves; the first eager ``step`` after it reports.
         """
-        if bad is not None and bad.device.type != "cuda":
+        if not self._bad_total.is_cuda:
+            if differs is not None and bool(differs):
+                raise ValueError(_DIFFERS)
             n = int(bad)
             if n:
                 raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in {n} "
                                  f"micro-batch(es) of this step (all ranks); the bias was not updated")
             return
         if bad is not None:
-            self._bad_total += bad
+            self._bad_total[0] += bad
+        if differs is not None:
+            self._bad_total[1] += differs
         if torch.cuda.is_current_stream_capturing():
             return
         seen = None
         if self._bad_event is not None and self._bad_event.query():
-            seen = int(self._bad_host)  # arrived: a host read, no sync
+            seen = self._bad_host.tolist()  # arrived: a host read, no sync
         if self._bad_host is None:
-            self._bad_host = torch.zeros((), dtype=torch.int64, pin_memory=True)
+            self._bad_host = torch.zeros(2, dtype=torch.int64, pin_memory=True)
             self._bad_event = torch.cuda.Event()
         self._bad_host.copy_(self._bad_total, non_blocking=True)  # cumulative, so overwriting loses nothing
         self._bad_event.record()
-        if seen is not None and seen > self._bad_reported:
-            n, self._bad_reported = seen - self._bad_reported, seen
-            raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in {n} "
-                             f"micro-batch(es) of an earlier step (all ranks); those steps left the bias "
-                             f"unchanged")
+        if seen is None:
+            return
+        (n_bad, n_differ), (old_bad, old_differ) = seen, self._bad_reported
+        self._bad_reported = list(seen)
+        if n_differ > old_differ:
+            raise ValueError(f"{_DIFFERS} ({n_differ - old_differ} step(s), seen a step or so late)")
+        if n_bad > old_bad:
+            raise ValueError(f"scores: expected values in [0, 1] and no NaN, got invalid values in "
+                             f"{n_bad - old_bad} micro-batch(es) of an earlier step (all ranks); those steps left "
+                             "the bias unchanged")
+
+    def _host_group(self):
+        """The :class:`moonep.transport.host_group.HostGroup` for this balancer's headers, or ``None``."""
+        if self._host is None:
+            gloo = host_of(self.group if self.group is not None else dist.group.WORLD)
+            self._host = HostGroup(gloo) if gloo is not None else False
+        return self._host or None
 
     def _all_reduce_counts(self) -> None:
         """Sum the histograms over the group; a dead or stalled peer raises MoonepError naming the step.
@@ -435,6 +532,7 @@ class QuantileBalancer(torch.nn.Module):
             n = _CHECKED.get(ranks, 0)
             _CHECKED[ranks] = n + 1
             self._config_key = f"moonep/QuantileBalancer/{'-'.join(map(str, ranks))}/{n}/"
+            self._group_index = n
         fields = self._config_fields()
         try:
             store = dist.distributed_c10d._get_default_store()
@@ -455,8 +553,18 @@ class QuantileBalancer(torch.nn.Module):
         key = prefix + "bias"
         if key in state_dict:
             t = state_dict[key]
-            expect(tuple(t.shape) == (self.num_experts,), f"state_dict[{key!r}]",
-                   f"shape [{self.num_experts}] (num_experts)", f"{list(t.shape)}")
+            expect(isinstance(t, torch.Tensor) and tuple(t.shape) == (self.num_experts,), f"state_dict[{key!r}]",
+                   f"a tensor of shape [{self.num_experts}] (num_experts)", f"{list(getattr(t, 'shape', []))}")
+            expect(t.is_floating_point(), f"state_dict[{key!r}]", "a floating dtype", t.dtype)
+            finite = torch.isfinite(t)
+            expect(bool(finite.all()), f"state_dict[{key!r}]", "finite values (a NaN or inf bias picks the same "
+                   "experts for every token for ever)", f"{int((~finite).sum())} non-finite value(s)")
+        key = prefix + "num_steps"
+        if key in state_dict:
+            t = state_dict[key]
+            ok = isinstance(t, torch.Tensor) and t.numel() == 1 and not t.is_floating_point() and t.dtype != torch.bool
+            expect(ok, f"state_dict[{key!r}]", "an integer tensor with one element", getattr(t, "dtype", type(t)))
+            expect(int(t) >= 0, f"state_dict[{key!r}]", "a count >= 0", int(t))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._reset_counts()  # counts taken over the old range are meaningless now
 

@@ -21,14 +21,29 @@ import numpy as np
 import torch
 from numba import njit
 
-__all__ = ["u8", "u8_choices", "bits16", "bf16_nan_bits", "gather_rows", "expand_rows", "scatter_choices",
+__all__ = ["dense", "u8", "u8_choices", "bits16", "bf16_nan_bits", "gather_rows", "expand_rows", "scatter_choices",
            "gather_choices", "pick_choices", "reduce_pairs_bf16", "reduce_pairs_float",
            "pack_pairs", "unpack_pairs", "token_order", "sum_by_rank_bf16", "sum_by_rank_float", "route_pairs", "check_topk"]
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (detached) with row-major strides: itself when it has them, else a copy.
+
+    Why not ``contiguous()``: it leaves an empty tensor, and a dimension of size 1, with any stride (the
+    ``[0, H]`` gradient of ``y.sum()`` has strides ``(0, 0)``), and a byte view needs the last stride 1."""
+    t = t.detach()
+    want, step = [], 1
+    for n in reversed(t.shape):
+        want.append(step)
+        step *= max(n, 1)
+    if t.stride() == tuple(reversed(want)):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def u8(t: torch.Tensor) -> np.ndarray:
-    """Byte view ``[t.shape[0], bytes per row]`` of a contiguous CPU tensor, sharing its memory."""
-    t = t.detach().contiguous()
+    """Byte view ``[t.shape[0], bytes per row]`` of a CPU tensor (``t``'s memory when row-major, else a copy's)."""
+    t = dense(t)
     row = 1
     for d in t.shape[1:]:
         row *= d
@@ -36,14 +51,14 @@ def u8(t: torch.Tensor) -> np.ndarray:
 
 
 def u8_choices(t: torch.Tensor) -> np.ndarray:
-    """``[n, K, itemsize]`` byte view of a contiguous ``[n, K]`` CPU tensor."""
+    """``[n, K, itemsize]`` byte view of an ``[n, K]`` CPU tensor (a copy unless row-major)."""
     n, K = t.shape
-    return t.detach().contiguous().view(torch.uint8).numpy().reshape(n, K, t.element_size())
+    return dense(t).view(torch.uint8).numpy().reshape(n, K, t.element_size())
 
 
 def bits16(t: torch.Tensor) -> np.ndarray:
-    """``uint16`` numpy view of a contiguous bf16/fp16 CPU tensor."""
-    return t.detach().view(torch.int16).numpy().view(np.uint16)
+    """``uint16`` numpy view of a bf16/fp16 CPU tensor (a copy unless row-major)."""
+    return dense(t).view(torch.int16).numpy().view(np.uint16)
 
 
 _NAN_BITS = None

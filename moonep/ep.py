@@ -20,15 +20,16 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 
 from . import fp8, layout
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype
 from .config import Tuning
-from .errors import (MoonepError, expect, expect_device, expect_int, expect_same, expect_slack, expect_tensor, fail,
-                     raise_together, valid_timeout)
-from .guard import CollectiveGuard, mark_failed
-from .handles import Dispatched
+from .errors import (MoonepError, RefusedEverywhere, expect, expect_device, expect_int, expect_same, expect_slack,
+                     expect_tensor, fail, raise_together, valid_timeout)
+from .guard import CollectiveGuard, OrderMismatch, mark_failed
+from .handles import Dispatched, check_issued, issue
 from .op_state import register_instance
 from .replicas import home_is_view
 from .runtime import Runtime, detect_launcher, init, local_runtime
@@ -68,6 +69,13 @@ def _local_error(check, *args):
     except ValueError as exc:
         return str(exc)
     return None
+
+
+# Exceptions every rank raises at the same point of a call, which leave the instance in step: a refusal, and
+# activation checkpointing's early stop of a recomputed forward (it stops after the same op on every rank,
+# the recomputed graph being the same; torch.utils.checkpoint, use_reentrant=False).
+_UNIFORM_EXITS = (RefusedEverywhere,) + tuple(
+    e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
 
 
 class _DispatchFn(torch.autograd.Function):
@@ -248,6 +256,7 @@ class ExpertParallel:
         self._closed = False
         self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
         self._side_event = None  # work of this instance queued on another stream (ReplicaPool's fetch), unjoined
+        self._left = None  # why a call was left part way on this rank: every later call is refused
         expect(transport != "local" or self.rt.group is None, "transport",
                '"local" only in a process without a process group', f"a group of {R} rank(s)")
         # the transport waits at most `timeout` from the first exchange on (construction included); a bad
@@ -309,6 +318,11 @@ class ExpertParallel:
         rank then refuses the call together, with a ``ValueError``, before any data moves, and the
         instance stays usable."""
         expect(not self._closed, "ExpertParallel", "an open instance", f"{op} called after close()")
+        if self._left is not None:
+            raise MoonepError(f"rank {self.rank}: {op} #{self._guard.seq + 1}: refused: an earlier collective of "
+                              f"this ExpertParallel failed or was left part way on this rank ({self._left[:300]}); "
+                              "its peers may still be waiting in it or sending into it, so this instance cannot "
+                              f"be used any more: build a new ExpertParallel{self._rebuild_hint()}")
         try:
             if not backward or self._backend.checks_backward_order:
                 got = self._guard.enter(op, exchange=self._backend.order_exchange, refused=error is not None,
@@ -316,13 +330,41 @@ class ExpertParallel:
                 self._backend.label(f"{op} #{self._guard.seq}")
                 if got is not None:
                     self._agree(got, error, describe)
-            if error is not None:  # nothing was exchanged (one rank, or MOONEP_CHECK_ORDER=0)
-                raise ValueError(error)
-            self._join_side_stream()
-            yield
-        except MoonepError:
+        except ValueError:  # a refusal every rank raises here, from every rank's header: still in step
+            raise
+        except OrderMismatch:  # every rank saw every header and raises here: still in step
             self._record_failure()
             raise
+        except BaseException as exc:  # the header exchange failed or was interrupted: peers may go on
+            self._leave(exc)
+            raise
+        if error is not None:  # nothing was exchanged (one rank, or MOONEP_CHECK_ORDER=0)
+            raise ValueError(error)
+        try:
+            self._join_side_stream()
+            yield
+        except _UNIFORM_EXITS:  # raised by every rank at the same point of the call
+            raise
+        except OrderMismatch:
+            self._record_failure()
+            raise
+        except BaseException as exc:  # left between the call's collectives (an error here, an interrupt)
+            self._leave(exc)
+            raise
+
+    def _leave(self, exc: BaseException) -> None:
+        """This rank leaves a call part way: refuse every later call of this instance (and, on the torch
+        transport, of its gloo group) at once, naming why, instead of pairing a later call with the peers'
+        collectives of this one (see :meth:`moonep.backends.base.Backend.abandon_call`)."""
+        if self.world_size > 1:
+            why = f"{self.transport.current_op}: {type(exc).__name__}: {str(exc)[:200]}"
+            self._left = self._left or why
+            self._backend.abandon_call(why)
+        self._record_failure()
+
+    def _rebuild_hint(self) -> str:
+        return (" on a new process group (moonep.init(group=dist.new_group(...)))"
+                if self._backend.name == "torch" else "")
 
     def queued_on(self, stream) -> None:
         """This instance's last collective was launched on ``stream`` (not the current one): the next
@@ -352,10 +394,20 @@ class ExpertParallel:
         raise ValueError("the arguments of this call disagree across ranks")  # describe() missed a field
 
     def _record_failure(self) -> None:
-        """A collective of this instance raised MoonepError: close() must not wait for peers, and the
+        """A collective of this instance failed or disagreed: close() must not wait for peers, and the
         runtime's shutdown skips its barriers (see mark_failed)."""
-        self._failed = True
-        mark_failed(self.rt, self.transport.timeout_s())
+        if self.world_size > 1:
+            self._failed = True
+            mark_failed(self.rt, self.transport.timeout_s())
+
+    def _after_call(self) -> None:
+        """Raise what the backend recorded during the call (the nvlink kernels' flags), after the call's
+        collectives: the ranks are in step whatever is raised here."""
+        try:
+            self._backend.after_call()
+        except MoonepError:
+            self._record_failure()
+            raise
 
     @property
     def transport_name(self) -> str:
@@ -399,6 +451,7 @@ class ExpertParallel:
         if not (isinstance(st, self._backend.step_type) and st.instance == self._guard.instance):
             fail("h", f"a Dispatched of this ExpertParallel (#{self._guard.instance}, {self._backend.name} backend)",
                  f"{type(st).__name__} of ExpertParallel #{getattr(st, 'instance', '?')}")
+        check_issued(h)
 
     def _check_combine(self, expert_out, h) -> None:
         expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
@@ -470,22 +523,25 @@ class ExpertParallel:
                                 ("num_global_tokens", repr(num_global_tokens)),
                                 ("x", "a pre-quantised pair (x_fp8, scales)" if pre else "a tensor")]
         with self._collective("dispatch", error=err, sig=sig, describe=describe):
-            backend = self._backend
-            if self.fp8:
-                return self._dispatch_fp8(x, xs, wire, topk_idx, topk_weights, num_global_tokens)
-            plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens)
-            st.step, st.instance = self._guard.seq, self._guard.instance
-            if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
-                tokens, weights = _DispatchFn.apply(x, topk_weights, self, st)
-            else:
-                tokens, weights = backend.dispatch(x, topk_weights, st, False)
-            if self.apply_weights == "dispatch":
-                adt = acc_dtype(tokens.dtype)
-                tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
-            cu, slot_experts, num_rows = backend.slots(plan, st)
-            out = Dispatched(tokens, weights, cu, slot_experts, num_rows, plan, st)
-            backend.after_call()
-            return out
+            out = (self._dispatch_fp8(x, xs, wire, topk_idx, topk_weights, num_global_tokens) if self.fp8 else
+                   self._dispatch_rows(x, topk_idx, topk_weights, num_global_tokens))
+        self._after_call()
+        return out
+
+    def _dispatch_rows(self, x, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
+        """The body of a dispatch in the token dtype (inside its collective): plan, move the rows."""
+        backend = self._backend
+        plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens)
+        st.step, st.instance = self._guard.seq, self._guard.instance
+        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
+            tokens, weights = _DispatchFn.apply(x, topk_weights, self, st)
+        else:
+            tokens, weights = backend.dispatch(x, topk_weights, st, False)
+        if self.apply_weights == "dispatch":
+            adt = acc_dtype(tokens.dtype)
+            tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
+        cu, slot_experts, num_rows = backend.slots(plan, st)
+        return issue(Dispatched(tokens, weights, cu, slot_experts, num_rows, plan, st))
 
     def _dispatch_fp8(self, x, xs, wire, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
         """The body of an fp8 dispatch (inside its collective): quantise (NVLink: here, its non-finite flag
@@ -502,9 +558,7 @@ class ExpertParallel:
             rows, weights = backend.dispatch(wire, topk_weights, st, False)
             q, scales = fp8.split_wire(rows, self.hidden)
         cu, slot_experts, num_rows = backend.slots(plan, st)
-        out = Dispatched(q, weights, cu, slot_experts, num_rows, plan, st, scales=scales, grad_rows=anchor)
-        backend.after_call()
-        return out
+        return issue(Dispatched(q, weights, cu, slot_experts, num_rows, plan, st, scales=scales, grad_rows=anchor))
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:
@@ -547,13 +601,12 @@ class ExpertParallel:
                                 ("expert_out", f"shape {list(expert_out.shape)}"), ("h", f"dispatch #{st.step}"),
                                 ("expert_out", f"requires_grad={to}"), ("h.weights", f"requires_grad={tw}")]
         with self._collective("combine", error=err, sig=sig, describe=describe):
-            backend = self._backend
             if to or tw:
                 y = _CombineFn.apply(expert_out, weights, self, st, expert_out.dtype)
             else:
-                y = backend.combine(expert_out, weights, st, expert_out.dtype)
-            backend.after_call()
-            return y
+                y = self._backend.combine(expert_out, weights, st, expert_out.dtype)
+        self._after_call()
+        return y
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

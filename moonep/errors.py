@@ -10,6 +10,11 @@ class MoonepError(RuntimeError):
     """A distributed failure: a peer died, stalled or disagreed. Raised on every surviving rank."""
 
 
+class RefusedEverywhere(ValueError):
+    """A ``ValueError`` every rank of a collective call raises at the same point, from what they all
+    exchanged: the ranks stay in step, and the next valid call works."""
+
+
 def fail(name: str, expected: str, actual) -> NoReturn:
     """Raise the ``ValueError`` every check raises: ``"{name}: expected {expected}, got {actual}"``."""
     raise ValueError(f"{name}: expected {expected}, got {actual}")
@@ -49,18 +54,19 @@ def expect_same(name: str, values, show=str) -> None:
     """Raise ``ValueError`` naming ``name`` and every rank's value unless ``values`` (one per rank, in rank
     order) are all equal: ``"{name}: expected the same value on every rank, got rank 0: ..; rank 1: .."``."""
     if any(v != values[0] for v in values):
-        fail(name, "the same value on every rank", "; ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values)))
+        got = "; ".join(f"rank {r}: {show(v)}" for r, v in enumerate(values))
+        raise RefusedEverywhere(f"{name}: expected the same value on every rank, got {got}")
 
 
 def raise_together(error, gather_object) -> NoReturn:
     """Some rank's check failed (``error`` here, or ``None`` if it failed elsewhere): gather the messages
-    (collective: every rank calls this) and raise ``ValueError`` on every rank, with this rank's own message,
-    else the first failing rank's followed by ``(on rank r)``."""
+    (collective: every rank calls this) and raise :class:`RefusedEverywhere` (a ``ValueError``) on every
+    rank, with this rank's own message, else the first failing rank's followed by ``(on rank r)``."""
     msgs = gather_object(error)
     if error is not None:
-        raise ValueError(error)
+        raise RefusedEverywhere(error)
     r = next(i for i, m in enumerate(msgs) if m)
-    raise ValueError(f"{msgs[r]} (on rank {r})")
+    raise RefusedEverywhere(f"{msgs[r]} (on rank {r})")
 
 
 def valid_timeout(t) -> bool:

@@ -12,6 +12,13 @@ The same header carries whether a rank's arguments failed its local checks, and 
 (dtypes, trailing shapes, the step of a handle, which inputs require grad), so ``ExpertParallel`` refuses
 a call on every rank together when they disagree.
 
+Other host collectives on a gloo group (an instance's construction, ``EPProvider``'s sizing, a
+``QuantileBalancer`` step, ``Runtime.barrier``...) start with a header of the same size, naming the call
+(:mod:`moonep.transport.host_group`): gloo pairs collectives by order and ends a process when paired ones
+move different sizes, so a rank in another call must be seen by content.  A call left part way on one
+rank (an interrupt, an error between its collectives) makes that rank refuse every later call of the
+instance (``ExpertParallel._leave``), instead of pairing it with the peers' collectives.
+
 Set ``MOONEP_CHECK_ORDER=0`` to skip the header exchange (one tiny collective per call); timeouts still
 name the op then, but a mismatched order or arguments that disagree across ranks are no longer detected
 before the data moves (wrong values or a crash), and a local argument error raises on its rank only.
@@ -28,6 +35,15 @@ MAGIC = 0x6D6F6F6E  # "moon": a header from anything else is reported as such
 OPS = ("dispatch", "combine", "prefetch", "reduce_grad", "dispatch.backward", "combine.backward",
        "prefetch.backward", "sync")
 _CODE = {name: i + 1 for i, name in enumerate(OPS)}
+# The other host collectives on a gloo group start with a header of the same size (moonep.transport.
+# host_group): [MAGIC, instance, code, seq, 0, payload...], so ranks in different calls see it by content.
+(BUILD, GATHER, SIZING, BALANCER, AGREEMENT, SEED, BARRIER, CHECK_STATE, SYNC_GRADS, GRAD_NORM,
+ GATHER_STATE) = range(len(OPS) + 1, len(OPS) + 12)
+_OTHER = {BUILD: "ExpertParallel construction", GATHER: "all_gather_object", SIZING: "EPProvider sizing",
+          BALANCER: "QuantileBalancer.step", AGREEMENT: "agreement", SEED: "seed broadcast", BARRIER: "barrier",
+          CHECK_STATE: "the replicated-state check (moonep.training.prepare, patch_hf_moe, patch_generic)",
+          SYNC_GRADS: "moonep.training.sync_grads", GRAD_NORM: "moonep.training.clip_grad_norm_",
+          GATHER_STATE: "moonep.training.full_state_dict"}
 SIG_WORDS = 8  # the call's signature: what must agree across ranks (dtypes, shapes, step, autograd pattern)
 HEADER_WORDS = 5 + SIG_WORDS  # magic, instance, op, seq, refused, signature
 
@@ -43,10 +59,34 @@ def check_order_enabled() -> bool:
 def describe(header) -> str:
     """``"combine #5"`` (plus the instance when it is not the first) for a header ``[magic, inst, op, seq, ...]``."""
     magic, inst, code, seq = (int(v) for v in header[:4])
+    if magic == MAGIC and code == BUILD:
+        return f"ExpertParallel #{inst} construction"
+    if magic == MAGIC and code == GATHER:
+        return f"an all_gather_object of call #{seq} of ExpertParallel #{inst}"
+    if magic == MAGIC and code == BALANCER:
+        return f"QuantileBalancer.step (balancer #{inst} of the group)"
+    if magic == MAGIC and code in _OTHER:
+        return _OTHER[code]
     if magic != MAGIC or not 1 <= code <= len(OPS):
         return f"an unknown collective (header {[magic, inst, code, seq]})"
     suffix = f" of ExpertParallel #{inst}" if inst else ""
     return f"{OPS[code - 1]} #{seq}{suffix}"
+
+
+class OrderMismatch(MoonepError):
+    """Ranks made different collective calls; every rank saw every header and raises this together, so the
+    ranks stay in step (the group and the instances stay usable)."""
+
+
+def check_same_call(headers, rank: int) -> None:
+    """Raise :class:`OrderMismatch` unless every rank's header (rank order) names the same call: the
+    same magic, instance, op and sequence number."""
+    ref = [int(v) for v in headers[0][:4]]
+    for r, h in enumerate(headers):
+        if [int(v) for v in h[:4]] != ref:
+            raise OrderMismatch(f"collective order mismatch: rank {r} called {describe(h)} while rank 0 called "
+                                f"{describe(ref)} (seen on rank {rank}); every rank must make the same "
+                                "collective calls in the same order")
 
 
 class CollectiveGuard:
@@ -74,6 +114,7 @@ class CollectiveGuard:
         header = [MAGIC, self.instance, _CODE[op], self.seq, int(refused), *sig]
         header += [0] * (HEADER_WORDS - len(header))
         self.transport.current_op = describe(header)
+        self.transport.call = (self.instance, _CODE[op], self.seq)
         if not self.enabled or self.transport.world_size == 1:
             return None
         try:
@@ -81,13 +122,13 @@ class CollectiveGuard:
         except MoonepError:
             mark_failed(self.rt, self.transport.timeout_s())
             raise
-        ref = [int(v) for v in got[0][:4]]
-        for r, h in enumerate(got):
-            if [int(v) for v in h[:4]] != ref:
-                # Every rank completed the exchange and raises here: the runtime itself stays usable.
-                raise MoonepError(f"collective order mismatch: rank {r} called {describe(h)} while rank 0 called "
-                                  f"{describe(ref)} (seen on rank {self.transport.rank}); every rank must make "
-                                  "the same collective calls in the same order")
+        try:
+            check_same_call(got, self.transport.rank)  # every rank completed the exchange: all raise together
+        except OrderMismatch:
+            # The call did not happen, on any rank: it takes no number.  A peer in another kind of call (an
+            # EPProvider sizing, a balancer step) took none either, so the ranks stay in step.
+            self.seq -= 1
+            raise
         return got
 
 

@@ -11,6 +11,8 @@ Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``K`` top-k, ``s`` token
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -22,10 +24,12 @@ class StepState:
 
     ``step`` is the sequence number of the dispatch that made it and ``instance`` the index of its
     ExpertParallel (both set by ``ExpertParallel.dispatch``): every rank must pass the same step.
+    ``issued``: what dispatch handed out in the ``Dispatched`` of this step (:func:`issue`).
     """
 
     step: int = -1
     instance: int = -1
+    issued: Any = None
 
 
 @dataclass
@@ -127,3 +131,45 @@ class NVLinkStep(StepState):
     tokfirst: Optional[torch.Tensor] = None
     w32: Optional[torch.Tensor] = None
     cu: Optional[torch.Tensor] = None
+
+
+# -- what dispatch handed out ------------------------------------------------------------------------------
+def _key(t):
+    """What identifies a tensor's memory and layout: a replaced or sliced tensor differs in one of them."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    return tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr()
+
+
+def _show(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {list(t.shape)} strides {tuple(t.stride())} on {t.device} at 0x{t.data_ptr():x}"
+
+
+def issue(h: Dispatched) -> Dispatched:
+    """Record in ``h.routing`` the fields of ``h`` that later calls read (``weights``, ``plan``), as dispatch
+    hands them out: :func:`check_issued` then refuses a handle whose fields were replaced."""
+    h.routing.issued = (_key(h.weights), _show(h.weights), h.plan)
+    return h
+
+
+def reissue(h: Dispatched, **changes) -> Dispatched:
+    """``dataclasses.replace(h, **changes)`` with its own copy of the step state, issued anew (what
+    :mod:`moonep.ops` does with the tensors a compiled graph passes, checked by the op)."""
+    st = copy.copy(changes.pop("routing", h.routing))
+    return issue(dataclasses.replace(h, routing=st, **changes))
+
+
+def check_issued(h: Dispatched) -> None:
+    """Raise ``ValueError`` naming the field when ``h.weights`` or ``h.plan`` is not what dispatch handed out
+    (replaced, sliced, another step's): combine would read it out of bounds or give wrong values."""
+    if h.routing.issued is None:
+        return
+    key, shown, plan = h.routing.issued
+    if h.plan is not plan:
+        raise ValueError(f"h.plan: expected the plan dispatch returned in this Dispatched, got "
+                         f"{type(h.plan).__name__} object at 0x{id(h.plan):x} (replaced)")
+    if _key(h.weights) != key:
+        raise ValueError(f"h.weights: expected the tensor dispatch returned ({shown}), got {_show(h.weights)} "
+                         "(replaced or sliced; modify it in place instead)")

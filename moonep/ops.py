@@ -44,6 +44,7 @@ from . import op_state
 from .op_state import fresh_output as _fresh
 from .ep import _CombineFn, _DispatchFn, _PrefetchFn
 from .errors import expect
+from .handles import reissue
 from .experts import (_ExpertBias, _ExpertMatmul, _SlotMatmul, _gather_slots, _operands, _row_slots, _rows_grouped,
                       _rows_loop, _run, _two_grouped, _two_loop)
 
@@ -198,6 +199,7 @@ def _host_part(h) -> _Packed:
     st = copy.copy(h.routing)  # keeps the step number and instance (plain attributes of StepState)
     has_tokfirst = st.tokfirst is not None
     st.dst_rank = st.dst_row = st.row_first = st.rec = st.src = st.tokfirst = st.w32 = st.cu = None
+    st.issued = None  # it names the plan (device tensors): _unpack_step issues the handle again
     return _Packed(dataclasses.replace(h, tokens=None, weights=None, cu_seqlens=None, slot_experts=None,
                                        num_rows=None, plan=None, routing=st), has_tokfirst)
 
@@ -220,7 +222,7 @@ def _unpack_step(ep, packed: _Packed, token: Tensor):
     st.dst_rank, st.dst_row = token[o:o + s * K].view(s, K), token[o + s * K:o + 2 * s * K].view(s, K)
     plan = SimpleNamespace(replica_experts=token[L:L + R * epn].view(R, epn),
                            replica_source=token[L + R * epn:L + R * epn + R])
-    return dataclasses.replace(h, plan=plan, routing=st)
+    return reissue(h, plan=plan, routing=st)
 
 
 def _lookup(token: Tensor, op_id: int):
@@ -256,7 +258,7 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, cap
         op_state.put_step(token, op_id, _host_part(h))
     else:
         token = torch.zeros(1, dtype=torch.int64, device=dev)
-        op_state.put_step(token, op_id, dataclasses.replace(h, tokens=None, weights=None))
+        op_state.put_step(token, op_id, reissue(h, tokens=None, weights=None))
     plan = h.plan
     return (_fresh(h.tokens, x), _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
             h.slot_experts.to(dev, torch.int64, copy=True), plan.assignment.to(dev, torch.int64, copy=True),
@@ -339,7 +341,11 @@ def _combine(expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, num
     """``ExpertParallel.combine``: ``expert_out [cap, H]``, ``weights [cap]`` -> ``[s, H]`` in
     ``expert_out``'s dtype. Collective."""
     ep, h = _lookup(token, op_id)
-    return _fresh(ep.combine(expert_out, dataclasses.replace(h, weights=weights)), expert_out)
+    # the graph's weights, handed to combine as issued when they have the shape it reads; otherwise as
+    # replaced, so that combine refuses them on every rank
+    fits = weights.dim() == 1 and weights.shape[0] == ep.capacity and weights.device.type == ep.device.type
+    h = reissue(h, weights=weights) if fits else dataclasses.replace(h, weights=weights)
+    return _fresh(ep.combine(expert_out, h), expert_out)
 
 
 @_combine.register_fake
@@ -716,7 +722,7 @@ def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack:
 # --------------------------------------------------------------------------------------------- layers
 @torch.compiler.disable
 def _get_ep_eager(provider, s, topk, width, dtype, device):
-    # host work (a max all-reduce of s with max_tokens=None, or building the instance): one graph break
+    # host work (the largest s of any rank with max_tokens=None, or building the instance): one graph break
     return provider.get(s, topk, width, dtype, device)
 
 
@@ -755,7 +761,7 @@ def latent_experts(ep, z: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_in: 
 def _qb_record(raw: Tensor, values: Tensor, bias: Tensor, lo: Tensor, width: Tensor, counts: Tensor, work: Tensor,
                balancer_id: int, first: bool, check: bool) -> None:
     """``QuantileBalancer._record_cuda`` (one kernel, CUDA): required biases of ``raw [s, E]`` (cutoffs in
-    column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1]``; ``first``: this micro-batch sets the
+    column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1+31]``; ``first``: this micro-batch sets the
     range ``lo``/``width`` (0-d) from ``bias [E]``; ``check``: count bad scores (flags in ``work``)."""
     bal = op_state.instance(balancer_id)
     # the balancer with the tensors the compiled graph passed (functionalisation may pass copies)

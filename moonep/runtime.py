@@ -23,6 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .config import env_float
 from .errors import MoonepError, expect
+from .guard import BARRIER
+from .transport.host_group import HostGroup, register as register_host_group
 from .transport.mpi import _abandon, _nap
 
 _DEFAULT_TIMEOUT_S = 60.0
@@ -92,6 +94,18 @@ class Runtime:
     _instances: int = field(default=0, repr=False)  # ExpertParallel objects built here (order-check ids)
     mesh: object = field(default=None, repr=False)  # the experts' 1-D "ep" DeviceMesh (moonep.training.expert_mesh)
     dp_mesh: object = field(default=None, repr=False)  # its data-parallel sibling, when moonep built the mesh
+    _host: object = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.group is not None and self.cpu_group is not None and self.cpu_group is not self.group:
+            register_host_group(self.group, self.cpu_group)  # headers of collectives on a NCCL group
+
+    @property
+    def host(self) -> HostGroup:
+        """moonep's header-first collectives on ``cpu_group`` (:mod:`moonep.transport.host_group`)."""
+        if self._host is None:
+            self._host = HostGroup(self.cpu_group, self.timeout.total_seconds())
+        return self._host
 
     def _give_up(self) -> None:
         """A shutdown barrier failed or expired: remember it, and under mpirun make sure the process ends
@@ -116,7 +130,10 @@ class Runtime:
         return self.device if self.backend == "nccl" else torch.device("cpu")
 
     def barrier(self) -> None:
-        dist.barrier(group=self.cpu_group)
+        """Wait for every rank (a header exchange on ``cpu_group``: a rank in another moonep collective makes
+        every rank raise MoonepError instead of pairing with it)."""
+        if self.cpu_group is not None and self.world_size > 1:
+            self.host.agree(BARRIER, what="Runtime.barrier")
 
     def shutdown(self) -> None:
         """Destroy the default process group if ``init`` created it.
@@ -141,8 +158,8 @@ class Runtime:
             except Exception:  # noqa: BLE001 (private API; the MPI barrier below covers mpirun anyway)
                 store = None
             try:
-                dist.barrier(group=self.cpu_group)  # gloo: bounded by the group's timeout
-            except Exception:  # noqa: BLE001 (a peer is dead or stalled: give the barriers up)
+                self.barrier()  # gloo: bounded by the group's timeout
+            except Exception:  # noqa: BLE001 (a peer is dead, stalled or elsewhere: give the barriers up)
                 self._give_up()
             try:
                 dist.destroy_process_group()

@@ -100,6 +100,10 @@ class Backend:
         gradients of every rank (``replica_grad [epn, *D]`` here) -> ``[epn, *D]``."""
         raise NotImplementedError
 
+    def abandon_call(self, why: str) -> None:
+        """A call ended part way on this rank (see :meth:`moonep.transport.Transport.abandon_call`): what
+        carries its headers and data refuses every later call, naming ``why``."""
+
     def label(self, op: str) -> None:
         """The collective call now running (named in errors the backend raises later)."""
 

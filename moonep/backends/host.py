@@ -14,7 +14,7 @@ import torch
 from .. import cpu_kernels, layout
 from ..combine import combine_rows, gather_choices, sum_choices_by_rank
 from ..dispatch import build_routing, dispatch_packed, expand, expand_weights, pick_weights, send_tokens
-from ..errors import expect, expect_int, raise_together
+from ..errors import RefusedEverywhere, expect, raise_together
 from ..handles import HostStep
 from ..planner import plan_balanced
 from ..replicas import (prefetch_replicas_into, prefetch_weights, prefetch_weights_into, reduce_replica_grads,
@@ -31,6 +31,9 @@ class HostBackend(Backend):
         self.transport, self.name = transport, transport.name
         self.rank, self.world_size, self.device = ep.rank, ep.world_size, ep.device
         self.num_experts, self.capacity, self.align, self.slack = ep.num_experts, ep.capacity, ep.align, ep.slack
+
+    def abandon_call(self, why: str) -> None:
+        self.transport.abandon_call(why)
 
     # -- plan --------------------------------------------------------------------------------------
     def _check_values(self, topk_idx, topk_weights) -> None:
@@ -75,11 +78,11 @@ class HostBackend(Backend):
         meta = self.transport.all_gather(torch.cat([counts, flag]))
         if bool(meta[:, -1].any()):
             raise_together(err, self.transport.all_gather_object)
-        if num_global_tokens is not None:
-            expect_int(num_global_tokens, "num_global_tokens", 0)
+        if num_global_tokens is not None:  # the same on every rank (the call's signature): all raise together
             total = int(meta[:, E].sum())
-            expect(total == num_global_tokens, "num_global_tokens",
-                   f"the sum of tokens over ranks ({total})", num_global_tokens)
+            if total != num_global_tokens:
+                raise RefusedEverywhere(f"num_global_tokens: expected the sum of tokens over ranks ({total}), "
+                                        f"got {num_global_tokens}")
         plan = plan_balanced(meta[:, :E].contiguous(), slack=self.slack)
         st = build_routing(plan, self.rank, topk_idx.to(torch.int64), self.transport, self.capacity,
                            align=self.align, exchange_rows=x.device.type != "cpu")

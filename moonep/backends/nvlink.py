@@ -327,6 +327,10 @@ class NVLinkBackend(Backend):
         the check is on and R > 1, i.e. when the board exists), on the host."""
         return self.board.exchange(header, getattr(self.ep.transport, "current_op", "a collective"))
 
+    def abandon_call(self, why: str) -> None:
+        if self.board is not None:  # its headers: every later call of this instance is refused
+            self.board.broken = True
+
     def label(self, op: str) -> None:
         self.op_label = op
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ..errors import raise_together
+from ..guard import AGREEMENT
 
 # relative tolerance of a probe comparing a patched block with the original in the block's own dtype:
 # summation order only (a wrong routing or a lost shared expert differs by O(1))
@@ -42,14 +42,10 @@ def agree(rt, error: str | None) -> None:
         if error is not None:
             raise ValueError(error)
         return
-
-    def gather(obj):
-        out = [None] * rt.world_size
-        dist.all_gather_object(out, obj, group=rt.cpu_group)
-        return out
-
-    if any(gather(error)):
-        raise_together(error, gather)
+    host = rt.host  # header first: a rank in another moonep collective fails cleanly with this one
+    if any(host.agree(AGREEMENT, error is not None, what="agreement")):
+        with host.span("agreement"):  # the messages: every rank gathers them, then raises
+            raise_together(error, lambda obj: host.all_gather_object(obj, code=AGREEMENT, seq=1, what="agreement"))
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

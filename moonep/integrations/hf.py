@@ -127,8 +127,6 @@ def _save_pretrained(self, save_directory, *args, **kwargs):
                          "every rank), got a state dict")
     try:
         full = full_state_dict(self)
-    except MoonepError:
-        raise
     except RuntimeError as exc:  # a rank that never called save_pretrained: the gather times out
         raise MoonepError(f"save_pretrained: gathering the experts from every rank failed ({str(exc)[:300]}); it "
                           "is collective on a patched model: call it on every rank (rank 0 writes)") from exc

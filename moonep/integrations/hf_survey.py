@@ -21,8 +21,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from ..guard import GATHER
 from ..training.grads import all_reduce_grads
 from .hf import EPDenseExperts, EPExperts, find_moe_modules, patch_hf_moe
 
@@ -74,16 +74,15 @@ def _rel(a, b, floor: float = 1e-30) -> float:
 def _gather_max(rt, v: float) -> float:
     if rt is None or rt.world_size == 1:
         return v
-    t = torch.tensor([v if v == v else float("inf")], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.cpu_group)
-    return float(t)
+    every = rt.host.all_gather_object(v if v == v else float("inf"), code=GATHER, what="the survey's figures")
+    return max(every)
 
 
 def _mean_over_ranks(model, rt) -> None:
     """Average every gradient of the unpatched ``model`` over the ranks (as DDP does), missing ones as zeros."""
     if rt is None or rt.world_size == 1:
         return
-    all_reduce_grads(list(model.parameters()), rt.group, average=True)
+    all_reduce_grads(list(model.parameters()), rt, average=True)
 
 
 def _grad_diff(ref, model, rt) -> float:

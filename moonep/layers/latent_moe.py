@@ -247,11 +247,22 @@ class LatentMoE(nn.Module):
 
     def route(self, x: torch.Tensor):
         """``x [s, d]`` -> ``(topk_idx int64 [s, K], weights [s, K] in x.dtype)``; weights sum to 1."""
+        idx, w, pending = self._select(x)
+        self._record_routing(pending)
+        return idx, w
+
+    def _select(self, x: torch.Tensor):
+        """:meth:`route` without recording in the balancer: ``(topk_idx, weights, pending)``; the forward
+        records ``pending`` once its collectives went through, so a refused forward changes nothing."""
         scores = _sigmoid(_project(self.router, x))
         if self.balancer is not None:
-            return self.balancer.route(scores)
+            return self.balancer.select(scores)
         w, idx = scores.topk(self.topk, dim=1)
-        return idx, normalise_topk(w)
+        return idx, normalise_topk(w), None
+
+    def _record_routing(self, pending) -> None:
+        if pending is not None:
+            self.balancer.record(pending)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of the shared SiTU-GLU experts on ``x [s, d]`` -> ``[s, d]``."""
@@ -284,13 +295,14 @@ class LatentMoE(nn.Module):
             shape = x.shape
             x = x.reshape(-1, self.d_model)
             x_r, x_d, x_s = self._inputs(x)
-            idx, w = self.route(x_r)
+            idx, w, pending = self._select(x_r)
         except ValueError as exc:
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
         z = _project(self.down, x_d)  # [s, l], in dt
         ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
         u, self.last_stats = self.experts(ep, z, idx, w, self.replica_pool, self.matmul)      # [s, l]
+        self._record_routing(pending)  # the step's collectives went through on every rank
         return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -306,6 +318,7 @@ class LatentMoE(nn.Module):
 
 
 def dist_bcast(box: list, rt) -> None:
-    import torch.distributed as dist
+    from ..guard import SEED
 
-    dist.broadcast_object_list(box, src=dist.get_global_rank(rt.cpu_group, 0), group=rt.cpu_group)
+    # rank 0's int seed, in one header exchange (a rank in another moonep collective fails cleanly)
+    box[0] = rt.host.agree(SEED, box[0], what="LatentMoE construction (seed)")[0]

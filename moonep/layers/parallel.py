@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from ..balance import QuantileBalancer
 from ..ep import ExpertParallel
 from ..errors import expect
+from ..guard import SIZING
 from ..runtime import Runtime, detect_launcher, init
 from ..training.sharding import local_experts
 
@@ -36,8 +37,8 @@ def resolve_group(group):
 class EPProvider:
     """One ``ExpertParallel`` per (topk, width, dtype), shared by every layer of a model.
 
-    ``max_tokens=None`` sizes the buffers from the largest ``s`` seen on any rank (one small all-reduce per
-    call; grows in powers of two). Give ``max_tokens`` for fixed shapes and no extra collective.
+    ``max_tokens=None`` sizes the buffers from the largest ``s`` seen on any rank (one small header exchange
+    per call; grows in powers of two). Give ``max_tokens`` for fixed shapes and no extra collective.
     """
 
     def __init__(self, rt, num_experts: int, *, max_tokens=None, **ep_kwargs):
@@ -56,11 +57,9 @@ class EPProvider:
         """The ExpertParallel for ``s`` tokens of ``width`` in ``dtype`` on ``device`` (collective when it
         must be built or grown).  Without a runtime (a plain process) it is the local backend's."""
         need = self.max_tokens
-        if need is None:
-            t = torch.tensor([s], dtype=torch.int64)
-            if self.world_size > 1:
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.rt.cpu_group)
-            need = max(16, 1 << max(int(t) - 1, 0).bit_length())
+        if need is None:  # the largest s of any rank: one header exchange (moonep.transport.host_group)
+            most = max(self.rt.host.agree(SIZING, s, what="EPProvider sizing")) if self.world_size > 1 else s
+            need = max(16, 1 << max(most - 1, 0).bit_length())
         key = (topk, width, dtype, device if self.rt is None else None)
         ep = self._cache.get(key)
         if ep is None or ep.max_tokens < need:

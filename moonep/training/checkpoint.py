@@ -10,10 +10,12 @@
 """
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..errors import expect_same
+from ..guard import GATHER_STATE
+from .grads import _span
 from .params import moonep_runtime
 
 __all__ = ["full_state_dict"]
@@ -29,16 +31,21 @@ def full_state_dict(model: nn.Module) -> dict:
     """
     rt = moonep_runtime(model)
     sd = model.state_dict()
-    out = {}
-    for k, v in sd.items():
-        out[k] = v.full_tensor().cpu() if isinstance(v, DTensor) else v
     prefixes = _module_expert_prefixes(model)
+    gathered = [k for k, v in sd.items() if isinstance(v, DTensor)]
+    many = rt is not None and rt.world_size > 1
+    if many:  # header first: every rank gathers the same entries, and a rank in another call is seen
+        keys = [(k, tuple(sd[k].shape)) for k in gathered]
+        expect_same("model", rt.host.all_gather_object(keys, code=GATHER_STATE, what="full_state_dict"))
+    out = dict(sd)
+    with _span(rt, "full_state_dict"):
+        for k in gathered:
+            out[k] = sd[k].full_tensor().cpu()
     mine = {k: v.detach().cpu() for k, v in out.items() if any(k.startswith(p) for p in prefixes)}
-    if mine or prefixes:
+    if prefixes:
         parts = [mine]
-        if rt is not None and rt.world_size > 1:
-            parts = [None] * rt.world_size
-            dist.all_gather_object(parts, mine, group=rt.cpu_group)
+        if many:
+            parts = rt.host.all_gather_object(mine, code=GATHER_STATE, seq=1, what="full_state_dict")
         for p in parts:
             out.update(p)
     return out

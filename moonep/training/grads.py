@@ -10,12 +10,15 @@ and returns the same global norm on every rank.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import expect
+from ..errors import MoonepError, expect, expect_same
+from ..guard import GRAD_NORM, SYNC_GRADS
 from .params import _expert_names, moonep_runtime
 
 __all__ = ["sync_grads", "clip_grad_norm_", "all_reduce_grads"]
@@ -36,24 +39,29 @@ def sync_grads(model: nn.Module) -> None:
     expect(not any(isinstance(p, DTensor) for p in rep), "model",
            "replicated parameters that are plain tensors (sync_grads replaces DDP; under FSDP do not call it)",
            "DTensor parameters")
-    all_reduce_grads(rep, rt.group, average=True)
+    all_reduce_grads(rep, rt, average=True)
 
 
-def all_reduce_grads(params: list, group, average: bool = False) -> None:
-    """Sum (or average) the gradients of ``params`` over ``group`` in one flat all-reduce; a missing gradient
-    counts as zeros, so every rank contributes the same layout.  Collective."""
+def all_reduce_grads(params: list, rt, average: bool = False) -> None:
+    """Sum (or average) the gradients of ``params`` over ``rt``'s group in one flat all-reduce; a missing
+    gradient counts as zeros, so every rank contributes the same layout (checked first, in a header that
+    also tells a rank making another collective: :mod:`moonep.transport.host_group`).  Collective."""
+    n = sum(p.numel() for p in params)
+    sizes = rt.host.agree(SYNC_GRADS, n, what="sync_grads")
+    expect_same("model", [f"{v} replicated gradient values" for v in sizes])
+    if not params:
+        return
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if not params:
-        return
     flat = torch.cat([p.grad.reshape(-1) for p in params])
     dev = flat.device
-    if dist.get_backend(group) == "nccl" and dev.type != "cuda":
+    if dist.get_backend(rt.group) == "nccl" and dev.type != "cuda":
         flat = flat.cuda()
-    dist.all_reduce(flat, group=group)
+    with rt.host.span("sync_grads"), _named("sync_grads"):
+        dist.all_reduce(flat, group=rt.group)
     if average:
-        flat /= dist.get_world_size(group)
+        flat /= rt.world_size
     flat = flat.to(dev)
     off = 0
     for p in params:
@@ -96,8 +104,16 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
     """
     expect(isinstance(max_norm, (int, float)) and not isinstance(max_norm, bool) and max_norm >= 0,
            "max_norm", "a number >= 0", repr(max_norm))
+    expect(isinstance(norm_type, (int, float)) and not isinstance(norm_type, bool) and norm_type > 0, "norm_type",
+           "a number > 0 (float('inf') for the max norm)", repr(norm_type))
     norm_type = float(norm_type)
     groups, rt = _groups(model_or_parameters)
+    if rt is not None and rt.world_size > 1:  # what every rank adds up must agree, or the norms differ
+        shape = [(str(k) if k is not None else "plain", len(v)) for k, v in groups.items()]
+        got = rt.host.all_gather_object((float(max_norm), norm_type, shape), code=GRAD_NORM,
+                                        what="clip_grad_norm_")
+        for i, name in enumerate(("max_norm", "norm_type", "model_or_parameters")):
+            expect_same(name, [g[i] for g in got])
     device = next((g.to_local().device if isinstance(g, DTensor) else g.device
                    for gs in groups.values() for g in gs), torch.device("cpu"))
     parts = []
@@ -107,7 +123,10 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
             parts.append(_reduce_norm(local, norm_type, rt))
             continue
         n = torch.nn.utils.get_total_norm(grads, norm_type)
-        parts.append((n.full_tensor() if isinstance(n, DTensor) else n).to(device))
+        if isinstance(n, DTensor):
+            with _span(rt, "clip_grad_norm_"):
+                n = n.full_tensor()
+        parts.append(n.to(device))
     total = (torch.nn.utils.get_total_norm(parts, norm_type) if parts
              else torch.zeros((), device=device))
     if error_if_nonfinite and not torch.isfinite(total):
@@ -128,6 +147,29 @@ def _reduce_norm(local: torch.Tensor, norm_type: float, rt) -> torch.Tensor:
         return local
     inf = norm_type == float("inf")
     t = (local if inf else local.double() ** norm_type).to(rt.collective_device).reshape(1)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=rt.group)
+    with _span(rt, "clip_grad_norm_"):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=rt.group)
     t = t.to(local.device).reshape(())
     return (t if inf else t ** (1.0 / norm_type)).to(local.dtype)
+
+
+@contextmanager
+def _named(what: str):
+    """A failure of the collective inside (gloo: a dead or stalled peer) as :class:`moonep.MoonepError`."""
+    try:
+        yield
+    except MoonepError:
+        raise
+    except RuntimeError as exc:
+        raise MoonepError(f"{what}: a collective over the expert-parallel group failed (a peer is dead, stalled "
+                          f"or made another call): {str(exc).strip()[:400]}") from exc
+
+
+@contextmanager
+def _span(rt, what: str):
+    """The collectives of one agreed call: named failures; left part way, the group is abandoned."""
+    if rt is None or rt.world_size == 1:
+        yield
+        return
+    with rt.host.span(what), _named(what):
+        yield

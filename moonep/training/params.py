@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..balance import QuantileBalancer
-from ..errors import expect, fail
+from ..errors import expect, expect_same, fail
+from ..guard import CHECK_STATE
 
 __all__ = ["expert_parameters", "replicated_parameters", "moonep_runtime", "prepare", "check_replicated",
            "mark_for_ddp"]
@@ -128,26 +129,28 @@ def check_replicated(model: nn.Module, rt, *, broadcast_from: int | None = None,
         return
     named = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
              if n not in skip and not _moonep_buffer(model, n)]
+    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
+    prints = [] if broadcast_from is not None else [fingerprint(t).cpu().tolist() for _, t in named]
+    what = "the replicated-state check"
+    # header first (moonep.transport.host_group): a rank in another collective is seen, never paired with this
+    got = rt.host.all_gather_object((mine, prints, broadcast_from), code=CHECK_STATE, what=what)
+    expect_same("broadcast_from", [g[2] for g in got])
+    for r, (names, _, _) in enumerate(got):
+        if names != mine:
+            first = next((a for a, b in zip(names, mine) if a != b), None)
+            fail("model", "the same parameters and buffers (names, shapes, dtypes) on every rank",
+                 f"rank {r} differs from rank {rt.rank} at {first or 'the count'}")
     if broadcast_from is not None:
         src = dist.get_global_rank(rt.group, broadcast_from)
-        with torch.no_grad():
+        with torch.no_grad(), rt.host.span(what):  # left part way on this rank: the group is abandoned
             for _, t in named:
                 t = t.to_local() if hasattr(t, "to_local") else t
                 buf = t.detach().to(rt.collective_device)
                 dist.broadcast(buf, src=src, group=rt.group)
                 t.copy_(buf)
         return
-    mine = [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
-    prints = torch.stack([fingerprint(t).cpu() for _, t in named]) if named else torch.zeros(0, 2, dtype=torch.int64)
-    got = [None] * R
-    dist.all_gather_object(got, (mine, prints.tolist()), group=rt.cpu_group)
-    for r, (names, fp) in enumerate(got):
-        if names != mine:
-            first = next((a for a, b in zip(names, mine) if a != b), None)
-            fail("model", "the same parameters and buffers (names, shapes, dtypes) on every rank",
-                 f"rank {r} differs from rank {rt.rank} at {first or 'the count'}")
     for i, (n, _, _) in enumerate(mine):
-        vals = [fp[i] for _, fp in got]
+        vals = [fp[i] for _, fp, _ in got]
         if any(v != vals[0] for v in vals):
             bad = [r for r, v in enumerate(vals) if v != vals[0]]
             fail(n, "the same value on every rank (a replicated parameter: build the model from the same seed or "

@@ -2,6 +2,7 @@
 
     mpi.py          mpi4py Alltoallv on zero-copy numpy views (CPU tensors under mpirun)
     torchdist.py    torch.distributed all_to_all_single (gloo, NCCL)
+    host_group.py   header-first collectives on a gloo group (host metadata; abandoned groups)
     local.py        one process, no group: the identity
     ipc.py          CUDA IPC symmetric buffers and pinned host words (the nvlink backend's memory)
     order_board.py  host shared memory for the nvlink backend's call-order headers
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 from ..errors import expect
+from ..guard import BUILD
 from .base import Transport
 from .local import SelfTransport
 from .mpi import MPITransport
@@ -37,4 +39,5 @@ def make_transport(kind: str, rt, timeout: float | None = None) -> Transport:
     else:
         t = TorchDistTransport(rt.group, rt.cpu_group, timeout=timeout, group_timeout=group_timeout)
     t.current_op = "ExpertParallel construction"  # until the first collective call names itself
+    t.call = (rt._instances, BUILD, 0)  # the index this instance gets once built
     return t

@@ -21,10 +21,17 @@ class Transport:
     rank: int
     world_size: int
     current_op = "a collective"  # set by moonep.guard: named in timeout and peer-failure errors
+    call = (-1, 0, 0)  # (instance, op code, seq) of that call (moonep.guard), for the headers of object gathers
 
     def timeout_s(self) -> float:
         """Seconds a collective waits for its peers before raising :class:`moonep.MoonepError`."""
         raise NotImplementedError
+
+    def abandon_call(self, why: str) -> None:
+        """A call ended part way on this rank (an interrupt, or an error raised on this rank only, between
+        its collectives): its peers may wait in a collective this rank will not make, or still send into
+        it.  Every later call of this instance is refused at once, naming ``why`` (the ``"torch"``
+        transport: every later moonep call on its gloo group)."""
 
     def exchange_header(self, header: list[int]) -> list[list[int]]:
         """Swap a small list of ints with every rank: returns ``R`` lists (ours at index ``rank``).

@@ -27,12 +27,16 @@ behind never reaches a later one, so a new instance built after a failure works.
   size: the receiver probes the size first), and an answer counts only if it echoes this call's nonce.
   Leftover hellos and answers of a call that timed out are recognised and dropped.  A rank that arrives
   late at a call its peers gave up on simply pairs with their next ``all_gather_object`` call.
-* After a timeout or an MPI error the instance refuses every later call at once (its peers' messages of
-  the failed call may still arrive); build a new ``ExpertParallel``.
+* After a timeout, an MPI error or an interrupt (any ``BaseException`` in a wait: Ctrl-C) the instance
+  refuses every later call at once, naming why (its peers' messages of the failed call may still
+  arrive); build a new ``ExpertParallel``.  So does a call that ``ExpertParallel`` left part way
+  (:meth:`MPITransport.abandon_call`).
 * Nothing here waits outside a call's own deadline, and nothing runs at garbage collection: no
   finalizer, no ``Wait``, no communicator ``Free`` (collective: it would block on a peer that skipped the
   failed call).  Requests given up on stay, with their buffers, in a module-level list (``_ABANDONED``),
-  checked only with ``Test``; :meth:`MPITransport.close` is local.  The communicator is the runtime's.
+  checked only with ``Test``: a late message lands in memory nothing else uses, whatever ended the wait.
+  Every buffer is listed for that before its request is posted.  :meth:`MPITransport.close` is local.
+  The communicator is the runtime's.
 """
 from __future__ import annotations
 
@@ -164,6 +168,9 @@ class MPITransport(Transport):
     def timeout_s(self) -> float:
         return self.timeout
 
+    def abandon_call(self, why: str) -> None:
+        self._broken = self._broken or why  # also makes this instance's headers leftovers for the peers
+
     # -- failures ------------------------------------------------------------------------------------
     def _fail(self, what: str, why: str) -> MoonepError:
         self._broken = self._broken or f"{self.current_op}: {what} {why}"
@@ -172,51 +179,61 @@ class MPITransport(Transport):
     def _usable(self) -> None:
         if self._broken is not None:
             raise MoonepError(f"rank {self.rank}: {self.current_op}: refused: an earlier collective of this "
-                              f"instance failed ({self._broken[:300]}); its peers' messages may still arrive, "
-                              "so it cannot be used any more: build a new ExpertParallel")
+                              f"instance failed or was left part way ({self._broken[:300]}); its peers' messages "
+                              "may still arrive, so it cannot be used any more: build a new ExpertParallel")
 
     def _missing(self, what: str, missing: list[int]) -> MoonepError:
         who = "rank " + ", ".join(map(str, missing)) if len(missing) < 9 else f"{len(missing)} ranks"
         return self._fail(what, f"timed out: {who} did not join within the timeout of {self.timeout:g}s (dead, "
                           "stalled, or waiting in another collective)")
 
-    def _wait_all(self, recvs, sends, what: str, bufs) -> None:
+    def _left(self, what: str, exc: BaseException) -> BaseException:
+        """What to raise when a wait ends by ``exc`` (the caller kept its requests and buffers): an MPI error
+        becomes MoonepError; an interrupt (any other BaseException) is raised as it is.  Either way this
+        instance refuses every later call, naming why."""
+        if isinstance(exc, Exception):  # mpi4py.MPI.Exception: the library saw a failed peer
+            return self._fail(what, f"failed: {exc}")
+        self._broken = self._broken or f"{self.current_op}: {what} interrupted ({type(exc).__name__})"
+        return exc
+
+    def _poll(self, recvs, sends, what: str, bufs) -> None:
         """Poll point-to-point requests (``recvs[i]`` from ``self.peers[i]``) until all complete or the
-        timeout passes; on expiry name the peers whose messages never came."""
+        timeout passes; on expiry keep them alive (``_abandon``) and name the peers whose messages never
+        came.  Other exceptions are the caller's to handle (it holds the requests and buffers)."""
         reqs = recvs + sends
         if not reqs:
             return
         MPI = self._MPI
         deadline = time.monotonic() + self.timeout
         spins = 0
-        try:
-            while not MPI.Request.Testall(reqs):
-                spins += 1
-                _nap(spins, self.timeout - (deadline - time.monotonic()))
-                if time.monotonic() > deadline:
-                    missing = [p for p, r in zip(self.peers, recvs) if not r.Test()]
-                    _abandon(reqs, bufs)
-                    if missing:
-                        raise self._missing(what, missing)
-                    raise self._fail(what, f"did not complete within the timeout of {self.timeout:g}s (a send "
-                                     "was not taken; a peer is stalled or called a different collective)")
-        except MoonepError:
-            raise
-        except Exception as exc:  # mpi4py.MPI.Exception: the library saw a failed peer
-            _abandon(reqs, bufs)
-            raise self._fail(what, f"failed: {exc}") from exc
+        while not MPI.Request.Testall(reqs):
+            spins += 1
+            _nap(spins, self.timeout - (deadline - time.monotonic()))
+            if time.monotonic() > deadline:
+                missing = [p for p, r in zip(self.peers, recvs) if not r.Test()]
+                _abandon(reqs, bufs)
+                if missing:
+                    raise self._missing(what, missing)
+                raise self._fail(what, f"did not complete within the timeout of {self.timeout:g}s (a send "
+                                 "was not taken; a peer is stalled or called a different collective)")
 
     def _exchange(self, tag: int, what: str, recv_bufs, send_bufs, keep) -> None:
         """Post one receive from and one send to every peer on ``tag``, then wait.
 
         One message per peer per call, also when empty: both sides make the same calls in the same order,
         and MPI keeps messages of one (source, tag) in order, so the k-th message pairs with the k-th call.
+        Whatever ends the wait early (a timeout, an MPI error, an interrupt), the requests and ``keep`` stay
+        alive until MPI is done with them: a late message must land in memory nobody else uses.
         """
+        recvs, sends = [], []
         try:
             recvs, sends = _post(self.comm, recv_bufs, send_bufs, self.peers, tag)
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail(what, f"failed: {exc}") from exc
-        self._wait_all(recvs, sends, what, keep)
+            self._poll(recvs, sends, what, keep)
+        except MoonepError:
+            raise
+        except BaseException as exc:
+            _abandon(recvs + sends, (keep, recv_bufs, send_bufs))
+            raise self._left(what, exc) from (exc if isinstance(exc, Exception) else None)
 
     # -- the collectives -----------------------------------------------------------------------------
     def exchange_header(self, header):
@@ -237,12 +254,10 @@ class MPITransport(Transport):
             return got[:, :n].tolist()
         comm, tag, MPI = self.comm, self._header_tag, self._MPI
         deadline = time.monotonic() + self.timeout
+        spins = 0
+        recvs, sends = [], []
         try:
             recvs, sends = _post(comm, [got[p] for p in self.peers], [mine] * len(self.peers), self.peers, tag)
-        except Exception as exc:  # noqa: BLE001
-            raise self._fail("header exchange", f"failed: {exc}") from exc
-        spins = 0
-        try:
             while True:
                 if MPI.Request.Testall(recvs):
                     rows = got.tolist()
@@ -260,14 +275,14 @@ class MPITransport(Transport):
                 if time.monotonic() > deadline:
                     missing = [p for p, r in zip(self.peers, recvs) if not r.Test()]
                     raise self._missing("header exchange", missing)
-            if not MPI.Request.Testall(sends):  # eager: done once the headers are in
-                self._wait_all([], sends, "header send", (got, mine))
-        except MoonepError:
+            self._poll([], sends, "header send", (got, mine))  # eager: done once the headers are in
+        except BaseException as exc:
+            # The receives share one tag with every instance's headers: cancelled, or they would take a
+            # peer's next header.  The sends and both buffers are kept alive.
             _cancel(recvs, sends, (got, mine))
-            raise
-        except Exception as exc:  # mpi4py.MPI.Exception: the library saw a failed peer
-            _cancel(recvs, sends, (got, mine))
-            raise self._fail("header exchange", f"failed: {exc}") from exc
+            if isinstance(exc, MoonepError):
+                raise
+            raise self._left("header exchange", exc) from (exc if isinstance(exc, Exception) else None)
         return [row[:n] for row in rows]
 
     def all_to_all(self, send, send_splits, recv_splits):
@@ -351,11 +366,13 @@ class MPITransport(Transport):
         current: dict = {}  # peer -> its nonce in this call (from its valid answer)
         answered: dict = {}  # peer -> the last nonce we answered
         inbox: dict = {}  # peer -> (request, buffer) of a message being received
+        posted = [hello]  # every buffer handed to MPI, listed before its request is posted (kept on a failure)
         status = MPI.Status()
 
         def answer(p: int, echo: int) -> None:
             buf = np.concatenate([np.frombuffer(_HEAD.pack(_ANSWER, echo, nonce, counter), dtype=np.uint8),
                                   answer_tail])
+            posted.append(buf)
             sends.append((p, echo, comm.Isend(buf, dest=p, tag=tag), buf))
             answered[p] = echo
 
@@ -398,6 +415,7 @@ class MPITransport(Transport):
                         if m is None:
                             break
                         buf = np.empty(status.Get_count(MPI.BYTE), dtype=np.uint8)  # the size first
+                        posted.append(buf)
                         inbox[p] = (m.Irecv(buf), buf)
                 if done():
                     # Our answers to the peers' current nonces must arrive before we leave (a large one
@@ -410,19 +428,16 @@ class MPITransport(Transport):
                     _nap(spins, self.timeout - (deadline - time.monotonic()))
                 if time.monotonic() > deadline:
                     missing = [p for p in peers if p not in got]
-                    _abandon([r for _, _, r, _ in sends] + [r for r, _ in inbox.values()],
-                             ([b for *_, b in sends], [b for _, b in inbox.values()]))
                     if missing:
                         raise self._missing("all_gather_object", missing)
                     late = sorted({p for p, echo, r, _ in sends if echo is not None and echo == current.get(p)})
                     raise self._fail("all_gather_object", f"timed out: rank {', '.join(map(str, late))} did not "
                                      f"take its message within the timeout of {self.timeout:g}s")
-        except MoonepError:
-            raise
-        except Exception as exc:  # mpi4py.MPI.Exception: the library saw a failed peer
-            _abandon([r for _, _, r, _ in sends] + [r for r, _ in inbox.values()],
-                     ([b for *_, b in sends], [b for _, b in inbox.values()]))
-            raise self._fail("all_gather_object", f"failed: {exc}") from exc
+        except BaseException as exc:  # a timeout, an MPI error or an interrupt: keep what MPI may still use
+            _abandon([r for _, _, r, _ in sends] + [r for r, _ in inbox.values()], posted)
+            if isinstance(exc, MoonepError):
+                raise
+            raise self._left("all_gather_object", exc) from (exc if isinstance(exc, Exception) else None)
         # What is still in flight (answers to leftover nonces, which nobody may ever take): kept alive,
         # not waited for.
         rest = [(r, b) for _, _, r, b in sends if not r.Test()] + list(inbox.values())

@@ -7,6 +7,12 @@ would bound such waits).  gloo reports a dead or stalled peer as a ``RuntimeErro
 later collective on that group, on every rank, raises at once ("Connection closed by peer"), so the
 instance and every other user of the group need a new group.  (NCCL reports asynchronously: its watchdog
 ends the process after the timeout.)
+
+Headers and object gathers go through the runtime's gloo group, header first
+(:mod:`moonep.transport.host_group`): ranks in different calls, or an instance built on one rank while
+another dispatches, fail cleanly together.  The data collectives of a call (on the group: gloo or NCCL)
+follow its agreed header, so their sizes match.  A call left part way on one rank (:meth:`abandon_call`)
+abandons the gloo group on that rank.
 """
 from __future__ import annotations
 
@@ -16,17 +22,18 @@ import torch
 import torch.distributed as dist
 
 from ..errors import MoonepError
+from ..guard import BUILD, GATHER
 from .base import Transport
-
-# Renamed in torch 2.13; keep working on older releases (the GPU image has 2.11).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .host_group import HostGroup, all_gather_single
 
 
 def _named(what: str):
-    """Re-raise a backend failure inside the wrapped collective as MoonepError naming op and timeout."""
+    """Refuse a call on an abandoned group; re-raise a backend failure inside the wrapped collective as
+    MoonepError naming op and timeout."""
     def wrap(fn):
         @functools.wraps(fn)
         def inner(self, *args, **kwargs):
+            self.host.usable(self.current_op)
             try:
                 return fn(self, *args, **kwargs)
             except MoonepError:
@@ -51,10 +58,14 @@ class TorchDistTransport(Transport):
         self.backend = dist.get_backend(group)
         self.timeout = float(timeout)
         self.group_timeout = self.timeout if group_timeout is None else float(group_timeout)
+        self.host = HostGroup(self.cpu_group, self.group_timeout)
 
     def timeout_s(self) -> float:
         """What a collective of this transport waits at most: the process group's timeout."""
         return self.group_timeout
+
+    def abandon_call(self, why: str) -> None:
+        self.host.abandon(why)
 
     @_named("all_to_all")
     def all_to_all(self, send, send_splits, recv_splits):
@@ -73,19 +84,16 @@ class TorchDistTransport(Transport):
             return self.all_gather(t.cpu()).to(t.device)
         t = t.to(torch.int64).contiguous()
         out = torch.empty(self.world_size * t.numel(), dtype=torch.int64, device=t.device)
-        _all_gather_single(out, t.reshape(-1), group=self.group)
+        all_gather_single(out, t.reshape(-1), group=self.group)
         return out.view(self.world_size, -1)
 
-    @_named("all_gather_object")
     def all_gather_object(self, obj):
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.cpu_group)
-        return out
+        """Header first (the size, and the call: this instance's construction or its current call), then
+        the bytes: a rank in another call raises :class:`moonep.guard.OrderMismatch` with this one."""
+        instance, code, seq = self.call
+        return self.host.all_gather_object(obj, code=BUILD if code == BUILD else GATHER, instance=instance,
+                                           seq=seq, what=f"{self.current_op}: all_gather_object")
 
-    @_named("header exchange")
     def exchange_header(self, header):
         # On the gloo (host) group: no device sync on the NCCL path.
-        t = torch.tensor(header, dtype=torch.int64)
-        out = torch.empty(self.world_size * t.numel(), dtype=torch.int64)
-        _all_gather_single(out, t, group=self.cpu_group)
-        return out.view(self.world_size, -1).tolist()
+        return self.host.exchange(header, f"{self.current_op}: header exchange")

@@ -99,6 +99,11 @@ def case_handle_of_another_instance_on_one_rank(rt):
     A.case_handle_of_another_instance_on_one_rank(rt)
 
 
+def case_handle_fields_replaced_on_one_rank(rt):
+    _need_cuda(rt)
+    A.case_handle_fields_replaced_on_one_rank(rt)
+
+
 def case_bad_routing_values_on_one_rank(rt):
     _need_cuda(rt)
     raise SkipCase("nvlink checks routing values on the device and reports them later (tests/gpu/cases_ep_gpu.py)")

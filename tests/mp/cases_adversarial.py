@@ -18,6 +18,7 @@ Few ExpertParallel instances are built (one per transport, shared by all cases, 
 "handle of another instance" case), so the sequence numbers of one instance go through every refusal of
 the file and must stay in step.
 """
+import copy
 import os
 import time
 
@@ -448,6 +449,36 @@ def case_handle_of_another_instance_on_one_rank(rt):
         _timing(rt, "handle_of_another_instance_on_one_rank", env.transport, secs)
 
 
+def case_handle_fields_replaced_on_one_rank(rt):
+    """The last rank's Dispatched has a field replaced: ``h.weights`` sliced one row short (was read out of
+    bounds), ``h.weights`` of the step before (the same shape: was a silently wrong sum), ``h.plan`` of the
+    step before (prefetch would fetch another step's replicas).  Refused on every rank, naming the field;
+    the next step is right."""
+    R = rt.world_size
+    for env in _envs(rt):
+        bad = R - 1
+        before, h = env.handle(), env.handle()
+
+        def replaced(**fields):
+            if rt.rank != bad:
+                return h
+            out = copy.copy(h)
+            for name, value in fields.items():
+                setattr(out, name, value)
+            return out
+
+        pre = "h.weights: expected the tensor dispatch returned"
+        secs = [one_rank_fails(env, lambda: env.ep.combine(env.rows(), replaced(weights=h.weights[:-1])), bad, pre,
+                               "combine, h.weights sliced")]
+        if not env.nv:  # nvlink zero-copy: both steps' weights are views of one receive buffer (this step's values)
+            secs.append(one_rank_fails(env, lambda: env.ep.combine(env.rows(), replaced(weights=before.weights)),
+                                       bad, pre, "combine, h.weights of another step"))
+        secs.append(one_rank_fails(env, lambda: env.ep.prefetch(replaced(plan=before.plan), env.w1), bad,
+                                   "h.plan: expected the plan dispatch returned", "prefetch, h.plan of another step"))
+        env.valid_step("replaced handle fields")
+        _timing(rt, "handle_fields_replaced_on_one_rank", env.transport, secs)
+
+
 def case_bad_routing_values_on_one_rank(rt):
     """Smoke test of the value checks (covered in cases_ep.py/cases_faults.py): an expert id out of range on
     one rank is refused on every rank; the next step works."""
@@ -476,6 +507,8 @@ def case_latent_moe_bad_x_on_one_rank(rt):
                       transport=env.transport)
         x = env.x
         y0 = m(x)
+        qb = m.balancer
+        before = [t.clone() for t in (qb.bias, qb.num_steps, qb._counts, qb._lo, qb._width)], qb._recording
         bad = R - 1
         xb = x[:, :H - 1] if rt.rank == bad else x
         secs = [one_rank_fails(env, lambda: m(xb), bad,
@@ -486,6 +519,10 @@ def case_latent_moe_bad_x_on_one_rank(rt):
         secs.append(one_rank_fails(env, lambda: m(xb), bad,
                                    f"x: expected dtype {env.dt} (the layer's parameters), got {env.other}",
                                    "LatentMoE x dtype"))
+        # a forward refused on every rank leaves every rank's balancer as it was (nothing recorded)
+        after = [t.clone() for t in (qb.bias, qb.num_steps, qb._counts, qb._lo, qb._width)], qb._recording
+        assert after[1] == before[1] and all(torch.equal(a, b) for a, b in zip(after[0], before[0])), \
+            f"rank {rt.rank} {env.transport}: the refused forwards changed the balancer's state"
         y1 = m(x)
         assert torch.equal(y0, y1), f"rank {rt.rank} {env.transport}: output after the refusals differs bitwise"
         y1.sum().backward()  # the backward collectives pair up too

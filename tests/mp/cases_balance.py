@@ -6,6 +6,8 @@ all-reduce wants them.
 The reference is the same balancer fed every token in one process (a singleton group, so no all-reduce);
 the pooled biases must be bit-identical to it for any split of the tokens over ranks and micro-batches.
 """
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -142,3 +144,53 @@ def case_cuda_all_reduce_without_sync(rt):
     got = [torch.zeros_like(qb.bias) for _ in range(rt.world_size)]
     dist.all_gather(got, qb.bias, group=rt.group)
     assert all(torch.equal(x, qb.bias) for x in got), "ranks disagree on the bias"
+
+
+def _step_until_refused(qb, scores, dev, steps=4):
+    """``step()`` until it raises (CPU: at once; CUDA: once the flag reached the host, a step or so late);
+    the state must not move meanwhile.  Returns the message."""
+    state = [qb.bias.clone(), qb.num_steps.clone()]
+    for _ in range(steps):
+        qb.route(scores)
+        t0 = time.perf_counter()
+        try:
+            qb.step()
+        except ValueError as exc:
+            print(f"timing: QuantileBalancer.step refused, states differ, rank {dist.get_rank()}: "
+                  f"{time.perf_counter() - t0:.4f}s", flush=True)
+            assert torch.equal(qb.bias, state[0]) and torch.equal(qb.num_steps, state[1]), "a refused step moved"
+            return str(exc)
+        assert torch.equal(qb.bias, state[0]) and torch.equal(qb.num_steps, state[1]), "a refused step moved"
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    raise AssertionError(f"step() was not refused in {steps} steps although the ranks' states differ")
+
+
+def case_state_differs_across_ranks(rt):
+    """A checkpoint loaded on the last rank only (its bias, then its num_steps, differ): the next step is
+    refused on every rank, the state left as it was on every rank; loading the same state everywhere makes
+    the steps work again, equal on every rank."""
+    if rt.world_size == 1:
+        return
+    dev, E, K = rt.collective_device, 16, 2
+    qb = QuantileBalancer(E, K, group=rt.group, device=dev)
+    scores = global_scores(rt.rank, 60, E, 11).to(dev)
+    for _ in range(2):
+        qb.route(scores)
+        qb.step()
+    good = {k: v.clone() for k, v in qb.state_dict().items()}
+    for field in ("bias", "num_steps"):
+        mine = {k: v.clone() for k, v in good.items()}
+        if rt.rank == rt.world_size - 1:
+            mine[field] = mine[field] + (1e-6 if field == "bias" else 1)
+        qb.load_state_dict(mine)
+        msg = _step_until_refused(qb, scores, dev)
+        assert "expected the same bias and num_steps on every rank" in msg, msg
+    qb.load_state_dict(good)
+    for _ in range(2):
+        qb.route(scores)
+        qb.step()
+    got = [torch.zeros_like(qb.bias) for _ in range(rt.world_size)]
+    dist.all_gather(got, qb.bias, group=rt.group)
+    assert all(torch.equal(x, qb.bias) for x in got), "ranks disagree on the bias after loading the same state"
+    assert int(qb.num_steps) == int(good["num_steps"]) + 2

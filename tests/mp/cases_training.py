@@ -347,7 +347,7 @@ def case_autocast_matches_the_unpatched_model(rt):
         lr.backward()
         lm.backward()
         from moonep.training.grads import all_reduce_grads
-        all_reduce_grads(list(ref.parameters()), rt.group, average=True)
+        all_reduce_grads(list(ref.parameters()), rt, average=True)
         moonep.training.sync_grads(mine)
         got, want = full_grads(mine), full_grads(ref)
         worst = max(float((got[k] - want[k]).abs().max()) for k in want)
@@ -424,21 +424,26 @@ def case_generate_ranks_that_stop_apart_raise_together(rt):
     _hf_or_skip()
     if rt.world_size == 1:
         raise SkipCase("one rank always stops with itself")
-    mine = patched("mixtral", rt).eval()
+    from moonep.integrations import patch_hf_moe
+
     ids = batch(5, rt.rank, device=rt.device)[:1]
     steps = 2 + 2 * (rt.rank % 2)  # odd ranks decode longer
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        try:
-            mine.generate(ids, **kw)
-        except moonep.MoonepError as e:
-            msg = str(e)
-            assert "left the collective at different steps" in msg and "synced_gpus=True" in msg, msg
-            assert "sync #" in msg and "dispatch #" in msg, msg
-        else:
-            raise AssertionError("generate() returned although the ranks stopped at different steps")
-        out = mine.generate(ids, synced_gpus=True, **kw)
-    assert out.shape[1] == ids.shape[1] + steps, out.shape
+    # fixed buffers (the next call is a dispatch), and buffers sized per call on the torch transport (the next
+    # call is the sizing collective, on the same gloo group as the headers: seen at once too)
+    for mine in (patched("mixtral", rt).eval(),
+                 patch_hf_moe(unpatched("mixtral", device=rt.device), rt, transport="torch").eval()):
+        with torch.no_grad():
+            try:
+                mine.generate(ids, **kw)
+            except moonep.MoonepError as e:
+                msg = str(e)
+                assert "left the collective at different steps" in msg and "synced_gpus=True" in msg, msg
+                assert "sync #" in msg and ("dispatch #" in msg or "sizing" in msg), msg
+            else:
+                raise AssertionError("generate() returned although the ranks stopped at different steps")
+            out = mine.generate(ids, synced_gpus=True, **kw)
+        assert out.shape[1] == ids.shape[1] + steps, out.shape
 
 
 # ------------------------------------------------------------------------------------------ refusals

@@ -16,19 +16,23 @@ from moonep.runtime import Runtime
 
 
 def isolated(rt, timeout: float, ranks=None, comm=None) -> Runtime:
-    """A CPU runtime over ``ranks`` (default all) with its own MPI communicator and gloo group.
+    """A runtime over ``ranks`` (default all) with its own MPI communicator and gloo group, on ``rt``'s
+    device (CUDA runtimes whose group is NCCL get a NCCL group too, for the data).
 
     Collective over the whole job (``dist.new_group`` must be called by every rank, in the same order).
     ``comm``: an already split communicator for ``ranks`` (default: a duplicate of ``rt.comm``).
     """
     td = datetime.timedelta(seconds=timeout)
     ranks = list(range(rt.world_size)) if ranks is None else list(ranks)
-    group = dist.new_group(ranks, backend="gloo", timeout=td)
+    cpu_group = dist.new_group(ranks, backend="gloo", timeout=td)
+    backend = rt.backend if rt.device.type == "cuda" else "gloo"
+    group = dist.new_group(ranks, backend=backend, timeout=td) if backend != "gloo" else cpu_group
     comm = rt.comm.Dup() if comm is None else comm
     if rt.rank not in ranks:
         return None
-    return Runtime(ranks.index(rt.rank), len(ranks), rt.local_rank, rt.local_world_size, torch.device("cpu"),
-                   group, group, "gloo", "mpi", td, comm)
+    device = rt.device if rt.device.type == "cuda" else torch.device("cpu")
+    return Runtime(ranks.index(rt.rank), len(ranks), rt.local_rank, rt.local_world_size, device, group, cpu_group,
+                   backend, "mpi", td, comm)
 
 
 def problem(sub, E, K=2, H=8, S=16, seed=0):

@@ -1,8 +1,12 @@
-"""Fault injection on CPU ranks under mpiexec: mismatched collective order, stalls, killed ranks, and
-resource hygiene (create/close ExpertParallel 100 times).  See docs/reliability.md."""
+"""Fault injection on CPU ranks under mpiexec: mismatched collective order, stalls, killed ranks, interrupts
+at every wait, ranks in different collectives, and resource hygiene (create/close ExpertParallel 100
+times).  See docs/reliability.md."""
 from moonep.testing.mp import mp_cases
 
-test_faults = mp_cases("tests/mp/cases_faults.py", nranks=[3], case_timeout=60)
+# one launch per world size for the three files (at 3 ranks all of them, at 2 the last two)
+test_faults = mp_cases("tests/mp/cases_faults.py", nranks=[3], case_timeout=60, group="faults")
+test_interrupts = mp_cases("tests/mp/cases_interrupts.py", nranks=[2, 3], case_timeout=240, group="faults")
+test_disagree = mp_cases("tests/mp/cases_disagree.py", nranks=[2, 3], case_timeout=120, group="faults")
 test_hygiene = mp_cases("tests/mp/cases_hygiene.py", nranks=[2], case_timeout=120)
 test_order_board = mp_cases("tests/mp/cases_order_board.py", nranks=[3], case_timeout=60)
 

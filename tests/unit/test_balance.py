@@ -42,7 +42,7 @@ def test_estimator_vs_sort_reference(E, K, n, bins, seed):
     qb.bias.sub_(qb.bias.mean())
     old = qb.bias.clone()
     qb.route(scores)
-    counts = qb._counts[:-1].view(E, bins).clone()
+    counts = qb._counts[:E * bins].view(E, bins).clone()  # the histograms (then the bad count, the state bits)
     assert int(counts.sum()) == n * E and (counts.sum(1) == n).all()
     lo = old.min() - 1
     width = (old.max() + 1 - lo) / bins
@@ -252,6 +252,43 @@ def test_state_dict_round_trip():
     assert torch.equal(other.bias, qb.bias)
     with pytest.raises(ValueError, match=r"state_dict\['bias'\].*\[20\].*\[21\]"):
         other.load_state_dict({"bias": torch.zeros(21), "num_steps": torch.tensor(0)})
+
+
+@pytest.mark.parametrize("bias, num_steps, name, why", [
+    (float("nan"), 3, "bias", "finite values"), (float("inf"), 3, "bias", "finite values"),
+    (float("-inf"), 3, "bias", "finite values"), (0.1, -1, "num_steps", "a count >= 0"),
+    (0.1, 2.5, "num_steps", "an integer tensor"), (0.1, [1, 2], "num_steps", "an integer tensor")])
+def test_load_state_dict_refuses_bad_values(bias, num_steps, name, why):
+    """A NaN bias routed every token to the same experts for ever; a negative or fractional step count is no
+    count.  Refused, naming the entry; nothing changes."""
+    E, K = 6, 2
+    qb = QuantileBalancer(E, K)
+    qb.route(zipf_scores(40, E, 3))
+    qb.step()
+    before = {k: v.clone() for k, v in qb.state_dict().items()}
+    b = torch.full((E,), 0.1)
+    b[2] = bias
+    with pytest.raises(ValueError, match=rf"state_dict\['{name}'\]: expected {why}"):
+        qb.load_state_dict({"bias": b, "num_steps": torch.tensor(num_steps)})
+    assert all(torch.equal(v, before[k]) for k, v in qb.state_dict().items())
+
+
+def test_select_then_record_equals_route():
+    """select() + record() is route(): the same choices and weights, the same counts (what LatentMoE does
+    so that a refused forward records nothing)."""
+    E, K = 10, 3
+    a, b = QuantileBalancer(E, K), QuantileBalancer(E, K)
+    for seed in (1, 2):
+        scores = zipf_scores(64, E, seed)
+        ia, wa = a.route(scores)
+        ib, wb, pending = b.select(scores)
+        assert torch.equal(ia, ib) and torch.equal(wa, wb) and not b._counts.any()
+        b.record(pending)
+        assert torch.equal(a._counts, b._counts)
+        a.step()
+        b.step()
+        assert torch.equal(a.bias, b.bias)
+    assert b.eval().select(zipf_scores(8, E, 3))[2] is None  # nothing to record in eval mode
 
 
 def test_bad_inputs():

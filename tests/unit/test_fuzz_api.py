@@ -10,6 +10,7 @@ multi-rank bad-input cases live in ``tests/mp/cases_ep.py``.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -265,6 +266,13 @@ def test_fuzz_dispatch_combine(rt, s, dtype, device, transpose, corrupt, seed):
     raises_named(lambda: ep.prefetch(h, lw.to("meta")), "local_weight")
     raises_named(lambda: ep.prefetch(None, lw), "h")
     raises_named(lambda: ep.prefetch(h, lw, out=torch.empty(2 * ep.epn, 4)), "out")
+    # the fields later calls read must be what dispatch returned: replaced or sliced, they are refused
+    for field, value in (("weights", h.weights[:-1]), ("weights", h2.weights), ("plan", h2.plan)):
+        bad = copy.copy(h)
+        setattr(bad, field, value)
+        raises_named(lambda: ep.combine(h.tokens, bad) if field == "weights" else ep.prefetch(bad, lw), f"h.{field}")
+    h.weights.mul_(1)  # in place: the same tensor, accepted
+    assert torch.equal(ep.combine(h.tokens, h).nan_to_num(), y.nan_to_num())
     gv = torch.randn(2 * ep.epn, 3, generator=g)
     assert torch.equal(ep.reduce_grad(h, gv), gv[:ep.epn])  # one rank: no replicas to add
     raises_named(lambda: ep.reduce_grad(h, gv[:1]), "grad_view")
