@@ -95,6 +95,11 @@ def time_setup(args, rt, setup: str) -> dict:
             ms = (time.perf_counter() - t0) * 1e3
         if i >= args.warmup:
             times.append(ms)
+    if args.profile and rt.rank == 0:
+        _profile(model, opt, batches[:3], setup, os.path.join(args.profile, f"{setup}.txt"))
+    elif args.profile:
+        for ids in batches[:3]:  # the peers take part in the profiled steps' collectives
+            step(model, opt, ids, setup)
     syncs = None
     if cuda:  # one more step, counting the host synchronisations torch reports
         torch.cuda.synchronize()
@@ -117,6 +122,23 @@ def time_setup(args, rt, setup: str) -> dict:
 _DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _profile(model, opt, batches, setup: str, path: str) -> None:
+    """A torch.profiler table of ``setup``'s steps over ``batches`` into ``path``: ops by device time, then
+    by host time (where a setup's time goes)."""
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                   if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for ids in batches:
+            step(model, opt, ids, setup)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    ka = prof.key_averages()
+    with open(path, "w") as f:
+        for key in ("self_device_time_total", "self_cpu_time_total"):
+            f.write(f"sorted by {key}\n{ka.table(sort_by=key, row_limit=40)}\n")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -134,6 +156,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--setups", default=",".join(SETUPS))
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--profile", default=None, help="directory for a torch.profiler table per setup (rank 0)")
     args = ap.parse_args(argv)
     if args.dtype is None:
         args.dtype = "bf16" if args.device == "cuda" else "fp32"

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import expect_same
 from ..guard import GATHER_STATE
 from .grads import _span
+from .sharding import full_tensor
 from .params import moonep_runtime
 
 __all__ = ["full_state_dict"]
@@ -40,7 +41,7 @@ def full_state_dict(model: nn.Module) -> dict:
     out = dict(sd)
     with _span(rt, "full_state_dict"):
         for k in gathered:
-            out[k] = sd[k].full_tensor().cpu()
+            out[k] = full_tensor(sd[k]).cpu()
     mine = {k: v.detach().cpu() for k, v in out.items() if any(k.startswith(p) for p in prefixes)}
     if prefixes:
         parts = [mine]

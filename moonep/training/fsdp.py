@@ -32,7 +32,8 @@ def fully_shard_experts(model: nn.Module, *, mesh=None, **fsdp_kwargs) -> nn.Mod
         mesh: the 1-D data-parallel DeviceMesh the experts are replicated over: by default the ``"dp"``
             dimension of the mesh moonep built for a job-wide expert-parallel group (size 1); when the
             experts' group came from your own 2-D mesh (``patch_hf_moe(model, mesh["ep"])``), pass ``mesh["dp"]``.
-        fsdp_kwargs: passed to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...).
+        fsdp_kwargs: passed to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...); over a mesh of
+            one rank ``reshard_after_forward`` defaults to ``False`` (resharding would free nothing).
     Returns ``model``.  Call it before ``fully_shard`` of the blocks and the root.  Collective.
     Raises ``ValueError`` (before anything is wrapped) for a mesh that contains other expert-parallel ranks
     (FSDP would shard the experts over ranks whose experts differ), and for ``patch_generic`` blocks, whose
@@ -53,6 +54,8 @@ def fully_shard_experts(model: nn.Module, *, mesh=None, **fsdp_kwargs) -> nn.Mod
         expect(mesh is not None, "mesh", "the data-parallel dimension of your (dp, ep) mesh, mesh['dp'] (the "
                "experts' group came from your own mesh)", None)
     _check_disjoint(mesh, rt)
+    if mesh.size() == 1:  # sharded over one rank: resharding after the forward frees nothing, costs a gather
+        fsdp_kwargs.setdefault("reshard_after_forward", False)
     for m in modules:
         expect(all(isinstance(getattr(m, n), DTensor) for n in m.sharded_params), "model",
                "expert parameters that are DTensors over the expert-parallel mesh", type(m).__name__)

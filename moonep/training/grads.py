@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import MoonepError, expect, expect_same
 from ..guard import GRAD_NORM, SYNC_GRADS
 from .params import _expert_names, moonep_runtime
+from .sharding import full_tensor
 
 __all__ = ["sync_grads", "clip_grad_norm_", "all_reduce_grads"]
 
@@ -125,7 +126,7 @@ def clip_grad_norm_(model_or_parameters, max_norm: float, norm_type: float = 2.0
         n = torch.nn.utils.get_total_norm(grads, norm_type)
         if isinstance(n, DTensor):
             with _span(rt, "clip_grad_norm_"):
-                n = n.full_tensor()
+                n = full_tensor(n)
         parts.append(n.to(device))
     total = (torch.nn.utils.get_total_norm(parts, norm_type) if parts
              else torch.zeros((), device=device))

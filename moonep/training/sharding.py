@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["expert_mesh", "shard_experts_param", "local_experts", "is_expert_dtensor"]
+__all__ = ["expert_mesh", "shard_experts_param", "local_experts", "is_expert_dtensor", "full_tensor"]
 
 
 def expert_mesh(rt) -> DeviceMesh | None:
@@ -98,3 +98,30 @@ def local_experts(p: torch.Tensor, world_size: int) -> torch.Tensor:
     of their losses' gradients, as DDP and FSDP make every other parameter's."""
     t = p.to_local() if isinstance(p, DTensor) else p
     return _MeanGrad.apply(t, world_size) if world_size > 1 and t.requires_grad else t
+
+
+def full_tensor(t: DTensor) -> torch.Tensor:
+    """``t.full_tensor()``, also where the mesh's groups are gloo and ``t`` lives on a GPU (ranks sharing a
+    GPU: NCCL refuses them): DTensor's collectives would hand gloo device memory, so the local part is
+    gathered on the host over the same groups, then moved back.  Collective over ``t``'s mesh."""
+    mesh = t.device_mesh
+    if t.to_local().device.type == "cpu" or not any(dist.get_backend(mesh.get_group(i)) == "gloo"
+                                                    for i in range(mesh.ndim)):
+        return t.full_tensor()
+    return _via_host(t)
+
+
+def _via_host(t: DTensor) -> torch.Tensor:
+    """``t.full_tensor()`` gathered on the host: ``t``'s local part on the CPU, over the same groups."""
+    local, mesh = t.to_local(), t.device_mesh
+    key = id(mesh)
+    if key not in _HOST_MESHES:
+        groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+        _HOST_MESHES[key] = (mesh, DeviceMesh.from_group(groups if mesh.ndim > 1 else groups[0], "cpu",
+                                                         mesh=mesh.mesh, mesh_dim_names=mesh.mesh_dim_names))
+    host = DTensor.from_local(local.cpu(), _HOST_MESHES[key][1], t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+    return host.full_tensor().to(local.device)
+
+
+_HOST_MESHES: dict = {}  # id of a gloo mesh of GPU tensors -> (the mesh, the same groups as a "cpu" mesh)

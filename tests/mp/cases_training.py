@@ -229,6 +229,26 @@ def case_replicated_parameters_stay_identical(rt):
         assert all(e == every[0] for e in every), kind
 
 
+def case_full_tensor_on_the_host_matches_dtensors(rt):
+    """The host gather moonep uses for DTensors of GPU tensors over gloo groups (ranks sharing a GPU: DTensor's
+    own collectives would hand gloo device memory) gives full_tensor()'s values: expert shards on the 1-D
+    mesh, and FSDP2's 2-D shards of them."""
+    from torch.distributed.fsdp import fully_shard
+
+    from moonep.training.sharding import _via_host
+
+    _hf_or_skip()
+    if rt.device.type != "cpu":
+        raise SkipCase("compares with DTensor's own gather, which gloo runs on CPU tensors only")
+    mine = patched("mixtral", rt)
+    shards = moonep.training.expert_parameters(mine)
+    want = [p.full_tensor() for p in shards]
+    assert all(torch.equal(_via_host(p), w) for p, w in zip(shards, want))
+    moonep.training.fully_shard_experts(mine)
+    fully_shard(mine)
+    assert all(torch.equal(_via_host(p), p.full_tensor()) for p in moonep.training.expert_parameters(mine))
+
+
 # ------------------------------------------------------------------------------------------ checkpoints
 def _shared_dir(rt) -> str:
     box = [tempfile.mkdtemp(prefix="moonep-ckpt-") if rt.rank == 0 else None]
@@ -300,8 +320,10 @@ def case_full_checkpoint_loads_into_the_unpatched_model(rt):
         ids = batch(7, 0, device=rt.device)
         with torch.no_grad():
             logits = mine(input_ids=ids).logits
-        for full in (moonep.training.full_state_dict(mine),
-                     get_model_state_dict(mine, options=StateDictOptions(full_state_dict=True))):
+        fulls = [moonep.training.full_state_dict(mine)]
+        if rt.device.type == "cpu" or rt.backend == "nccl":  # torch's gather hands gloo GPU memory
+            fulls.append(get_model_state_dict(mine, options=StateDictOptions(full_state_dict=True)))
+        for full in fulls:
             ref = unpatched(kind, seed=5, device=rt.device).eval()
             ref.load_state_dict(full, strict=True)
             with torch.no_grad():

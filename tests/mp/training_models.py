@@ -111,7 +111,7 @@ def full_grads(model) -> dict:
         if g is None:
             g = torch.zeros(p.shape, dtype=p.dtype)
         elif hasattr(g, "full_tensor"):
-            g = g.full_tensor()
+            g = moonep.training.sharding.full_tensor(g)
         out[k] = g.detach().double().cpu()
     return out
 
