@@ -1,0 +1,137 @@
+"""torchtitan's MoE models with moonep against the same models with torchtitan's all-to-all dispatcher.
+
+At every rank count N the models run at EP = N (and at N = 2 also at EP = 1 with FSDP2 over both ranks):
+the same weights, a different batch per rank, torchtitan's routing and load-balancing bias update (its
+optimizer hook), four forward/backward passes with an optimizer step after each of the first three.  The
+losses and every parameter's full gradient are compared after the first pass and after three steps.
+
+Tolerances: the experts compute in bfloat16 (torchtitan's GroupedExperts casts to it), and a replica's
+weight gradient is computed on the rank that holds the replica and added at home, where torchtitan rounds
+one GEMM over all of an expert's rows: expert weight gradients agree to bf16 rounding.  Everything else is
+the same up to fp32 summation order with float32 parameters, bf16 rounding with torchtitan's default bf16
+mixed precision.  SGD, not AdamW, between the passes: AdamW divides a near-zero gradient by its own
+magnitude, so bf16-level differences become lr-sized weight differences that flip near-tie routings (the
+losses still agree to 1e-6 over three AdamW steps; the gradients of the flipped experts do not).
+
+``MOONEP_TT_MODELS`` (comma-separated, default: every model) and ``MOONEP_TT_EP`` ("N" or "1,N") choose
+what runs: CI runs a lean subset (tests/mp/test_mp_torchtitan.py).
+"""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from moonep.testing.mp import SkipCase
+
+SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811  (mprun's own class)
+
+# max |a - b| / max |a| per parameter, by parameter kind and FSDP2 param dtype
+TOL = {("float32", "experts"): 2e-2, ("float32", "other"): 1e-2,
+       ("bfloat16", "experts"): 5e-2, ("bfloat16", "other"): 5e-2}
+LOSS_TOL = {"float32": 1e-5, "bfloat16": 2e-3}
+STEPS, LR, BATCH, SEQ = 4, 0.1, 2, 32
+# FSDP2 param dtype per model: float32 (tighter) where torchtitan's own model takes it; GPT-OSS's experts
+# return bf16 whatever the activations' dtype, which torchtitan's all-to-all combine refuses under float32.
+PARAM_DTYPE = {"gpt_oss": "bfloat16"}
+
+
+def _tt():
+    try:
+        from moonep.testing import torchtitan as tt
+        import torchtitan  # noqa: F401
+    except ImportError as exc:
+        raise SkipCase(f"torchtitan is not installed (scripts/setup.sh installs it): {exc}")
+    return tt
+
+
+def _models(tt):
+    names = os.environ.get("MOONEP_TT_MODELS")
+    return names.split(",") if names else list(tt.MODELS)
+
+
+def _eps(rt):
+    env = os.environ.get("MOONEP_TT_EP")
+    if env:
+        return [int(e) for e in env.split(",") if int(e) <= rt.world_size and rt.world_size % int(e) == 0]
+    return [1, 2] if rt.world_size == 2 else [rt.world_size]
+
+
+def _mean(rt, t: torch.Tensor) -> float:
+    t = t.detach().double().clone()
+    if rt.world_size > 1:
+        dist.all_reduce(t, group=rt.group)
+    return float(t) / rt.world_size
+
+
+def _loss(model, step: int, rank: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    out = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _grads(model) -> dict:
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g  # noqa: E731
+    return {n: full(p.grad).float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _compare(ga: dict, gb: dict, pdt: str, what: str) -> dict:
+    assert ga.keys() == gb.keys(), (what, sorted(set(ga) ^ set(gb)))
+    worst = {}
+    for n, a in ga.items():
+        kind = "experts" if ".inner_experts." in n else "other"
+        err = float((a - gb[n]).abs().max() / a.abs().max().clamp_min(1e-30))
+        assert err <= TOL[(pdt, kind)], f"{what}: gradient of {n} differs by {err:.2e} (of its max)"
+        worst[kind] = max(worst.get(kind, 0.0), err)
+    return worst
+
+
+def run_pair(rt, tt, name: str, ep: int, pdt: str, log=None) -> dict:
+    """Both models of ``name`` at ``ep``: losses and gradients compared; returns the figures."""
+    ref, dims, spec = tt.build(name, ep, param_dtype=pdt)
+    mine, _, _ = tt.build(name, ep, moonep=True, param_dtype=pdt)
+    assert type(mine.layers[str(len(mine.layers) - 1)].moe.routed_experts).__name__ == "MoonepRoutedExperts"
+    mine.load_state_dict(ref.state_dict())
+    vocab = ref.tok_embeddings.num_embeddings
+    opts = []
+    for m in (ref, mine):
+        opts.append(torch.optim.SGD(m.parameters(), lr=LR))
+        spec.post_optimizer_build_fn(opts[-1], [m], dims)  # torchtitan's expert-bias update, as in training
+    rec = dict(model=name, ep=ep, world=rt.world_size, param_dtype=pdt, losses=[], grad_err=[])
+    for step in range(STEPS):
+        losses = []
+        for m in (ref, mine):
+            loss = _loss(m, step, rt.rank, vocab)
+            loss.backward()
+            losses.append(_mean(rt, loss))
+        rel = abs(losses[1] - losses[0]) / abs(losses[0])
+        what = f"{name} EP={ep} {pdt} step {step}"
+        assert rel <= LOSS_TOL[pdt], f"{what}: loss {losses[1]} (moonep) against {losses[0]} (all-to-all)"
+        rec["losses"].append(losses)
+        if step in (0, STEPS - 1):  # after one pass, and after three optimizer steps
+            rec["grad_err"].append(_compare(_grads(ref), _grads(mine), pdt, what))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    for m in (ref, mine):  # both models' expert biases moved the same way
+        b = [layer.moe.expert_bias_E for layer in m.layers.values() if getattr(layer, "moe_enabled", False)]
+        rec.setdefault("bias", []).append(torch.stack([x.full_tensor() if hasattr(x, "full_tensor") else x for x in b]))
+    assert torch.allclose(rec["bias"][0], rec["bias"][1]), f"{name} EP={ep}: expert biases differ"
+    del rec["bias"]
+    if log is not None:
+        log.append(rec)
+    return rec
+
+
+def case_torchtitan_models_match_the_all_to_all_dispatcher(rt):
+    tt = _tt()
+    for name in _models(tt):
+        for ep in _eps(rt):
+            pdt = os.environ.get("MOONEP_TT_DTYPE") or PARAM_DTYPE.get(name, "float32")
+            t0 = time.perf_counter()
+            rec = run_pair(rt, tt, name, ep, pdt)
+            if rt.rank == 0:
+                sys.stderr.write(f"[rank 0] {name} EP={ep}: losses {rec['losses']}, grad err {rec['grad_err']}, "
+                                 f"{time.perf_counter() - t0:.1f} s\n")
