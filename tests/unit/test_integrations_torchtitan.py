@@ -220,3 +220,41 @@ def test_compile_and_typechecking_are_refused_at_the_first_forward(what, monkeyp
     ids = torch.zeros(1, 4, K, dtype=torch.int64)
     with pytest.raises(ValueError, match=what.replace(".", r"\.")):
         layer(x, torch.ones(1, 4, K), ids, torch.zeros(layer.inner_experts.num_experts))
+
+
+# ------------------------------------------------------------------------------------------ the balancer option
+def test_quantile_balancer_option_sets_torchtitans_expert_bias():
+    """quantile_balancer: the router is torchtitan's (same selection given the bias); after an optimizer step
+    the MoE's expert_bias_E is the QuantileBalancer's bias from the step's scores, not the sign rule's."""
+    import copy
+
+    from torchtitan.config import ParallelismConfig
+
+    _, cfg = ttb.model_config("deepseek_v3", ParallelismConfig(), torch.device("cpu"))
+    ref_cfg = next(layer.moe for layer in cfg.layers if getattr(layer, "moe", None) is not None)
+    qb_cfg = copy.deepcopy(ref_cfg)
+    apply_overrides(OverrideConfig(imports=[ttb.OVERRIDE, "moonep.integrations.torchtitan.quantile_balancer"]), qb_cfg)
+    assert type(qb_cfg.router) is mt.QuantileBalancedRouter.Config
+    torch.manual_seed(0)
+    ref = ref_cfg.build()
+    ref.init_states()
+    mine = qb_cfg.build()
+    mine.load_state_dict(ref.state_dict())
+    opt = torch.optim.SGD(mine.parameters(), lr=0.0)
+    x = torch.randn(2, 64, ref_cfg.router.gate.in_features)
+    x[..., 0] += 3.0  # one direction dominant: skewed routing
+    mine(x).sum().backward()
+    assert torch.count_nonzero(mine.expert_bias_E) == 0  # the first step's routing: no bias yet
+    opt.step()
+    mine(x)  # the first forward after the step sets the balancer's bias
+    qb = mine.router.balancer
+    assert int(qb.num_steps) == 1 and torch.count_nonzero(qb.bias) > 0
+    assert torch.equal(mine.expert_bias_E, qb.bias)
+    # the same selection as torchtitan's router given that bias
+    with torch.no_grad():
+        ref.expert_bias_E.copy_(qb.bias)
+        a, b = ref.router(x, ref.expert_bias_E), mine.router(x, mine.expert_bias_E)
+    assert torch.equal(a[1].sort(-1).values, b[1].sort(-1).values) and torch.equal(a[0].sort(-1).values,
+                                                                                  b[0].sort(-1).values)
+    with pytest.raises(ValueError, match="num_expert_groups"):
+        mt.quantile_balancer(dataclasses.replace(ref_cfg.router, num_expert_groups=2, num_limited_groups=1))

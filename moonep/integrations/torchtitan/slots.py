@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ..experts import _shift
+from ...experts import _shift
 
 
 def _masked(rows: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
