@@ -84,11 +84,45 @@ class _SlotForward(torch.autograd.Function):
         return (None if grads[0] is None else grads[0], None, *param_grads)
 
 
+class _SlotForwardRecomputed(torch.autograd.Function):
+    """:class:`_SlotForward` for a forward under activation checkpointing (saved-tensor hooks active): a graph
+    kept privately would be packed by the checkpoint's hooks and then refused or recomputed under it, so the
+    forward keeps no graph and the backward builds it, from the saved rows and home weights, once the pool
+    holds this layer's replicas again (the experts' forward runs once more, in the backward)."""
+
+    @staticmethod
+    def forward(ctx, rows, meta, *homes):
+        fn, names, reps, cu = meta
+        ctx.save_for_backward(rows, *homes)
+        ctx.meta = meta
+        with torch.no_grad():
+            return slot_forward(fn, rows, cu, dict(zip(names, homes)), {n: r.weights() for n, r in zip(names, reps)})
+
+    @staticmethod
+    def backward(ctx, g):
+        fn, names, reps, cu = ctx.meta
+        rows, *homes = ctx.saved_tensors
+        weights = [r.weights_for_backward() for r in reps]
+        with torch.enable_grad():
+            rows_l = rows.detach().requires_grad_(ctx.needs_input_grad[0])
+            home_l = [p.detach().requires_grad_(p.requires_grad) for p in homes]
+            rep_l = [w.data.requires_grad_(p.requires_grad) for w, p in zip(weights, homes)]
+            out = slot_forward(fn, rows_l, cu, dict(zip(names, home_l)), dict(zip(names, rep_l)))
+            ctx.graph, ctx.reps = (out, rows_l, home_l, rep_l), reps
+        return _SlotForward.backward(ctx, g)
+
+
+def _checkpointing() -> bool:
+    """Saved-tensor hooks are active: this forward runs under activation checkpointing (or offloading)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
 def module_on_slots(fn, rows: torch.Tensor, cu: torch.Tensor, names: list, homes: list, replicas: list):
     """:func:`slot_forward` under autograd: differentiable with respect to ``rows`` and ``homes`` (each
     ``[epn, ...]``, read in place); ``replicas`` the :class:`moonep.Replicas` of each home tensor.  The
     replica rows' parameter gradients are added to their home experts' on the home ranks (collective in the
-    backward)."""
+    backward).  Under activation checkpointing the experts' forward is run again in the backward."""
     if not (torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in homes))):
         return slot_forward(fn, rows, cu, dict(zip(names, homes)), {n: r.weights() for n, r in zip(names, replicas)})
-    return _SlotForward.apply(rows, (fn, names, replicas, cu), *homes)
+    fwd = _SlotForwardRecomputed if _checkpointing() else _SlotForward
+    return fwd.apply(rows, (fn, names, replicas, cu), *homes)
