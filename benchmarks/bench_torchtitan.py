@@ -5,13 +5,14 @@
 Three runs of ``torchtitan.train`` at 2 ranks (EP = 2), each from the same seed and data: the all-to-all
 dispatcher, moonep (``--override.imports moonep.integrations.torchtitan.moonep_experts``, checkpoints at
 steps 25 and 50 through torchtitan's checkpointer), and moonep resumed from the step-25 checkpoint.  Writes
-the loss curves (JSON, and a PNG beside it) and how the resumed run's losses compare.
+the loss curves (JSON, and a PNG beside it) and how the resumed run's losses compare.  The ranks run
+:mod:`moonep.testing.torchtitan_train` (``torchtitan.train.main`` with torch-2.13 and CPU stand-ins).
 
 Data: no data set can be downloaded here, so the run makes its own: text from a fixed random bigram language
 (``--docs`` documents) and a BPE tokenizer trained on it (the ``tokenizers`` package), in the layout
-torchtitan's ``c4_test`` loader reads (``--dataloader.dataset_path``, ``--hf_assets_path``).  On a machine
-without GPUs (``--device cpu``) the ranks run through :mod:`moonep.testing.torchtitan_cpu`; needs torchtitan
-with its data stack (``pip install -e ".[torchtitan]"``).
+torchtitan's ``c4_test`` loader reads (``--dataloader.dataset_path``, ``--hf_assets_path``).  Needs
+torchtitan with its data stack (``pip install -e ".[torchtitan]"``); ``--device cuda`` on a machine with
+``--nproc`` GPUs (NCCL takes one GPU per rank).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MOONEP = "moonep.integrations.torchtitan.moonep_experts"
-CPU_ATTENTION = "moonep.testing.torchtitan_cpu.cpu_attention_flexattention"
+CPU_ATTENTION = "moonep.testing.torchtitan_train.cpu_attention_flexattention"
 
 
 def make_data(where: Path, docs: int, vocab: int, seed: int = 0) -> tuple[Path, Path]:
@@ -79,9 +80,11 @@ def losses_of(log: str) -> dict:
 
 def train(args, name: str, dump: Path, overrides: list, extra=()) -> tuple[dict, float]:
     """One ``torchtitan.train`` run at ``args.nproc`` ranks; returns its losses and seconds."""
-    entry = ["-m", "moonep.testing.torchtitan_cpu"] if args.device == "cpu" else ["-m", "torchtitan.train"]
     imports = ([CPU_ATTENTION] if args.device == "cpu" else []) + overrides
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", *entry,
+    # rank 0's output on the console (the ranks' lines would interleave), every rank's in the run's folder
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "--local-ranks-filter", "0", "--log-dir", str(dump / "ranks"), "--tee", "3",
+           "-m", "moonep.testing.torchtitan_train",
            "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel",
            "--hf_assets_path", str(args.tok), "--dataloader.dataset", "c4_test",
            "--dataloader.dataset_path", str(args.data), "--dump_folder", str(dump),

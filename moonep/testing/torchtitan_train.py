@@ -12,8 +12,6 @@ this module changes, before ``main()`` runs, only what stands in the way on CPU:
   the handful of ``torch.cuda`` calls its trainer and memory monitor make (no memory statistics on CPU);
 * gloo reduces with neither ``AVG`` nor ``PREMUL_SUM``: FSDP2 sums and divides afterwards (the same
   gradients);
-* torch 2.13 has no ``torch.distributed.set_timeout``, which torchtitan 0.3 calls after the first step: its
-  private equivalent stands in (a torch-version gap, not a CPU one: a GPU run on torch 2.13 meets it too);
 * attention: FlexAttention and varlen have no CPU backward in torch; the overrides
   ``cpu_attention_flexattention`` and ``cpu_attention_varlenattention`` (list them in ``--override.imports``)
   swap them for torchtitan's causal ``ScaledDotProductAttention`` (documents are then not masked apart: a
@@ -38,6 +36,16 @@ def _cpu_device_module() -> types.SimpleNamespace:
         manual_seed=torch.manual_seed, manual_seed_all=torch.manual_seed)
 
 
+def patch_torch_2_13() -> None:
+    """``torch.distributed.set_timeout`` (torchtitan 0.3 calls it; torch 2.13 has it as ``_set_pg_timeout``)."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "set_timeout"):
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
+
+
 def patch_for_cpu() -> None:
     """Point torchtitan at the CPU (before its modules copy ``device_type``) and make FSDP2 sum on gloo."""
     import torchtitan.tools.utils as tu
@@ -54,12 +62,6 @@ def patch_for_cpu() -> None:
         return original(*bound.args, **bound.kwargs)
 
     fc._get_gradient_divide_factors = sum_then_divide
-    import torch.distributed as dist
-
-    if not hasattr(dist, "set_timeout"):  # torchtitan 0.3 calls it after the first step; torch 2.13 names it so:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        dist.set_timeout = lambda timeout, group=None: _set_pg_timeout(timeout, group)
 
 
 def _register_cpu_attention() -> None:
@@ -84,9 +86,11 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":  # run as `-m`: the work happens in the module imported by name (registered once)
-    from moonep.testing import torchtitan_cpu
+    from moonep.testing import torchtitan_train
 
-    torchtitan_cpu.main()
-else:  # importing this module points torchtitan at the CPU: before any torchtitan module copies its device
-    patch_for_cpu()
+    torchtitan_train.main()
+else:  # patched on import: before any torchtitan module copies its device
+    patch_torch_2_13()
+    if not torch.cuda.is_available():
+        patch_for_cpu()
     _register_cpu_attention()
