@@ -1,12 +1,17 @@
-"""torchtitan's own training entry point (``torchtitan.train.main``) on CPU ranks, for runs without GPUs.
+"""torchtitan's own training entry point (``torchtitan.train.main``), also on torch 2.13 and on CPU ranks.
 
-    torchrun --nproc-per-node 2 -m moonep.testing.torchtitan_cpu --module deepseek_v3 \\
-        --config deepseek_v3_debugmodel --override.imports \
-        moonep.testing.torchtitan_cpu.cpu_attention_flexattention,moonep.integrations.torchtitan.moonep_experts
+    torchrun --nproc-per-node 2 -m moonep.testing.torchtitan_train --module deepseek_v3 \\
+        --config deepseek_v3_debugmodel --override.imports \\
+        moonep.testing.torchtitan_train.cpu_attention_flexattention,moonep.integrations.torchtitan.moonep_experts
 
-Everything after the module name is torchtitan's command line.  Importing this module patches torchtitan
-for the CPU (it is meant for its own processes).  torchtitan's trainer assumes an accelerator;
-this module changes, before ``main()`` runs, only what stands in the way on CPU:
+Everything after the module name is torchtitan's command line.  Importing this module patches torchtitan and
+torch in its process (it is meant for processes of its own), before ``main()`` runs, for only what stands in
+the way.  On every machine:
+
+* torch 2.13 has no ``torch.distributed.set_timeout``, which torchtitan 0.3 calls after the first step: its
+  private equivalent stands in.
+
+Without CUDA (torchtitan's trainer assumes an accelerator):
 
 * the device: torchtitan picks ``"cuda"`` when it sees no accelerator; here ``"cpu"``, with a stand-in for
   the handful of ``torch.cuda`` calls its trainer and memory monitor make (no memory statistics on CPU);

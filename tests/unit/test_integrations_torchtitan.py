@@ -197,12 +197,13 @@ def test_converted_or_fused_experts_are_refused():
         mt.moonep_experts(cfg)
 
 
-@pytest.mark.parametrize("axis", ["tp", "cp", "pp"])
+@pytest.mark.parametrize("axis", ["tp", "cp", "pp", "spmd_backend"])
 def test_unsupported_parallelism_is_refused_at_parallelize(axis):
     layer = mt.moonep_experts(_routed_cfg()).build()
-    dims = types.SimpleNamespace(tp=1, cp=1, pp=1)
-    setattr(dims, axis, 2)
-    name = {"tp": "tensor_parallel_degree", "cp": "context_parallel_degree", "pp": "pipeline_parallel_degree"}[axis]
+    dims = types.SimpleNamespace(tp=1, cp=1, pp=1, spmd_backend="partial_dtensor")
+    setattr(dims, axis, "spmd_types" if axis == "spmd_backend" else 2)
+    name = {"tp": "tensor_parallel_degree", "cp": "context_parallel_degree", "pp": "pipeline_parallel_degree",
+            "spmd_backend": "spmd_backend"}[axis]
     with pytest.raises(ValueError, match=name):
         layer.parallelize(dims)
 

@@ -17,9 +17,10 @@ swaps its sign-rule expert-bias update for moonep's :class:`~moonep.balance.Quan
 
 What the integration cannot reproduce is refused when the model is built or parallelized, naming the
 option: tensor parallelism (``parallelism.tensor_parallel_degree``, expert TP included), context parallelism,
-pipeline parallelism, float8/MXFP8 experts converters and other inner-experts classes, another EP backend
-(``moe_comm_backend`` other than ``"standard"``); ``compile.enable`` and ``debug.spmd_typechecking`` are
-refused at the first forward (the model is built before they are visible).
+pipeline parallelism, an SPMD backend other than ``partial_dtensor``, float8/MXFP8 experts converters and
+other inner-experts classes, another EP backend (``moe_comm_backend`` other than ``"standard"``);
+``compile.enable`` and ``debug.spmd_typechecking`` are refused at the first forward (the model is built
+before they are visible), CUDA graphs by torchtitan itself (``--training.disable_cuda_graphs``).
 """
 from __future__ import annotations
 

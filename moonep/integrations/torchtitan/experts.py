@@ -52,6 +52,10 @@ class MoonepRoutedExperts(RoutedExperts):
                             parallel_dims.tp), ("parallelism.context_parallel_degree", parallel_dims.cp),
                            ("parallelism.pipeline_parallel_degree", parallel_dims.pp)):
             expect(size == 1, name, "1 with moonep.integrations.torchtitan", size)
+        # the backend tested with moonep (the others: spmd_types' FSDP2 needs a newer torch than 2.13 at >1 rank,
+        # full_dtensor is not covered by moonep's tests yet)
+        expect(parallel_dims.spmd_backend == "partial_dtensor", "parallelism.spmd_backend",
+               '"partial_dtensor" with moonep.integrations.torchtitan', repr(parallel_dims.spmd_backend))
         super().parallelize(parallel_dims)
 
     def forward(self, x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E):
