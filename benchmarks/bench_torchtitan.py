@@ -2,9 +2,10 @@
 
     python benchmarks/bench_torchtitan.py --out benchmarks/results/cpu_torchtitan_train_np2.json
 
-Three runs of ``torchtitan.train`` at 2 ranks (EP = 2), each from the same seed and data: the all-to-all
-dispatcher, moonep (``--override.imports moonep.integrations.torchtitan.moonep_experts``, checkpoints at
-steps 25 and 50 through torchtitan's checkpointer), and moonep resumed from the step-25 checkpoint.  Writes
+Four runs of ``torchtitan.train`` at 2 ranks, each from the same seed and data: the all-to-all dispatcher
+(EP = 2), moonep (EP = 2, ``--override.imports moonep.integrations.torchtitan.moonep_experts``, checkpoints
+at steps 25 and 50 through torchtitan's checkpointer), moonep resumed from the step-25 checkpoint, and a
+control: torchtitan's own dispatcher at EP = 1, how far two exact implementations drift apart in bf16.  Writes
 the loss curves (JSON, and a PNG beside it) and how the resumed run's losses compare.  The ranks run
 :mod:`moonep.testing.torchtitan_train` (``torchtitan.train.main`` with torch-2.13 and CPU stand-ins).
 
@@ -78,7 +79,7 @@ def losses_of(log: str) -> dict:
     return out
 
 
-def train(args, name: str, dump: Path, overrides: list, extra=()) -> tuple[dict, float]:
+def train(args, name: str, dump: Path, overrides: list, ep: int | None = None) -> tuple[dict, float]:
     """One ``torchtitan.train`` run at ``args.nproc`` ranks; returns its losses and seconds."""
     imports = ([CPU_ATTENTION] if args.device == "cpu" else []) + overrides
     # rank 0's output on the console (the ranks' lines would interleave), every rank's in the run's folder
@@ -89,10 +90,10 @@ def train(args, name: str, dump: Path, overrides: list, extra=()) -> tuple[dict,
            "--hf_assets_path", str(args.tok), "--dataloader.dataset", "c4_test",
            "--dataloader.dataset_path", str(args.data), "--dump_folder", str(dump),
            "--training.steps", str(args.steps), "--training.local_batch_size", str(args.batch),
-           "--training.seq_len", str(args.seq), "--parallelism.expert_parallel_degree", str(args.nproc),
+           "--training.seq_len", str(args.seq), "--parallelism.expert_parallel_degree", str(ep or args.nproc),
            "--parallelism.spmd_backend", "partial_dtensor", "--metrics.log_freq", "1", "--training.disable_cuda_graphs",
            "--checkpoint.enable", "--checkpoint.interval", str(args.ckpt_every),
-           "--debug.seed", "7", *(["--override.imports", ",".join(imports)] if imports else []), *extra]
+           "--debug.seed", "7", *(["--override.imports", ",".join(imports)] if imports else [])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
@@ -131,6 +132,9 @@ def main(argv=None) -> None:
     shutil.copytree(work / "moonep" / "checkpoint" / f"step-{args.ckpt_every}",
                     resume / "checkpoint" / f"step-{args.ckpt_every}")
     runs["moonep_resumed"] = train(args, "moonep resumed", resume, [MOONEP])
+    # the control: torchtitan against itself, EP = 1 (its local dispatcher, every expert on every rank) against
+    # EP = 2: how far two exact implementations drift apart under bf16 and AdamW
+    runs["all_to_all_ep1"] = train(args, "all-to-all EP=1", work / "a2a_ep1", [], ep=1)
     from moonep.bench.provenance import git_commit, machine
 
     curves = {k: {str(s): v for s, v in sorted(r[0].items())} for k, r in runs.items()}
@@ -140,6 +144,8 @@ def main(argv=None) -> None:
     summary = dict(
         steps_logged={k: len(v[0]) for k, v in runs.items()},
         max_rel_diff_moonep_vs_all_to_all=max(abs(m[s] - a[s]) / abs(a[s]) for s in both),
+        max_rel_diff_moonep_vs_all_to_all_first_5_steps=max(abs(m[s] - a[s]) / abs(a[s]) for s in both[:5]),
+        max_rel_diff_all_to_all_ep1_vs_ep2=max(abs(runs["all_to_all_ep1"][0][s] - a[s]) / abs(a[s]) for s in both),
         resumed_from_step=args.ckpt_every, resumed_steps=after,
         max_abs_diff_resumed_vs_uninterrupted=max(abs(r[s] - m[s]) for s in after) if after else None,
         seconds={k: round(v[1], 1) for k, v in runs.items()})
@@ -166,12 +172,13 @@ def plot(curves: dict, path: Path, resumed_at: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     style = {"all_to_all": dict(color="tab:gray", lw=3, alpha=0.5, label="torchtitan all-to-all"),
              "moonep": dict(color="tab:blue", lw=1.2, label="moonep"),
-             "moonep_resumed": dict(color="tab:red", ls="none", marker=".", label=f"moonep resumed at step {resumed_at}")}
+             "moonep_resumed": dict(color="tab:red", ls="none", marker=".", label=f"moonep resumed at step {resumed_at}"),
+             "all_to_all_ep1": dict(color="tab:green", lw=0.8, ls="--", label="torchtitan EP = 1 (control)")}
     for k, c in curves.items():
         ax.plot([int(s) for s in c], list(c.values()), **style[k])
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("torchtitan.train, DeepSeek-V3 debug model, 2 ranks, EP = 2")
+    ax.set_title("torchtitan.train, DeepSeek-V3 debug model, 2 CPU ranks, EP = 2")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
