@@ -1,6 +1,7 @@
 """torchtitan's MoE models with moonep against the same models with torchtitan's all-to-all dispatcher.
 
-At every rank count N the models run at EP = N (and at N = 2 also at EP = 1 with FSDP2 over both ranks):
+At every rank count N the models run at EP = N, at N = 2 also at EP = 1 (FSDP2 over both ranks) and at
+N = 4 also at EP = 2 (a (dp, ep) mesh: the experts FSDP2-sharded over 2 ranks, moonep over the other 2):
 the same weights, a different batch per rank, torchtitan's routing and load-balancing bias update (its
 optimizer hook), four forward/backward passes with an AdamW step after each of the first three.  The losses
 are compared at every pass, every parameter's full gradient after the first pass and after three steps,
@@ -60,7 +61,8 @@ def _eps(rt):
     env = os.environ.get("MOONEP_TT_EP")
     if env:
         return [int(e) for e in env.split(",") if int(e) <= rt.world_size and rt.world_size % int(e) == 0]
-    return [1, 2] if rt.world_size == 2 else [rt.world_size]
+    # EP = 1 with FSDP2 over 2 ranks; EP = 2 on 4 ranks: experts FSDP-sharded over the other 2 (efsdp)
+    return {2: [1, 2], 4: [2, 4]}.get(rt.world_size, [rt.world_size])
 
 
 def _mean(rt, t: torch.Tensor) -> float:
@@ -159,3 +161,22 @@ def case_torchtitan_models_match_the_all_to_all_dispatcher(rt):
                                    "tests/mp/test_mp_torchtitan.py", commit=git_commit(), machine=machine(),
                            tolerances={f"{k[0]} {k[1]}": v for k, v in TOL.items()}, loss_tolerance=LOSS_TOL,
                            records=log), f, indent=1)
+
+
+def case_runtime_host_group_of_a_mesh_dimension(rt):
+    """moonep.init(mesh["ep"]) of a (dp, ep) mesh: the host (gloo) group has exactly the ep group's ranks
+    (on NCCL it is a twin built by every rank; gloo groups are used as they are)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import moonep
+    from moonep.runtime import gloo_twin
+
+    if rt.world_size != 4:
+        raise SkipCase("a (2, 2) mesh needs 4 ranks")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    ep = mesh["ep"].get_group()
+    twin = gloo_twin(ep, rt.timeout)
+    assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(ep)
+    sub = moonep.init(mesh["ep"])
+    assert (sub.rank, sub.world_size) == (dist.get_rank(ep), 2)
+    assert dist.get_process_group_ranks(sub.cpu_group) == dist.get_process_group_ranks(ep)
