@@ -162,21 +162,3 @@ def case_torchtitan_models_match_the_all_to_all_dispatcher(rt):
                            tolerances={f"{k[0]} {k[1]}": v for k, v in TOL.items()}, loss_tolerance=LOSS_TOL,
                            records=log), f, indent=1)
 
-
-def case_runtime_host_group_of_a_mesh_dimension(rt):
-    """moonep.init(mesh["ep"]) of a (dp, ep) mesh: the host (gloo) group has exactly the ep group's ranks
-    (on NCCL it is a twin built by every rank; gloo groups are used as they are)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import moonep
-    from moonep.runtime import gloo_twin
-
-    if rt.world_size != 4:
-        raise SkipCase("a (2, 2) mesh needs 4 ranks")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-    ep = mesh["ep"].get_group()
-    twin = gloo_twin(ep, rt.timeout)
-    assert dist.get_process_group_ranks(twin) == dist.get_process_group_ranks(ep)
-    sub = moonep.init(mesh["ep"])
-    assert (sub.rank, sub.world_size) == (dist.get_rank(ep), 2)
-    assert dist.get_process_group_ranks(sub.cpu_group) == dist.get_process_group_ranks(ep)

@@ -8,3 +8,5 @@ from moonep.testing.mp import mp_cases
 FULL = os.environ.get("MOONEP_TT_FULL") == "1"
 test_torchtitan = mp_cases("tests/mp/cases_torchtitan.py", nranks=[1, 2, 4] if FULL else [2], case_timeout=1500,
                            timeout=1800, env={} if FULL else {"MOONEP_TT_MODELS": "deepseek_v3", "MOONEP_TT_EP": "2"})
+# moonep.init(mesh["ep"]) of a (dp, ep) mesh: its host group (tests/mp/cases_runtime_mesh.py), in the core launch.
+test_runtime_mesh = mp_cases("tests/mp/cases_runtime_mesh.py", nranks=[4], group="core")
