@@ -69,6 +69,9 @@ class _SlotForward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
+        if ctx.graph is None:
+            raise RuntimeError("moonep's experts: a second backward through the same forward (retain_graph=True) "
+                               "is not supported; run the forward again")
         out, rows_l, home_l, rep_l = ctx.graph
         for r in ctx.reps:
             r.weights_for_backward()  # collective when the slots were reused by a later layer
