@@ -20,7 +20,8 @@ option: tensor parallelism (``parallelism.tensor_parallel_degree``, expert TP in
 pipeline parallelism, an SPMD backend other than ``partial_dtensor``, float8/MXFP8 experts converters and
 other inner-experts classes, another EP backend (``moe_comm_backend`` other than ``"standard"``);
 ``compile.enable`` and ``debug.spmd_typechecking`` are refused at the first forward (the model is built
-before they are visible), CUDA graphs by torchtitan itself (``--training.disable_cuda_graphs``).
+before they are visible), and so is a CUDA graph capture (``--training.disable_cuda_graphs``, which
+torchtitan itself demands for EP > 1).
 """
 from __future__ import annotations
 

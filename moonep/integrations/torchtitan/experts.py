@@ -65,6 +65,9 @@ class MoonepRoutedExperts(RoutedExperts):
                "off for the model (or 'model' not in compile.components) with moonep.integrations.torchtitan",
                "torch.compile tracing a MoonepRoutedExperts")
         _refuse_typechecking()
+        expect(not (x_BLD.is_cuda and torch.cuda.is_current_stream_capturing()), "training.disable_cuda_graphs",
+               "True with moonep.integrations.torchtitan (torchtitan refuses CUDA graphs for EP > 1 itself)",
+               "a CUDA graph capturing a MoonepRoutedExperts")
         B, L, D = x_BLD.shape
         K = topk_scores_BLK.shape[-1]
         rows, _, meta = self.token_dispatcher.dispatch(x_BLD.reshape(B * L, D), topk_scores_BLK.reshape(-1, K),
