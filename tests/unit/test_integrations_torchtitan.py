@@ -1,6 +1,7 @@
 """moonep.integrations.torchtitan in one process: the dispatcher interface call by call against torchtitan's
 own dispatcher, the interface pinned (a torchtitan release that changes it fails here, not in training),
-the override, single MoE layers against torchtitan's, and every refusal."""
+the override, single MoE layers against torchtitan's, and every refusal but the CUDA-graph one (it needs a
+capture on a GPU)."""
 import dataclasses
 import inspect
 import types
@@ -259,3 +260,5 @@ def test_quantile_balancer_option_sets_torchtitans_expert_bias():
                                                                                   b[0].sort(-1).values)
     with pytest.raises(ValueError, match="num_expert_groups"):
         mt.quantile_balancer(dataclasses.replace(ref_cfg.router, num_expert_groups=2, num_limited_groups=1))
+    with pytest.raises(ValueError, match="load_balance_coeff"):  # no expert_bias_E to set
+        mine.router(x, None)
