@@ -207,8 +207,10 @@ def case_torchtitan_models_match_the_all_to_all_dispatcher(rt):
         path = out.replace("{N}", str(rt.world_size))
         with open(path, "w") as f:
             json.dump(dict(what="torchtitan debug models, moonep against the all-to-all dispatcher, CPU gloo ranks",
-                           command=f"MOONEP_TT_FULL=1 MOONEP_TT_RECORD={out} python -m pytest "
-                                   "tests/mp/test_mp_torchtitan.py", commit=git_commit(), machine=machine(),
+                           command=" ".join(f"{k}={os.environ[k]}" for k in ("MOONEP_TT_FULL", "MOONEP_TT_MODELS",
+                                                                            "MOONEP_TT_EP", "MOONEP_TT_RECORD")
+                                            if k in os.environ) + " python -m pytest tests/mp/test_mp_torchtitan.py",
+                           commit=git_commit(), machine=machine(),
                            tolerances={f"{k[0]} {k[1]}": v for k, v in TOL.items()}, loss_tolerance=LOSS_TOL,
                            records=log), f, indent=1)
 
