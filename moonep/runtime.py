@@ -278,6 +278,25 @@ def _pick_device(local_rank: int, want_cuda: bool | None) -> torch.device:
     return dev
 
 
+def gloo_twin(pg, timeout: datetime.timedelta):
+    """A gloo group of ``pg``'s ranks, for the host exchanges of an NCCL group.  Every rank of the job calls
+    it together (``new_group`` is collective over the whole job): when ``pg`` is one group of a mesh dimension
+    (an ``ep`` group beside others), the ranks gather every group's members and all build every twin, in one
+    order, each keeping its own."""
+    world = dist.new_group(list(range(dist.get_world_size())), backend="gloo", timeout=timeout)
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    if len(ranks) == dist.get_world_size():
+        return world
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, ranks, group=world)
+    mine = None
+    for members in sorted(set(every)):
+        g = dist.new_group(list(members), backend="gloo", timeout=timeout)
+        if members == ranks:
+            mine = g
+    return mine
+
+
 def init(group=None, *, backend: str | None = None, device: str | torch.device | None = None,
          timeout: float | None = None) -> Runtime:
     """Initialise moonep's runtime from whatever launched this process.
@@ -315,8 +334,7 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         local_size = int(env.get("LOCAL_WORLD_SIZE", env.get("OMPI_COMM_WORLD_LOCAL_SIZE", size)))
         dev = _pick_device(local_rank, want_cuda)
         be = dist.get_backend(pg)
-        cpu_group = pg if be == "gloo" else dist.new_group(list(range(dist.get_world_size())), backend="gloo",
-                                                            timeout=td)
+        cpu_group = pg if be == "gloo" else gloo_twin(pg, td)
         rt = Runtime(rank, size, local_rank, local_size, dev, pg, cpu_group, be, "external", td)
         rt.mesh = mesh
         return rt
