@@ -172,7 +172,8 @@ def plot(curves: dict, path: Path, resumed_at: int) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     style = {"all_to_all": dict(color="tab:gray", lw=3, alpha=0.5, label="torchtitan all-to-all"),
              "moonep": dict(color="tab:blue", lw=1.2, label="moonep"),
-             "moonep_resumed": dict(color="tab:red", ls="none", marker=".", label=f"moonep resumed at step {resumed_at}"),
+             "moonep_resumed": dict(color="tab:red", ls="none", marker=".",
+                                    label=f"moonep resumed at step {resumed_at}"),
              "all_to_all_ep1": dict(color="tab:green", lw=0.8, ls="--", label="torchtitan EP = 1 (control)")}
     for k, c in curves.items():
         ax.plot([int(s) for s in c], list(c.values()), **style[k])

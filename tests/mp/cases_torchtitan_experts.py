@@ -78,7 +78,8 @@ def _compare(rt, kind: str, dtype: torch.dtype) -> None:
             dist.all_reduce(full, group=rt.group)  # every rank's tokens reach the home expert's gradient
         mine_g = getattr(mine.inner_experts, n).grad.float()
         err = float((mine_g - full[r * epn:(r + 1) * epn]).abs().max() / full.abs().max())
-        assert err < (2e-2 if dtype == torch.float32 else 4e-2), f"{kind} {n}: home expert gradient differs by {err:.2e}"
+        assert err < (2e-2 if dtype == torch.float32 else 4e-2), \
+            f"{kind} {n}: home expert gradient differs by {err:.2e}"
     # balance: every rank computed T*K/R rows (+-1), replicas included
     with torch.no_grad():
         rows, _, meta = mine.token_dispatcher.dispatch(x[0], scores[0], ids[0], counts)

@@ -35,8 +35,8 @@ from .balance import QuantileBalancedRouter
 from .dispatcher import MoonepDispatchMetadata, MoonepTokenDispatcher
 from .experts import SUPPORTED_EXPERTS, MoonepRoutedExperts
 
-__all__ = ["moonep_experts", "quantile_balancer", "QuantileBalancedRouter", "MoonepRoutedExperts", "MoonepTokenDispatcher", "MoonepDispatchMetadata",
-           "SUPPORTED_EXPERTS"]
+__all__ = ["moonep_experts", "quantile_balancer", "QuantileBalancedRouter", "MoonepRoutedExperts",
+           "MoonepTokenDispatcher", "MoonepDispatchMetadata", "SUPPORTED_EXPERTS"]
 
 
 _BACKENDS = (AllToAllTokenDispatcher.Config, LocalTokenDispatcher.Config)
