@@ -117,6 +117,7 @@ def full_grads(model) -> dict:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0
 
 
