@@ -272,7 +272,11 @@ class _ExpertBias(torch.autograd.Function):
         gb = None
         if ctx.needs_input_grad[1]:
             dt = ctx.rep.home.dtype
-            if experts_cuda.loadable(g):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
+            if g.dtype == torch.float64 and g.device.type == "cuda":
+                # fixed-order float64 sums: a one-hot GEMM (index_add_ uses atomics; the kernel sums in float32)
+                onehot = ctx.slot[:, None] == torch.arange(2 * epn + 1, device=g.device)
+                acc = onehot.to(g.dtype).t() @ g
+            elif experts_cuda.loadable(g):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
                 acc = experts_cuda.slot_sums(g, ctx.cu)
             else:
                 acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)

@@ -104,7 +104,8 @@ def slot_wgrad(a: torch.Tensor, g: torch.Tensor, cu: torch.Tensor) -> torch.Tens
 
 
 def slot_sums(g: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """float32 ``[G, N]``: the sum of each slot's rows of ``g [cap, N]`` (CUDA, any float dtype), in a fixed
-    order (the same bits every call, unlike ``index_add_``'s atomics) and in float32."""
+    """float32 ``[G, N]``: the sum of each slot's rows of ``g [cap, N]`` (CUDA, bf16/fp16/fp32), in a fixed
+    order (the same bits every call, unlike ``index_add_``'s atomics) and in float32 (float64 rows would lose
+    precision: :class:`moonep.experts._ExpertBias` sums those with a GEMM)."""
     g = g.float()
     return slot_wgrad(g.new_ones(g.shape[0], 1), g, cu)[:, 0]
