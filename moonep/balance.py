@@ -33,7 +33,7 @@ from .balance_check import STATE_BITS, state_bits, states_differ
 from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor
 from .guard import BALANCER
 from .op_state import register_instance
-from .transport.host_group import HostGroup, host_of
+from .transport.host_group import HostGroup, host_of, released
 
 __all__ = ["QuantileBalancer", "histogram_quantiles", "normalise_topk"]
 
@@ -482,7 +482,8 @@ class QuantileBalancer(torch.nn.Module):
 
     def _all_reduce(self, t: torch.Tensor, what: str) -> None:
         try:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            with released(t, on=dist.get_backend(self.group) == "gloo"):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:
             self._failed_collective(what, exc)
 

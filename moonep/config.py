@@ -163,7 +163,13 @@ MOONEP_TEST_TRANSPORT | mpi,torch | tests | host transports the multi-rank EP ca
 MOONEP_GPU_NRANKS | 2 4 | tests | world sizes of the GPU multi-rank tests
 MOONEP_FUZZ_N | 10000 | tests | routings of the planner fuzz test
 MOONEP_FUZZ_GPU_N | 1000 | tests | routings of the GPU planner fuzz test
+MOONEP_TT_FULL | 0 | tests | 1 runs the torchtitan cases for every MoE debug model and EP size, not only DeepSeek-V3 at EP 2
+MOONEP_TT_MODELS | every model | tests | torchtitan models of the full run, comma list (tests/mp/cases_torchtitan.py)
+MOONEP_TT_EP | 1,N | tests | EP sizes of the full torchtitan run: "N" or "1,N"
+MOONEP_TT_DTYPE | per model | tests | parameter dtype of the torchtitan cases
+MOONEP_TT_RECORD | unset | tests | JSON path ({N}: ranks) where the torchtitan cases record their figures
 MOONEP_EXTRAS | test,bench | tools | extras that scripts/setup.sh installs
+MOONEP_TORCHTITAN | 1 | tools | 0 makes scripts/setup.sh skip installing torchtitan (its tests then skip)
 MOONEP_GIT_COMMIT | git rev-parse HEAD | tools | commit recorded in benchmark results (machines without git)
 MOONEP_MACHINE_KIND | unset | tools | machine name recorded in benchmark results
 MOONEP_BENCH_COMMAND | the command line | tools | command recorded in benchmark results

@@ -22,6 +22,7 @@ from torch import nn
 from ..balance import QuantileBalancer
 from ..errors import expect, expect_same, fail
 from ..guard import CHECK_STATE
+from ..transport.host_group import released
 
 __all__ = ["expert_parameters", "replicated_parameters", "moonep_runtime", "prepare", "check_replicated",
            "mark_for_ddp"]
@@ -146,7 +147,8 @@ def check_replicated(model: nn.Module, rt, *, broadcast_from: int | None = None,
             for _, t in named:
                 t = t.to_local() if hasattr(t, "to_local") else t
                 buf = t.detach().to(rt.collective_device)
-                dist.broadcast(buf, src=src, group=rt.group)
+                with released(buf, on=dist.get_backend(rt.group) == "gloo"):
+                    dist.broadcast(buf, src=src, group=rt.group)
                 t.copy_(buf)
         return
     for i, (n, _, _) in enumerate(mine):

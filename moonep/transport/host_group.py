@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import time
 import weakref
 
 import torch
@@ -40,6 +41,29 @@ def register(group, cpu_group) -> None:
     """``cpu_group`` is the gloo group of ``group``'s ranks (``moonep.init``): where the headers of
     collectives on ``group`` (e.g. a ``QuantileBalancer`` over a NCCL group) go."""
     _HOST_OF[group] = cpu_group
+
+
+@contextlib.contextmanager
+def released(*tensors, on: bool = True, timeout_s: float = 1.0):
+    """Around one gloo collective on ``tensors``: on leaving, wait (the GIL released) until gloo's worker
+    thread has dropped its references to them.
+
+    Why: gloo marks a collective complete before its worker thread destroys the work, and destroying it
+    drops the tensors, which takes the GIL.  When the interpreter is already finalizing by then (the
+    collective was the last one before exit), Python ends that thread inside a ``noexcept`` destructor and
+    the process aborts ("terminate called without an active exception").  Each tensor's use count is
+    back to what it was before the call once the worker let go: usually at once, else within
+    microseconds.  Bounded by ``timeout_s``; skipped when the collective raised, or ``on`` is false (another
+    backend).
+    """
+    counts = [t._use_count() for t in tensors] if on and hasattr(torch.Tensor, "_use_count") else None
+    yield
+    if counts is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    for t, before in zip(tensors, counts):
+        while t._use_count() > before and time.monotonic() < deadline:
+            time.sleep(0)
 
 
 def group_timeout_s(group, default: float = 60.0) -> float:
@@ -112,7 +136,8 @@ class HostGroup:
         mine = torch.tensor(words, dtype=torch.int64)
         out = torch.empty(self.world_size * HEADER_WORDS, dtype=torch.int64)
         try:
-            all_gather_single(out, mine, group=self.group)
+            with released(out, mine):
+                all_gather_single(out, mine, group=self.group)
         except RuntimeError as exc:  # gloo: "Timed out waiting ...", "Connection closed by peer ..."
             raise self._failed(what, exc) from exc
         return out.view(self.world_size, HEADER_WORDS).tolist()
@@ -135,7 +160,8 @@ class HostGroup:
         out = torch.empty(self.world_size * n, dtype=torch.uint8)
         with self.span(what):
             try:
-                all_gather_single(out, mine, group=self.group)
+                with released(out, mine):
+                    all_gather_single(out, mine, group=self.group)
             except RuntimeError as exc:
                 raise self._failed(what, exc) from exc
         return [obj if r == self.rank else pickle.loads(out[r * n:r * n + sizes[r]].numpy().tobytes())

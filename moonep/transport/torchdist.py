@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..errors import MoonepError
 from ..guard import BUILD, GATHER
 from .base import Transport
-from .host_group import HostGroup, all_gather_single
+from .host_group import HostGroup, all_gather_single, released
 
 
 def _named(what: str):
@@ -75,7 +75,8 @@ class TorchDistTransport(Transport):
         recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=send.device)
         if send.dtype == torch.bool:  # gloo has no bool all-to-all
             return self.all_to_all(send.view(torch.uint8), send_splits, recv_splits).view(torch.bool)
-        dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
+        with released(recv, send, on=self.backend == "gloo"):
+            dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
         return recv
 
     @_named("all_gather")
@@ -84,7 +85,9 @@ class TorchDistTransport(Transport):
             return self.all_gather(t.cpu()).to(t.device)
         t = t.to(torch.int64).contiguous()
         out = torch.empty(self.world_size * t.numel(), dtype=torch.int64, device=t.device)
-        all_gather_single(out, t.reshape(-1), group=self.group)
+        flat = t.reshape(-1)
+        with released(out, flat, on=self.backend == "gloo"):
+            all_gather_single(out, flat, group=self.group)
         return out.view(self.world_size, -1)
 
     def all_gather_object(self, obj):
