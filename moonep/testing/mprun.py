@@ -25,15 +25,18 @@ else:
         """Raise inside a case to report it as skipped (for example: needs CUDA)."""
 
 
-def quiet_barrier(comm) -> None:
-    """``comm.Barrier()`` that sleeps between polls.
+def quiet_barrier(comm, timeout: float | None = None) -> bool:
+    """``comm.Barrier()`` that sleeps between polls; False if ``timeout`` seconds passed first.
 
     A blocking MPI barrier spins: with more ranks than cores, ranks that arrived early starve the one
     still working (a rank in ``gc.collect()`` was seen getting 3% of a core, for seconds)."""
     req = comm.Ibarrier()
     t0 = time.monotonic()
     while not req.Test():
+        if timeout is not None and time.monotonic() - t0 > timeout:
+            return False
         time.sleep(1e-4 if time.monotonic() - t0 < 0.01 else 2e-3)
+    return True
 
 
 def load_cases(path: str):
@@ -51,6 +54,9 @@ def main(argv=None) -> int:
     ap.add_argument("--case-timeout", type=float, default=120.0)
     ap.add_argument("--device", default=os.environ.get("MOONEP_TEST_DEVICE", "cpu"))
     ap.add_argument("--tag", default="")  # lets tests find stray processes of this launch
+    # Diagnosis runs (one GPU session, many cases): after a failure, go on if every rank reaches the next
+    # barrier within this many seconds (a failure on every rank at once); else abort as usual.
+    ap.add_argument("--keep-going", type=float, default=0.0)
     args = ap.parse_args(argv)
 
     from mpi4py import MPI
@@ -59,12 +65,14 @@ def main(argv=None) -> int:
     rank = comm.Get_rank()
     log = open(os.path.join(args.out, f"rank{rank}.jsonl"), "a", buffering=1)
 
-    def fail(name, exc_text):
+    def fail(name, exc_text, may_go_on=False):
         msg = f"[rank {rank}/{comm.Get_size()}] {name} FAILED\n{exc_text}"
         log.write(json.dumps({"case": name, "status": "failed", "rank": rank, "msg": msg}) + "\n")
         log.flush()
         sys.stderr.write(msg + "\n")
         sys.stderr.flush()
+        if may_go_on and args.keep_going > 0 and quiet_barrier(comm, args.keep_going):
+            return
         comm.Abort(1)
 
     try:
@@ -80,6 +88,7 @@ def main(argv=None) -> int:
     except BaseException:
         fail("<setup>", traceback.format_exc())
         return 1
+    failed = False
     for name, fn in cases:
         faulthandler.dump_traceback_later(args.case_timeout, exit=True)
         t0 = time.perf_counter()
@@ -89,8 +98,10 @@ def main(argv=None) -> int:
         except SkipCase as exc:
             status, msg = "skipped", str(exc)
         except BaseException:
-            fail(name, traceback.format_exc())
-            return 1
+            faulthandler.cancel_dump_traceback_later()
+            fail(name, traceback.format_exc(), may_go_on=True)
+            failed = True
+            continue
         finally:
             faulthandler.cancel_dump_traceback_later()
         log.write(json.dumps({"case": name, "status": status, "rank": rank, "msg": msg,
@@ -98,7 +109,7 @@ def main(argv=None) -> int:
         # Keeps cases in lockstep so a failure is attributed to the case that caused it.
         quiet_barrier(comm)
     rt.shutdown()
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
