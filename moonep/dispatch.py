@@ -26,8 +26,9 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
     Args:
         plan: the :class:`moonep.planner.Plan` every rank computed from the same counts.
         topk_idx: int64 ``[s, K]`` expert ids, ``-1`` for masked choices.
-        exchange_rows: ``False`` (CPU tensors only) leaves ``recv_rows`` ``None``: :func:`dispatch_packed`
-            then carries the row lists in the same message as the tokens (one collective fewer).
+        exchange_rows: ``False`` (CPU tensors only) leaves ``recv_rows`` and ``recv_splits`` ``None``:
+            :func:`dispatch_packed` then carries the row lists in the same message as the tokens, and learns
+            the splits with it (two collectives fewer on the MPI transport, one on others).
     """
     R = transport.world_size
     s, K = topk_idx.shape
@@ -37,8 +38,10 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
                                                        dst_row.contiguous().numpy(), R)
         pair_token, send_rows = torch.from_numpy(pair_token), torch.from_numpy(send_rows)
         send_splits = splits.tolist()
+        if not exchange_rows:  # dispatch_packed learns recv_splits with the rows (all_to_all_sized)
+            return HostStep(s, pair_token, send_rows, send_splits, None, None, capacity)
         recv_splits = transport.all_to_all(torch.from_numpy(splits)[:, None], [1] * R, [1] * R)[:, 0].tolist()
-        recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits) if exchange_rows else None
+        recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits)
         return HostStep(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
     hits = torch.zeros(s, R + 1, dtype=torch.bool, device=topk_idx.device)
     col = torch.where(dst_rank >= 0, dst_rank, torch.full_like(dst_rank, R))  # column R: masked choices
@@ -56,7 +59,8 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
 
 def dispatch_packed(x: torch.Tensor, topk_weights: torch.Tensor, routing: HostStep, transport: Transport):
     """CPU dispatch in one exchange: each wire row is the token's bytes, its K int32 destination rows and
-    its K routing weights (zero for choices that go elsewhere). Fills ``routing.recv_rows``.
+    its K routing weights (zero for choices that go elsewhere). Fills ``routing.recv_rows`` and
+    ``routing.recv_splits``.
 
     Returns:
         ``(tokens [capacity, H], weights [capacity])`` exactly as ``expand``/``expand_weights`` of the
@@ -68,7 +72,7 @@ def dispatch_packed(x: torch.Tensor, topk_weights: torch.Tensor, routing: HostSt
     send = torch.empty((n, bx + K * (4 + bw)), dtype=torch.uint8)
     ck.pack_pairs(ck.u8(x), ck.u8_choices(topk_weights), routing.pair_token.numpy(), routing.send_rows.numpy(),
                   send.numpy())
-    recv = transport.all_to_all(send, routing.send_splits, routing.recv_splits)
+    recv, routing.recv_splits = transport.all_to_all_sized(send, routing.send_splits)
     tokens = x.new_empty((routing.capacity, *x.shape[1:]))
     weights = topk_weights.new_empty(routing.capacity)
     rows = torch.empty((recv.shape[0], K), dtype=torch.int64)

@@ -85,7 +85,7 @@ class HostStep(StepState):
         send_splits: ``R`` ints, pairs sent to each rank.
         recv_rows: int64 ``[n_recv, K]``: the same lists as received, rows of this rank's buffer (``None``
             until the dispatch exchange when the packed CPU dispatch carries them).
-        recv_splits: ``R`` ints, pairs received from each rank.
+        recv_splits: ``R`` ints, pairs received from each rank (``None`` until that exchange, likewise).
         capacity: ``cap``, rows of the receive buffer.
         cache: derived index arrays (e.g. the token order of the combine's final sum).
     """
@@ -95,7 +95,7 @@ class HostStep(StepState):
     send_rows: torch.Tensor
     send_splits: list
     recv_rows: Optional[torch.Tensor]
-    recv_splits: list
+    recv_splits: Optional[list]
     capacity: int
     cache: dict = field(default_factory=dict, repr=False)
 

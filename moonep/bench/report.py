@@ -56,7 +56,11 @@ def plot(doc, path: Path) -> Path:
         if all("dispatch_us" in p.get("symm_mem", {}) for p in pts):
             ax.plot(mv, series(lambda p: p["symm_mem"]["dispatch_us"]), "o-", c="C2", label="symm_mem dispatch")
             ax.plot(mv, series(lambda p: p["symm_mem"]["combine_us"]), "s-", c="C8", label="symm_mem combine")
-        ax.plot(mv, series(lambda p: p["ceiling"]["dispatch_us"]), "k:", label="ceiling (same wire bytes)")
+        if all("ceiling" in p for p in pts):
+            ax.plot(mv, series(lambda p: p["ceiling"]["dispatch_us"]), "k:", label="ceiling (same wire bytes)")
+        elif all("reference" in p for p in pts):
+            ax.plot(mv, series(lambda p: p["reference"]["dispatch_us"]), "k:",
+                    label="plain all-to-all of the same rows (not a bound)")
         ax.set_yscale("log")
         ax.set_xlabel("achieved maxvio")
         ax.set_ylabel("µs (median, slowest rank)")
@@ -66,11 +70,16 @@ def plot(doc, path: Path) -> Path:
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3, which="both")
         ax = axes[row][1]
-        if all("moonep_us" in p.get("layer", {}) for p in pts):
-            ax.plot(mv, series(lambda p: p["layer"]["moonep_us"]), "o-", c="C0", label="moonep layer step")
-            ax.plot(mv, series(lambda p: p["layer"]["megatron_us"]), "o-", c="C3", label="Megatron layer step")
+        if all("train_moonep_us" in p.get("layer", {}) for p in pts):
+            ax.plot(mv, series(lambda p: p["layer"]["train_moonep_us"]), "o-", c="C0", label="moonep training step")
+            ax.plot(mv, series(lambda p: p["layer"]["train_megatron_us"]), "o-", c="C3",
+                    label="Megatron training step")
+            ax.plot(mv, series(lambda p: p["layer"]["inference_moonep_us"]), "s:", c="C0", alpha=0.6,
+                    label="moonep inference step")
+            ax.plot(mv, series(lambda p: p["layer"]["inference_megatron_us"]), "s:", c="C3", alpha=0.6,
+                    label="Megatron inference step")
             ax.plot(mv, series(lambda p: max(p["layer"]["megatron_expert_us"])), "v--", c="C3", alpha=0.6,
-                    label="Megatron expert GEMMs, most loaded rank")
+                    label="Megatron expert GEMMs (forward), most loaded rank")
             ax.plot(mv, series(lambda p: min(p["layer"]["megatron_expert_us"])), "^--", c="C3", alpha=0.4,
                     label="Megatron expert GEMMs, least loaded rank")
             ax.plot(mv, series(lambda p: max(p["layer"]["moonep_expert_us"])), "v--", c="C0", alpha=0.6,
@@ -85,7 +94,7 @@ def plot(doc, path: Path) -> Path:
         else:
             ax.text(0.5, 0.5, "layer step not run", ha="center", transform=ax.transAxes)
         ax.set_xlabel("achieved maxvio")
-        ax.set_title("MoE layer step: dispatch + experts + combine", fontsize=9)
+        ax.set_title("MoE layer step: router, dispatch, experts, combine (training: + backward)", fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(f"moonep.bench  {doc.get('git_commit', '')[:12]}  {doc['device']}  {doc['dtype']}", fontsize=10)
     fig.tight_layout()

@@ -31,6 +31,8 @@ import torch.distributed as dist
 import moonep
 from moonep.bench.baselines import MegatronA2A, PeerStoreCeiling, SymmMemA2A
 from moonep.bench.layer_step import ExpertWeights, megatron_step, moonep_step, swiglu_experts
+from moonep.bench.training_step import (TrainingLayer, differentiable, megatron_train_step, moonep_train_step,
+                                        torch_all_to_all)
 from moonep.bench.routing import make_routing, maxvio, zipf_exponent
 from moonep.fp8 import dequantize_rows, wire_bytes as fp8_wire_bytes
 
@@ -78,6 +80,57 @@ class Timer:
         med = sorted(samples)[len(samples) // 2]
         per_rank = gather(rt, round(med, 2))
         return Timing(max(per_rank), per_rank, out)
+
+    def _once(self, fn) -> float:
+        """One call of ``fn`` after a barrier, in us (CUDA: events, the queue drained before and after)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.rt.barrier()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            return a.elapsed_time(b) * 1e3
+        self.rt.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+
+    def paired(self, fa, fb) -> dict:
+        """Time ``fa`` (moonep) and ``fb`` (a baseline) alternately inside every iteration (``fa`` first in
+        even iterations, ``fb`` first in odd ones), so that both see the same machine.
+
+        Returns ``a_us``, ``b_us`` (medians over iterations of the slowest rank's time), ``a_per_rank_us``,
+        ``b_per_rank_us`` (each rank's median) and ``ratio`` (``b / a`` per iteration, slowest ranks):
+        its median, 25th and 75th percentiles."""
+        sa, sb = [], []
+        for i in range(self.warmup + self.iters):
+            for f, samples in (((fa, sa), (fb, sb)) if i % 2 == 0 else ((fb, sb), (fa, sa))):
+                t = self._once(f)
+                if i >= self.warmup:
+                    samples.append(t)
+        every = gather(self.rt, (sa, sb))
+        slow_a = [max(e[0][i] for e in every) for i in range(len(sa))]
+        slow_b = [max(e[1][i] for e in every) for i in range(len(sb))]
+        ratio = sorted(b / a for a, b in zip(slow_a, slow_b))
+        return dict(a_us=round(_median(slow_a), 2), b_us=round(_median(slow_b), 2),
+                    a_per_rank_us=[round(_median(e[0]), 2) for e in every],
+                    b_per_rank_us=[round(_median(e[1]), 2) for e in every],
+                    ratio=_sig(_median(ratio), 3), ratio_p25=_sig(_quantile(ratio, 0.25), 3),
+                    ratio_p75=_sig(_quantile(ratio, 0.75), 3))
+
+
+def _median(v) -> float:
+    return _quantile(sorted(v), 0.5)
+
+
+def _quantile(sorted_v, q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    pos = q * (len(sorted_v) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_v) - 1)
+    return sorted_v[lo] + (sorted_v[hi] - sorted_v[lo]) * (pos - lo)
 
 
 def gather(rt, obj) -> list:
@@ -241,7 +294,8 @@ class Suite:
         weights, why = None, ""
         if a.ffn > 0:
             # three [2*epn, H, ffn] slot pools (the home weights are their first halves), plus headroom
-            need = epn * H * a.ffn * self.es * (2 * 3 + len(a.slack) + 2)
+            # the training step adds its own three projections, their gradients and replica slots
+            need = epn * H * a.ffn * self.es * (2 * 3 + len(a.slack) + 2 + (9 if a.layer else 0))
             ok = gather(rt, need < 0.7 * _avail_bytes(rt))
             if all(ok):
                 weights = ExpertWeights(epn, H, a.ffn, self.dtype, rt.device, seed=ci)
@@ -251,12 +305,17 @@ class Suite:
         if ep0.transport_name == "nvlink":
             ceiling = PeerStoreCeiling(rt, s * (H * self.es + K * META_BYTES_PER_CHOICE) + 16,
                                        blocks=a.ceiling_blocks)
-        tname = ep0.transport.name
-        meg = MegatronA2A(ep0.transport.all_to_all, R, E, K,
-                          backend=f"all_to_all_single on {rt.backend}" if tname == "torch" else "MPI Ialltoallv")
-        self.doc["megatron_backend"] = meg.backend
-        self.doc["ceiling_kind"] = ("peer-store kernel over CUDA IPC" if ceiling is not None
-                                    else f"raw {ep0.transport.name} all-to-all of the same rows")
+        # the baseline on the collective its users run: all_to_all_single on the job's group (gloo, NCCL)
+        a2a = torch_all_to_all(rt.group)
+        backend = f"all_to_all_single on {dist.get_backend(rt.group)}"
+        meg = MegatronA2A(a2a, R, E, K, backend=backend)
+        self.meg_train = MegatronA2A(differentiable(a2a), R, E, K, backend=backend)
+        self.doc["megatron_backend"] = backend
+        if ceiling is not None:
+            self.doc["ceiling_kind"] = "peer-store kernel over CUDA IPC"
+        else:  # no bound moonep cannot beat exists on the host path: name the reference for what it is
+            self.doc["reference_kind"] = (f"the {ep0.transport.name} transport's plain all-to-all of moonep's wire "
+                                          "rows (a reference, not a bound: moonep's own exchange can be faster)")
         try:
             for placement in a.placement:
                 for target in a.maxvio:
@@ -335,27 +394,13 @@ class Suite:
         meg_err = _rel_err(mc.out, ref)
         local["meg"] = dict(recv=mctx["n_recv"], send=mctx["send_splits"])
         md.out = mc.out = None
-        # the layer step (first slack)
+        # the layer steps (first slack): training (forward and backward), then inference (forward only)
         lay = None
         if weights is not None and a.layer and self.fp8:
             why = why or "the layer step runs the token dtype (--dispatch-dtype fp8)"
         elif weights is not None and a.layer:
-            ep = eps[a.slack[0]]
-            ml = T(lambda: moonep_step(ep, x, idx, w, weights))
-            h = ml.out[1]
-            pw = [ep.prefetch(h, wt, out=pool) for wt, pool in zip(weights.projections, weights.pools)]
-            mg = T(lambda: swiglu_experts(h.tokens, h.cu_seqlens, *pw))
-            m_rows = int(h.num_rows)
-            ml.out = None
-            del h, pw
-            bl = T(lambda: megatron_step(meg, x, idx, w, weights))
-            bl.out = None
-            btok, bctx = meg.dispatch(x, idx)
-            bg = T(lambda: swiglu_experts(btok, bctx["cu_seqlens"], *weights.projections))
-            del btok, bctx
-            lay = dict(moonep_us=ml.us, moonep_per_rank_us=ml.per_rank_us, moonep_expert_us=mg.per_rank_us,
-                       megatron_us=bl.us, megatron_per_rank_us=bl.per_rank_us, megatron_expert_us=bg.per_rank_us)
-            local["layer_rows"] = m_rows
+            lay = self.layer_steps(ci, cfg, eps[a.slack[0]], meg, x, idx, w, weights)
+            local["layer_rows"] = lay.pop("rows")
         # everything per rank, then the ceiling on the exact per-peer bytes
         every = gather(rt, local)
         ceil = self.ceiling(ceiling, eps[a.slack[0]], x, every, row_wire, a.slack[0])
@@ -367,7 +412,7 @@ class Suite:
                               wire_bytes_per_rank=meg_wire, check_rel_err=meg_err,
                               dispatch_logical_GBps=_sig(logical / md.us / 1e3),
                               combine_logical_GBps=_sig(logical / mc.us / 1e3))
-        pt["ceiling"] = ceil
+        pt["ceiling" if ceiling is not None else "reference"] = ceil
         for rec in moon:
             sl = rec["slack"]
             pairs = [[e[sl]["pairs"][p] for p in range(R)] for e in every]   # [src][dst]
@@ -387,8 +432,9 @@ class Suite:
                 vs_megatron_dispatch=_sig(md.us / rec["dispatch_us"], 3),
                 vs_megatron_combine=_sig(mc.us / rec["combine_us"], 3))
             # the ceiling's time for `b` bytes per rank, scaled from its measurement on this point's bytes
-            c_d = (lambda b: b / ceil["mean_sent_bytes"] * ceil["dispatch_us"]) if ceil["mean_sent_bytes"] else None
-            c_c = (lambda b: b / ceil["mean_recv_bytes"] * ceil["combine_us"]) if ceil["mean_recv_bytes"] else None
+            bound = ceiling is not None  # efficiencies only against a hardware ceiling
+            c_d = (lambda b: b / ceil["mean_sent_bytes"] * ceil["dispatch_us"]) if bound and ceil["mean_sent_bytes"] else None
+            c_c = (lambda b: b / ceil["mean_recv_bytes"] * ceil["combine_us"]) if bound and ceil["mean_recv_bytes"] else None
             if c_d:
                 rec["dispatch_efficiency"] = _sig(c_d(wire) / rec["dispatch_us"], 3)
             if c_c:
@@ -404,12 +450,52 @@ class Suite:
             rows = [e["layer_rows"] for e in every]
             lay.update(moonep_rows_per_rank=rows, megatron_rows_per_rank=meg_recv,
                        megatron_straggler_rank=max(range(R), key=lambda r: meg_recv[r]),
-                       megatron_rows_max_over_min=round(max(meg_recv) / max(min(meg_recv), 1), 4),
-                       speedup=_sig(lay["megatron_us"] / lay["moonep_us"], 3))
+                       megatron_rows_max_over_min=round(max(meg_recv) / max(min(meg_recv), 1), 4))
             pt["layer"] = lay
         elif why:
             pt["layer"] = dict(skipped=why)
         return pt
+
+    def layer_steps(self, ci, cfg, ep, meg, x, idx, w, weights) -> dict:
+        """The training and the inference step on both paths, paired (:meth:`Timer.paired`), each rank's
+        expert GEMMs alone, and the training step's agreement between the paths."""
+        a, rt, T = self.args, self.rt, self.timer
+        s, H, E, K = cfg
+        with torch.enable_grad():
+            layer = TrainingLayer(E // self.R, E, H, a.ffn, self.dtype, rt.device, seed=ci)
+            xg = x.detach().clone().requires_grad_()
+            gen = torch.Generator().manual_seed(17 * (ci + 1) + self.rank)
+            gy = torch.randn(s, H, generator=gen).to(self.dtype).to(rt.device)
+            check = self.train_check(ep, layer, xg, idx, gy)
+            tr = T.paired(lambda: moonep_train_step(ep, layer, xg, idx, gy),
+                          lambda: megatron_train_step(self.meg_train, layer, xg, idx, gy))
+            layer.zero_grad()
+        inf = T.paired(lambda: moonep_step(ep, x, idx, w, weights), lambda: megatron_step(meg, x, idx, w, weights))
+        h = ep.dispatch(x, idx, w)
+        pw = [ep.prefetch(h, wt, out=pool) for wt, pool in zip(weights.projections, weights.pools)]
+        mg = T(lambda: swiglu_experts(h.tokens, h.cu_seqlens, *pw))
+        rows = int(h.num_rows)
+        btok, bctx = meg.dispatch(x, idx)
+        bg = T(lambda: swiglu_experts(btok, bctx["cu_seqlens"], *weights.projections))
+        out = dict(rows=rows, moonep_expert_us=mg.per_rank_us, megatron_expert_us=bg.per_rank_us,
+                   train_check_rel_err=check)
+        for name, r in (("train", tr), ("inference", inf)):
+            out.update({f"{name}_moonep_us": r["a_us"], f"{name}_megatron_us": r["b_us"],
+                        f"{name}_moonep_per_rank_us": r["a_per_rank_us"],
+                        f"{name}_megatron_per_rank_us": r["b_per_rank_us"],
+                        f"{name}_speedup": r["ratio"], f"{name}_speedup_p25": r["ratio_p25"],
+                        f"{name}_speedup_p75": r["ratio_p75"]})
+        return out
+
+    def train_check(self, ep, layer, x, idx, gy) -> float:
+        """Largest relative difference between the paths' training steps: the output, the input's gradient
+        and every weight's gradient (the same computation: only round-off may differ).  All ranks' largest."""
+        got = []
+        for step, meg in ((moonep_train_step, ep), (megatron_train_step, self.meg_train)):
+            y = step(meg, layer, x, idx, gy)
+            got.append([y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.params])
+        err = max(_rel_err(m, b) for m, b in zip(*got))
+        return max(gather(self.rt, err))
 
     def ceiling(self, ceiling, ep, x, every, row_wire, slack) -> dict:
         """Time the ceiling on the bytes each rank sends to each peer (dispatch) and back (combine)."""
@@ -433,7 +519,7 @@ class Suite:
             d = T(lambda: tr.all_to_all(buf, rows_to, rows_back))
             buf2 = torch.zeros(sum(rows_back), row_wire // self.es, dtype=self.dtype, device=x.device)
             c = T(lambda: tr.all_to_all(buf2, rows_back, rows_to))
-            kind = f"raw {tr.name} all-to-all of the same rows"
+            kind = f"plain {tr.name} all-to-all of the same rows (a reference, not a bound)"
         mean_sent, mean_recv = sum(sent) / R, sum(recvd) / R
         return dict(kind=kind, dispatch_us=d.us, combine_us=c.us, dispatch_per_rank_us=d.per_rank_us,
                     bytes_per_rank=sent, mean_sent_bytes=mean_sent, mean_recv_bytes=mean_recv,

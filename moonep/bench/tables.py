@@ -67,6 +67,10 @@ def _lay(key, pick=None):
     return (lambda p, r: p["layer"][key]) if pick is None else (lambda p, r: pick(p["layer"][key]))
 
 
+def _spread(step):
+    return lambda p, r: f"{p['layer'][step + '_speedup_p25']:.2f}-{p['layer'][step + '_speedup_p75']:.2f}"
+
+
 KEY = (
     Col("placement", "", lambda p, r: p["placement"], "{}",
         "where the popular experts live: on random ranks, or clustered on rank 0"),
@@ -115,7 +119,7 @@ TABLES = (
         Col("dispatch\nvs\nsymm_mem", "x", _m("vs_symm_dispatch"), RATIO, "symm_mem dispatch time / moonep's"),
         Col("combine\nvs\nsymm_mem", "x", _m("vs_symm_combine"), RATIO, "symm_mem combine time / moonep's"),
     )),
-    Table("baselines: Megatron-style all-to-all, PyTorch symm_mem, ceiling", False, (
+    Table("baselines: Megatron-style all-to-all, PyTorch symm_mem, ceiling (GPU) or reference (CPU)", False, (
         Col("Megatron\ndispatch", "us", _meg("dispatch_us"), US,
             "permute, counts to the host, all-to-all of every token copy, regroup by local expert"),
         Col("Megatron\ncombine", "us", _meg("combine_us"), US, "un-regroup, all-to-all back, weighted sum"),
@@ -131,13 +135,31 @@ TABLES = (
             "moving moonep's wire bytes at the hardware's pace (see 'ceiling' in the header)"),
         Col("ceiling\nrate", "GB/s", lambda p, r: p["ceiling"]["GBps"], _sig3,
             "mean bytes a rank sends / ceiling dispatch time"),
+        Col("reference\ndispatch", "us", lambda p, r: p["reference"]["dispatch_us"], US,
+            "CPU ranks: moonep's wire rows through the transport's plain all-to-all (not a bound)"),
+        Col("reference\ncombine", "us", lambda p, r: p["reference"]["combine_us"], US, "the same rows back"),
     )),
-    Table("MoE layer step: dispatch, prefetch (moonep), SwiGLU experts, combine", False, (
-        Col("moonep\nlayer step", "us", _lay("moonep_us"), US, "the whole step on moonep"),
-        Col("Megatron\nlayer step", "us", _lay("megatron_us"), US, "the whole step on the Megatron-style path"),
-        Col("speed-up", "x", _lay("speedup"), RATIO, "Megatron-style layer step time / moonep's"),
+    Table("MoE layer training step: router, dispatch, replica fetch (moonep), SwiGLU experts, combine, "
+          "forward and backward", False, (
+        Col("moonep\ntraining\nstep", "us", _lay("train_moonep_us"), US,
+            "the step on moonep, the replica gradient reduce included"),
+        Col("Megatron\ntraining\nstep", "us", _lay("train_megatron_us"), US,
+            "the same step on the Megatron-style path (differentiable all_to_all_single)"),
+        Col("speed-up", "x", _lay("train_speedup"), RATIO,
+            "median over iterations of Megatron's time / moonep's, both timed in every iteration"),
+        Col("speed-up\n25th-75th\npercentile", "x", _spread("train"), "{}", "the spread of that ratio"),
+        Col("paths\nagree", "rel. err", _lay("train_check_rel_err"), "{:.1e}",
+            "largest relative difference between the paths' outputs and gradients"),
+    )),
+    Table("MoE layer inference step: the same, forward only", False, (
+        Col("moonep\ninference\nstep", "us", _lay("inference_moonep_us"), US, "forward only, on moonep"),
+        Col("Megatron\ninference\nstep", "us", _lay("inference_megatron_us"), US,
+            "forward only, on the Megatron-style path"),
+        Col("speed-up", "x", _lay("inference_speedup"), RATIO,
+            "median over iterations of Megatron's time / moonep's, both timed in every iteration"),
+        Col("speed-up\n25th-75th\npercentile", "x", _spread("inference"), "{}", "the spread of that ratio"),
         Col("moonep\nexperts\nslowest", "us", _lay("moonep_expert_us", max), US,
-            "the expert GEMMs alone on the slowest rank (they follow its received rows)"),
+            "the expert GEMMs alone (forward) on the slowest rank (they follow its received rows)"),
         Col("moonep\nexperts\nfastest", "us", _lay("moonep_expert_us", min), US, "the same on the fastest rank"),
         Col("Megatron\nexperts\nslowest", "us", _lay("megatron_expert_us", max), US,
             "the expert GEMMs alone on the Megatron-style path's slowest rank"),
@@ -210,7 +232,9 @@ def _header(doc) -> list[str]:
     iters = f"{cfg['iters']} timed calls" if "iters" in cfg else "the timed calls"
     return [f"# moonep-bench: {doc['ranks']} ranks on {doc['device']} ({where}){over}, {doc['dtype']}",
             f"# moonep transport: {doc.get('transport') or '-'}; Megatron-style path on "
-            f"{doc.get('megatron_backend') or '-'}; ceiling: {doc.get('ceiling_kind') or '-'}",
+            f"{doc.get('megatron_backend') or '-'}; "
+            + (f"ceiling: {doc['ceiling_kind']}" if doc.get("ceiling_kind") else
+               f"reference: {doc.get('reference_kind') or '-'}"),
             f"# commit {doc.get('git_commit') or '-'}, {doc.get('time') or '-'}",
             f"# times: median over {iters} of the slowest rank, in microseconds (us)"]
 

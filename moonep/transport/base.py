@@ -53,6 +53,15 @@ class Transport:
         """
         raise NotImplementedError
 
+    def all_to_all_sized(self, send: torch.Tensor, send_splits: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """:meth:`all_to_all` when the receivers do not know ``recv_splits`` yet: returns ``(recv,
+        recv_splits)``.  Here: the splits are exchanged first (one more collective); a transport whose
+        messages carry their size (MPI: a matched probe) saves that round."""
+        R = self.world_size
+        splits = torch.tensor(list(send_splits), dtype=torch.int64, device=send.device)[:, None]
+        recv_splits = self.all_to_all(splits, [1] * R, [1] * R)[:, 0].tolist()
+        return self.all_to_all(send, send_splits, recv_splits), recv_splits
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """Gather a ``[n]`` int64 tensor from every rank into ``[R, n]`` (identical on every rank)."""
         raise NotImplementedError

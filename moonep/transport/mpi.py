@@ -306,6 +306,64 @@ class MPITransport(Transport):
                            [sbuf[s_off[p]:s_off[p + 1]] for p in peers], (sbuf, rbuf))
         return recv
 
+    def all_to_all_sized(self, send, send_splits):
+        """:meth:`all_to_all` without ``recv_splits``: each peer's message is matched by a probe
+        (``MPI_Improbe``), which tells its size, then received into its slice of one buffer.  One round
+        instead of two (the split exchange).  Messages on the instance's all-to-all tag pair in call order
+        as in :meth:`_exchange`; a peer that never sends is named at the timeout (nothing was posted for it,
+        so nothing is left writing into freed memory)."""
+        expect(send.device.type == "cpu", "send", "a CPU tensor for the MPI transport", send.device)
+        self._usable()
+        send = send.contiguous()
+        shape = send.shape[1:]
+        sbuf = _np(send).reshape(-1)
+        row = int(np.prod(shape, dtype=np.int64))
+        s_off = np.concatenate([[0], np.cumsum(np.asarray(send_splits, dtype=np.int64) * row)]).tolist()
+        me, R = self.rank, self.world_size
+        if R == 1:
+            return send.clone(), [send.shape[0]]
+        MPI, comm, tag = self._MPI, self.comm, self._instance_tags()[1]
+        sends, msgs, sizes, recvs = [], {}, {}, []
+        keep = [sbuf]
+        try:
+            for p in self.peers:
+                sends.append(comm.Isend(sbuf[s_off[p]:s_off[p + 1]], dest=p, tag=tag))
+            status = MPI.Status()
+            deadline = time.monotonic() + self.timeout
+            spins = 0
+            while len(msgs) < len(self.peers):
+                for p in self.peers:
+                    if p not in msgs:
+                        m = comm.Improbe(source=p, tag=tag, status=status)
+                        if m is not None:
+                            msgs[p] = m
+                            sizes[p] = status.Get_count(MPI.BYTE) // sbuf.itemsize // max(row, 1)
+                if len(msgs) == len(self.peers):
+                    break
+                spins += 1
+                _nap(spins, self.timeout - (deadline - time.monotonic()))
+                if time.monotonic() > deadline:
+                    # the matched messages are received (into scratch) so that nothing of this call lingers
+                    scratch = [np.empty(sizes[p] * row, dtype=sbuf.dtype) for p in msgs]
+                    keep.append(scratch)
+                    recvs = [msgs[p].Irecv(b) for p, b in zip(msgs, scratch)]
+                    _abandon(recvs + sends, keep)
+                    raise self._missing("all_to_all", [p for p in self.peers if p not in msgs])
+            recv_splits = [sizes[p] if p != me else int(send_splits[me]) for p in range(R)]
+            recv = torch.empty((sum(recv_splits), *shape), dtype=send.dtype)
+            rbuf = _np(recv).reshape(-1)
+            keep.append(rbuf)
+            r_off = np.concatenate([[0], np.cumsum(np.asarray(recv_splits, dtype=np.int64) * row)]).tolist()
+            rbuf[r_off[me]:r_off[me + 1]] = sbuf[s_off[me]:s_off[me + 1]]
+            recvs = [msgs[p].Irecv(rbuf[r_off[p]:r_off[p + 1]]) for p in self.peers]
+            self._poll(recvs, sends, "all_to_all", keep)
+        except MoonepError:
+            raise
+        except BaseException as exc:
+            _abandon(recvs + sends, keep)
+            raise self._left("all_to_all", exc) from (exc if isinstance(exc, Exception) else None)
+        return recv, recv_splits
+
     def all_gather(self, t):
         self._usable()
         mine = t.to(torch.int64).contiguous().numpy().reshape(-1)

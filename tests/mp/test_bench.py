@@ -55,7 +55,8 @@ def test_provenance_and_header(run_tiny):
     assert doc["git_commit"] and (doc["git_commit"] != "unknown" or not has_git)
     assert {"host", "cpu", "cores", "torch"} <= set(doc["machine"])
     assert doc["ranks"] == 2 and doc["device"] == "cpu" and doc["dtype"] == "bf16"
-    assert doc["transport"] in ("mpi", "torch") and doc["ceiling_kind"] and doc["megatron_backend"]
+    assert doc["transport"] in ("mpi", "torch") and doc["megatron_backend"] == "all_to_all_single on gloo"
+    assert "not a bound" in doc["reference_kind"] and "ceiling_kind" not in doc  # CPU: no hardware ceiling
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
@@ -64,8 +65,9 @@ def test_output_once_in_words(run_tiny):
     _, out, stdout, stderr = run_tiny
     assert "2/2" in stderr and stderr.count("moonep-bench: 100%") >= 1  # tqdm
     assert stdout.count("# moonep-bench: 2 ranks on cpu") == 1
-    assert stdout.count("# moonep: time per call") == 1 and stdout.count("# -- 32 tokens per rank") == 5
-    assert stdout.count("#  legend:") == 5 and "most rows received (rows)" in stdout
+    assert stdout.count("# moonep: time per call") == 1 and stdout.count("# -- 32 tokens per rank") == 6
+    assert stdout.count("#  legend:") == 6 and "most rows received (rows)" in stdout
+    assert "# MoE layer training step" in stdout and "# MoE layer inference step" in stdout
     assert stdout.count(f"# wrote {out}") == 1
     assert not [c for c in CODES if c in stdout]
 
@@ -82,9 +84,9 @@ def test_points(run_tiny):
         for m in p["moonep"]:
             for k in ("dispatch_us", "combine_us", "prefetch_us", "dispatch_prefetch_us"):
                 assert 0 < m[k] < 60e6, (k, m[k])
-            for k in ("dispatch_logical_GBps", "dispatch_wire_GBps", "dispatch_efficiency", "combine_efficiency",
-                      "dispatch_prefetch_efficiency", "vs_megatron_dispatch", "vs_megatron_combine"):
+            for k in ("dispatch_logical_GBps", "dispatch_wire_GBps", "vs_megatron_dispatch", "vs_megatron_combine"):
                 assert m[k] > 0, (k, m[k])
+            assert "dispatch_efficiency" not in m  # efficiencies are against a hardware ceiling only
             assert m["check_rel_err"] < 2e-2
             assert sum(m["recv_rows_per_rank"]) == R * s * K
             assert m["replicas"] == sum(m["replicas_per_rank"]) and m["replica_weight_bytes"] >= 0
@@ -95,9 +97,14 @@ def test_points(run_tiny):
         g = p["megatron"]
         assert g["dispatch_us"] > 0 and g["combine_us"] > 0 and g["check_rel_err"] < 2e-2
         assert sum(g["recv_rows_per_rank"]) == R * s * K
-        assert p["ceiling"]["dispatch_us"] > 0 and p["ceiling"]["combine_us"] > 0
+        assert p["reference"]["dispatch_us"] > 0 and p["reference"]["combine_us"] > 0 and "ceiling" not in p
         lay = p["layer"]
-        assert lay["moonep_us"] > 0 and lay["megatron_us"] > 0 and len(lay["megatron_expert_us"]) == R
+        for step in ("train", "inference"):
+            assert lay[f"{step}_moonep_us"] > 0 and lay[f"{step}_megatron_us"] > 0
+            assert 0 < lay[f"{step}_speedup_p25"] <= lay[f"{step}_speedup"] <= lay[f"{step}_speedup_p75"]
+            assert len(lay[f"{step}_moonep_per_rank_us"]) == R
+        assert lay["train_check_rel_err"] < 2e-2  # bf16: the paths' outputs and gradients agree
+        assert len(lay["megatron_expert_us"]) == R
         assert lay["megatron_rows_per_rank"] == g["recv_rows_per_rank"]
         assert "symm_mem" not in p  # CPU run: the NVSHMEM baseline is GPU only
     # the skewed routing is skewed, the uniform one is not
