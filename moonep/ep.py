@@ -689,12 +689,14 @@ class ExpertParallel:
                         in_backward: bool = False) -> torch.Tensor:
         """:meth:`reduce_grad` with the halves apart: ``home_grad [epn, *D]`` (this rank's home slots) plus
         the replica slots' gradients of every rank (``replica_grad [epn, *D]`` here) that belong to this
-        rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective."""
+        rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective.
+        ``in_backward``: called from a backward (named so in errors) with ``home_grad`` that backward's own
+        scratch, which may hold the sum (no copy of the home gradients)."""
         err = _local_error(self._check_replicas, h, home_grad, replica_grad, "replica_grad")
         sig, describe = _weights_signature("home_grad", home_grad, h) if err is None else ((), None)
         op = "prefetch.backward" if in_backward else "reduce_grad"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
-            return self._backend.reduce_replicas(h.plan, home_grad, replica_grad)
+            return self._backend.reduce_replicas(h.plan, home_grad, replica_grad, scratch=in_backward)
 
     def _check_replicas(self, h, home, other, name: str) -> None:
         """``home [epn, *D]`` and ``other`` (named ``name``) of the same shape, dtype and device."""

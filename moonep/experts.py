@@ -36,6 +36,7 @@ from torch.func import functional_call
 from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
+from .replicas import track_zero_slots
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once: the loop from then on
@@ -77,10 +78,15 @@ def _rows_grouped(a, cu, w):
 
 
 def _rows_loop(a, cu, w):
+    # Each slot's product written in place, empty slots skipped: a slot costs nothing unless it has rows
+    # (replica slots are often empty), and no concatenation copies the output.  Called without autograd.
     c = cu.tolist()  # a host read (free for CPU tensors)
-    parts = [a[c[j]:c[j + 1]] @ w[j] for j in range(len(c) - 1)]
-    parts.append(a.new_zeros(a.shape[0] - c[-1], w.shape[-1]))
-    return torch.cat(parts)
+    out = a.new_empty(a.shape[0], w.shape[-1])
+    for j in range(len(c) - 1):
+        if c[j + 1] > c[j]:
+            torch.mm(a[c[j]:c[j + 1]], w[j], out=out[c[j]:c[j + 1]])
+    out[c[-1]:].zero_()
+    return out
 
 
 def _two_grouped(a, cu, w_home, w_rep):
@@ -105,12 +111,21 @@ def _wgrad_rows_grouped(a, g, cu):
     return _GMM(a.t(), g, offs=cu[1:].to(torch.int32))
 
 
-def _wgrad_rows_loop(a, g, cu):
+def _wgrad_rows_loop(a, g, cu, lo: int = 0, hi: int | None = None, skip=()):
+    """Weight gradients of slots ``lo:hi``, ``[hi - lo, D, N]`` (an empty slot's is zero, not computed);
+    slots in ``skip`` are left unwritten (nobody reads them: unoccupied replica slots)."""
     c = cu.tolist()
-    return torch.stack([a[c[j]:c[j + 1]].t() @ g[c[j]:c[j + 1]] for j in range(len(c) - 1)])
+    hi = len(c) - 1 if hi is None else hi
+    out = a.new_empty(hi - lo, a.shape[1], g.shape[1])
+    for j in range(lo, hi):
+        if c[j + 1] > c[j]:
+            torch.mm(a[c[j]:c[j + 1]].t(), g[c[j]:c[j + 1]], out=out[j - lo])
+        elif j not in skip:
+            out[j - lo].zero_()
+    return out
 
 
-def _wgrad_grouped(a, g, cu, epn):
+def _wgrad_grouped(a, g, cu, epn, unoccupied=()):
     if experts_cuda.usable(a):
         gw = experts_cuda.slot_wgrad(a, g, cu)
         return gw[:epn], gw[epn:]
@@ -120,9 +135,15 @@ def _wgrad_grouped(a, g, cu, epn):
     return gh, gr
 
 
-def _wgrad_loop(a, g, cu, epn):
-    gw = _wgrad_rows_loop(a, g, cu)
-    return gw[:epn], gw[epn:]
+def _wgrad_loop(a, g, cu, epn, unoccupied=()):
+    # host path: the replica gradient reduce reads only occupied replica slots; the others are not written
+    # (a fresh [epn, D, N] costs its page faults only where it is touched)
+    return _wgrad_rows_loop(a, g, cu, 0, epn), _wgrad_rows_loop(a, g, cu, epn, skip=unoccupied)
+
+
+def _unoccupied(h, epn: int) -> set:
+    """Slot indices ``epn + j`` of the replica slots that hold no replica in ``h``'s step (host tensors)."""
+    return {epn + j for j, e in enumerate(h.slot_experts[epn:].tolist()) if e < 0}
 
 
 class _Cat:
@@ -208,7 +229,9 @@ class _ExpertMatmul(torch.autograd.Function):
         ga = _run(ctx.impl, _two_grouped, _two_loop, g, cu, wh.mT, wr.mT) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:
-            gh, gr = _run(ctx.impl, _wgrad_grouped, _wgrad_loop, a, g, cu, w_home.shape[0])
+            epn = w_home.shape[0]
+            unoccupied = _unoccupied(rep.h, epn) if a.device.type == "cpu" else ()
+            gh, gr = _run(ctx.impl, _wgrad_grouped, _wgrad_loop, a, g, cu, epn, unoccupied)
             if ctx.transpose:
                 gh, gr = gh.mT, gr.mT
             gw = rep.reduce(gh.to(w_home.dtype), gr.to(w_home.dtype))
@@ -539,7 +562,7 @@ class ReplicaPool:
         i = self._next.get(key, 0)
         self._next[key] = (i + 1) % self.buffers
         if len(bufs) <= i:
-            bufs.append(torch.zeros(home.shape, dtype=home.dtype, device=home.device))
+            bufs.append(track_zero_slots(torch.zeros(home.shape, dtype=home.dtype, device=home.device)))
         return i, bufs[i]
 
     @torch.compiler.disable  # a collective: one graph break under torch.compile (moonep.ops: none)
@@ -562,7 +585,8 @@ class ReplicaPool:
         # parameters, views of a stacked home_weight that requires none
         keep = self.backward == "keep" and torch.is_grad_enabled()
         if keep:  # this layer's own buffer (index -1), alive until its backward
-            index, buf = -1, torch.zeros(home_weight.shape, dtype=home_weight.dtype, device=home_weight.device)
+            index, buf = -1, track_zero_slots(torch.zeros(home_weight.shape, dtype=home_weight.dtype,
+                                                          device=home_weight.device))
         else:
             index, buf = self._buffer(key, home_weight)
         gen = self._bump(key, index)

@@ -5,16 +5,27 @@ a single peer and at most ``epn`` experts per projection.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .transport import Transport
 
+# A replica buffer owned by a ReplicaPool (nothing else writes it) carries the set of its slots known to hold
+# zeros: a fetch zeroes only the empty slots that an earlier fetch filled, not all of them every step.
+_ZERO = "_moonep_zero_slots"
+
+
+def track_zero_slots(buffer: torch.Tensor) -> torch.Tensor:
+    """Mark a freshly zeroed ``[epn, *D]`` replica buffer that only fetches write (a pool's)."""
+    setattr(buffer, _ZERO, set(range(buffer.shape[0])))
+    return buffer
+
 
 def _replica_lists(plan, R: int):
     """Per rank ``u``: its source rank and the valid replica slot indices ``j`` (ascending)."""
-    rep = plan.replica_experts.cpu()
+    rep = plan.replica_experts.cpu().numpy()
     src = plan.replica_source.cpu().tolist()
-    slots = [[j for j in range(rep.shape[1]) if rep[u, j] >= 0] for u in range(R)]
+    slots = [np.flatnonzero(rep[u] >= 0).tolist() for u in range(R)]
     return rep, src, slots
 
 
@@ -75,7 +86,10 @@ def prefetch_replicas_into(plan, rank: int, local_weight: torch.Tensor, transpor
     got, mine = _fetch_replicas(plan, rank, local_weight.reshape(epn, -1), transport)
     flat = replicas.view(epn, -1)
     filled = set(mine)
-    empty = [j for j in range(epn) if j not in filled]
+    zero = getattr(replicas, _ZERO, None)
+    empty = [j for j in range(epn) if j not in filled and (zero is None or j not in zero)]
+    if zero is not None:
+        setattr(replicas, _ZERO, set(range(epn)) - filled)
     if empty:
         flat.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
     if mine:
@@ -104,9 +118,10 @@ def reduce_replica_grads(plan, rank: int, grad_view: torch.Tensor, transport: Tr
 
 
 def reduce_replicas(plan, rank: int, home_grad: torch.Tensor, replica_grad: torch.Tensor,
-                    transport: Transport) -> torch.Tensor:
+                    transport: Transport, scratch: bool = False) -> torch.Tensor:
     """``home_grad [epn, *D]`` plus every rank's replica gradients (``replica_grad [epn, *D]`` here) of this
-    rank's experts -> ``[epn, *D]``, added in rank order (a fixed summation order)."""
+    rank's experts -> ``[epn, *D]``, added in rank order (a fixed summation order).  ``scratch``: the sum is
+    made in ``home_grad`` itself (a backward's own tensor: no copy of the home experts' gradients)."""
     R, epn = transport.world_size, home_grad.shape[0]
     rep, src, slots = _replica_lists(plan, R)
     flat = replica_grad.reshape(epn, -1)
@@ -118,7 +133,9 @@ def reduce_replicas(plan, rank: int, home_grad: torch.Tensor, replica_grad: torc
         targets += mine
         recv_splits.append(len(mine))
     got = transport.all_to_all(send, send_splits, recv_splits)
-    home = home_grad.reshape(epn, -1).clone()
+    home = home_grad.reshape(epn, -1)
+    if not scratch:
+        home = home.clone()
     for row, e in enumerate(targets):  # rows arrive grouped by rank in rank order: a fixed summation order
         home[e] += got[row]
     return home.reshape(home_grad.shape)

@@ -95,9 +95,10 @@ class Backend:
         """``[2*epn, *D]`` slot gradients -> ``[epn, *D]``: replica parts added at home, in rank order."""
         raise NotImplementedError
 
-    def reduce_replicas(self, plan, home_grad, replica_grad):
+    def reduce_replicas(self, plan, home_grad, replica_grad, scratch: bool = False):
         """:meth:`reduce_grad` with the two halves apart: ``home_grad [epn, *D]`` plus the replica slots'
-        gradients of every rank (``replica_grad [epn, *D]`` here) -> ``[epn, *D]``."""
+        gradients of every rank (``replica_grad [epn, *D]`` here) -> ``[epn, *D]``.  ``scratch``: the caller
+        no longer needs ``home_grad`` (a backward's own): the sum may be made in it."""
         raise NotImplementedError
 
     def abandon_call(self, why: str) -> None:

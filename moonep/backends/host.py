@@ -129,5 +129,6 @@ class HostBackend(Backend):
     def reduce_grad(self, plan, grad):
         return reduce_replica_grads(plan, self.rank, grad.contiguous(), self.transport)
 
-    def reduce_replicas(self, plan, home_grad, replica_grad):
-        return reduce_replicas(plan, self.rank, home_grad.contiguous(), replica_grad.contiguous(), self.transport)
+    def reduce_replicas(self, plan, home_grad, replica_grad, scratch: bool = False):
+        return reduce_replicas(plan, self.rank, home_grad.contiguous(), replica_grad.contiguous(), self.transport,
+                               scratch=scratch)

@@ -709,7 +709,7 @@ class NVLinkBackend(Backend):
         g = grad_view.contiguous()
         return self.reduce_replicas(plan, g[:self.epn], g[self.epn:])
 
-    def reduce_replicas(self, plan, home_grad, replica_grad):
+    def reduce_replicas(self, plan, home_grad, replica_grad, scratch: bool = False):
         """``home_grad [epn, *D]`` plus the replica gradients (``replica_grad [epn, *D]`` of every rank) of
         this rank's experts, added at home in rank order -> ``[epn, *D]``."""
         self.check(inputs=False)

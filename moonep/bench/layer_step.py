@@ -1,50 +1,46 @@
-"""An end-to-end MoE layer step whose expert time follows the rows each rank received.
+"""An end-to-end MoE layer step (forward only: the inference step) whose expert time follows the rows each
+rank received.
 
-moonep:    dispatch -> prefetch the three projections' replicas into persistent pools -> SwiGLU over the
-           ``2*epn`` slots -> combine
+moonep:    dispatch -> ReplicaPool.fetch of the three projections' replicas -> SwiGLU over the ``2*epn``
+           slots (:func:`moonep.expert_matmul`: home rows on the home weights in place, replica rows on
+           the pool) -> combine
 Megatron:  permute + all-to-all (host-known splits) + regroup -> SwiGLU over the ``epn`` home experts
-           -> un-regroup + all-to-all + weighted scatter-add
+           (:func:`moonep.slot_matmul`) -> un-regroup + all-to-all + weighted scatter-add
 
-The expert is ``(silu(x W_g) * (x W_u)) W_d`` with ``W_g, W_u: [H, F]`` and ``W_d: [F, H]`` per expert,
-run by :func:`moonep.layers.grouped.slot_matmul` (``torch._grouped_mm`` with device offsets on CUDA, a
-loop over slots elsewhere), so its cost is proportional to the rows a rank received: under imbalance the
-Megatron path's most loaded rank computes longest and every other rank waits for it in combine.
-
-Each projection lives in a persistent ``[2*epn, ...]`` slot pool allocated once; its home weights are the
-view ``pool[:epn]`` (what both paths compute with), so ``ep.prefetch(h, home, out=pool)`` copies nothing
-for the home experts and writes only the replica slots ``pool[epn:]``.  The three projections are
-distinct tensors: the bytes moved and the FLOPs are those of three projections.
+The expert is ``(silu(x W_g) * (x W_u)) W_d`` with ``W_g, W_u: [H, F]`` and ``W_d: [F, H]`` per expert.
+Its cost is proportional to the rows a rank received: under imbalance the Megatron path's most loaded rank
+computes longest and every other rank waits for it in combine.  The three projections are distinct
+tensors: the bytes moved and the FLOPs are those of three projections.  The training step (forward and
+backward) is :mod:`moonep.bench.training_step`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from moonep.layers.grouped import slot_matmul
+from moonep.experts import ReplicaPool, expert_matmul, slot_matmul
+
+NAMES = ("w_gate", "w_up", "w_down")
 
 
 class ExpertWeights:
-    """This rank's ``epn`` experts: three projections ``[epn, H, F]``, ``[epn, H, F]``, ``[epn, F, H]`` in
-    ``dtype``, each the home half of a persistent ``[2*epn, ...]`` slot pool (``pools``) whose second half
-    ``ep.prefetch(h, home, out=pool)`` fills with the step's replicas."""
+    """This rank's ``epn`` experts: three projections ``[epn, H, ffn]``, ``[epn, H, ffn]``, ``[epn, ffn, H]``
+    in ``dtype`` (``projections``), and the :class:`moonep.ReplicaPool` their replicas are fetched into."""
 
     def __init__(self, epn: int, H: int, ffn: int, dtype, device, seed: int = 0):
         gen = torch.Generator(device=device).manual_seed(seed)
         self.epn, self.H, self.ffn = epn, H, ffn
-        self.pools = tuple(torch.zeros(2 * epn, *shape, dtype=dtype, device=device)
-                           for shape in ((H, ffn), (H, ffn), (ffn, H)))
-        for pool in self.pools:
-            pool[:epn].normal_(0.0, H ** -0.5, generator=gen)
-        self.gate, self.up, self.down = (pool[:epn] for pool in self.pools)
+        self.projections = tuple((torch.randn(epn, *shape, generator=gen, device=device) * shape[0] ** -0.5)
+                                 .to(dtype) for shape in ((H, ffn), (H, ffn), (ffn, H)))
+        self.pool = ReplicaPool()
 
-    @property
-    def projections(self):
-        """The home weights, views of the pools' first halves."""
-        return (self.gate, self.up, self.down)
+    def fetch(self, ep, h):
+        """This step's replicas of the three projections (collective)."""
+        return [self.pool.fetch(ep, h, w, name) for w, name in zip(self.projections, NAMES)]
 
     def nbytes_per_expert(self) -> int:
         """Bytes of one expert's three projections."""
-        return 3 * self.H * self.ffn * self.pools[0].element_size()
+        return 3 * self.H * self.ffn * self.projections[0].element_size()
 
 
 def swiglu_experts(a, cu_seqlens, wg, wu, wd):
@@ -54,11 +50,18 @@ def swiglu_experts(a, cu_seqlens, wg, wu, wd):
     return slot_matmul(F.silu(g) * u, cu_seqlens, wd)
 
 
+def moonep_experts(h, weights: ExpertWeights, reps):
+    """The SwiGLU experts over the ``2*epn`` slots of ``h`` (``reps``: :meth:`ExpertWeights.fetch`)."""
+    (wg, wu, wd), (rg, ru, rd), cu = weights.projections, reps, h.cu_seqlens
+    g = expert_matmul(h.tokens, cu, wg, rg)
+    u = expert_matmul(h.tokens, cu, wu, ru)
+    return expert_matmul(F.silu(g) * u, cu, wd, rd)
+
+
 def moonep_step(ep, x, idx, w, weights: ExpertWeights):
     """One forward layer step on moonep; returns ``(y [s, H], h)``."""
     h = ep.dispatch(x, idx, w)
-    wg, wu, wd = (ep.prefetch(h, p, out=pool) for p, pool in zip(weights.projections, weights.pools))
-    out = swiglu_experts(h.tokens, h.cu_seqlens, wg, wu, wd)
+    out = moonep_experts(h, weights, weights.fetch(ep, h))
     return ep.combine(out, h), h
 
 

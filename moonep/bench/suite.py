@@ -4,18 +4,23 @@ For every configuration (tokens per rank, hidden, E, K), popularity placement an
 builds one routing (the same on every path) and measures, in this order:
 
 1. moonep, for every ``slack``: ``dispatch`` (validation, counts exchange, planning and the token
-   exchange: everything ``ep.dispatch`` does), ``combine`` (identity experts), ``prefetch`` of three
-   ``[H, ffn]`` projections, and dispatch + prefetch as one timed region;
-2. the ceiling (:class:`moonep.bench.baselines.PeerStoreCeiling` on GPU, the raw transport on CPU) moving
-   the bytes moonep put on the wire, in each direction;
-3. the Megatron-style all-to-all (:class:`moonep.bench.baselines.MegatronA2A`);
-4. a MoE layer step on both paths (:mod:`moonep.bench.layer_step`), and each rank's expert GEMM alone;
+   exchange: everything ``ep.dispatch`` does), ``combine`` (identity experts), the replica fetch
+   (``ReplicaPool.fetch``, called "prefetch") of three ``[H, ffn]`` projections, and dispatch + prefetch as
+   one timed region;
+2. on GPU the ceiling (:class:`moonep.bench.baselines.PeerStoreCeiling`) moving the bytes moonep put on
+   the wire, in each direction; on CPU a reference (the transport's plain all-to-all of the same rows);
+3. the Megatron-style all-to-all (:class:`moonep.bench.baselines.MegatronA2A`) on ``all_to_all_single``;
+4. the MoE layer's training step (:mod:`moonep.bench.training_step`) and inference step
+   (:mod:`moonep.bench.layer_step`) on both paths, paired (:meth:`Timer.paired`), and each rank's expert
+   GEMMs alone;
 5. after every point above (so that a failure there cannot cost the rest), PyTorch's NVSHMEM
    ``all_to_all_vdev_2d`` pair on GPU, or "unavailable: <reason>".
 
 Timing: on GPU, CUDA events around each call, calls back to back after one barrier (the GPU queue runs
 ahead unless the path itself synchronises with the host, as the Megatron path must); on CPU, wall clock
-with a barrier before every call. A figure is the median over ``iters`` calls of the slowest rank.
+with a barrier before every call. A figure is the median over ``iters`` calls of the slowest rank.  The
+layer steps are paired instead: moonep and the baseline alternate inside every iteration (each call after a
+barrier, the GPU drained around it), and their ratio is taken per iteration.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import torch.distributed as dist
 
 import moonep
 from moonep.bench.baselines import MegatronA2A, PeerStoreCeiling, SymmMemA2A
-from moonep.bench.layer_step import ExpertWeights, megatron_step, moonep_step, swiglu_experts
+from moonep.bench.layer_step import ExpertWeights, megatron_step, moonep_experts, moonep_step, swiglu_experts
 from moonep.bench.training_step import (TrainingLayer, differentiable, megatron_train_step, moonep_train_step,
                                         torch_all_to_all)
 from moonep.bench.routing import make_routing, maxvio, zipf_exponent
@@ -293,8 +298,8 @@ class Suite:
         self.doc["transport"] = ep0.transport_name
         weights, why = None, ""
         if a.ffn > 0:
-            # three [2*epn, H, ffn] slot pools (the home weights are their first halves), plus headroom
-            # the training step adds its own three projections, their gradients and replica slots
+            # three projections and their replica slots (x2), plus headroom; the training step adds its own
+            # three projections, their gradients and replica slots
             need = epn * H * a.ffn * self.es * (2 * 3 + len(a.slack) + 2 + (9 if a.layer else 0))
             ok = gather(rt, need < 0.7 * _avail_bytes(rt))
             if all(ok):
@@ -369,18 +374,8 @@ class Suite:
                 pt["rank_load_max_over_mean"] = round(float(counts.sum(0).view(R, -1).sum(1).max() * R
                                                             / counts.sum()), 4)
             if weights is not None:
-                def pf():
-                    for wt, pool in zip(weights.projections, weights.pools):
-                        ep.prefetch(h, wt, out=pool)
-
-                p = T(pf)
-
-                def dp():
-                    hh = ep.dispatch(x, idx, w)
-                    for wt, pool in zip(weights.projections, weights.pools):
-                        ep.prefetch(hh, wt, out=pool)
-
-                q = T(dp)
+                p = T(lambda: weights.fetch(ep, h))
+                q = T(lambda: weights.fetch(ep, ep.dispatch(x, idx, w)))
                 rec.update(prefetch_us=p.us, dispatch_prefetch_us=q.us)
             elif why:
                 rec["prefetch"] = why
@@ -472,8 +467,8 @@ class Suite:
             layer.zero_grad()
         inf = T.paired(lambda: moonep_step(ep, x, idx, w, weights), lambda: megatron_step(meg, x, idx, w, weights))
         h = ep.dispatch(x, idx, w)
-        pw = [ep.prefetch(h, wt, out=pool) for wt, pool in zip(weights.projections, weights.pools)]
-        mg = T(lambda: swiglu_experts(h.tokens, h.cu_seqlens, *pw))
+        reps = weights.fetch(ep, h)
+        mg = T(lambda: moonep_experts(h, weights, reps))
         rows = int(h.num_rows)
         btok, bctx = meg.dispatch(x, idx)
         bg = T(lambda: swiglu_experts(btok, bctx["cu_seqlens"], *weights.projections))
@@ -585,9 +580,8 @@ DEFINITIONS = {
                    "+ regroup by local expert; symm_mem: permute + splits + all_to_all_vdev_2d",
     "combine_us": "identity experts; moonep: ep.combine; Megatron: un-regroup + all_to_all_single + weighted "
                   "scatter-add; symm_mem: all_to_all_vdev_2d_offset + weighted scatter-add",
-    "prefetch_us": "ep.prefetch of three [epn, H, ffn] projections into persistent [2*epn, ...] slot pools "
-                   "(out=, home weights are views of the pools: only the replica weights, pushed from their "
-                   "home rank, are written)",
+    "prefetch_us": "ReplicaPool.fetch of three [epn, H, ffn] projections: the replica weights, pushed from "
+                   "their home rank into the pool's slots (the home weights are used in place)",
     "dispatch_prefetch_us": "dispatch followed by the three prefetches, one timed region (MoonEP's accounting)",
     "time": "median over iters of the slowest rank; GPU: CUDA events, calls back to back; CPU: wall clock, "
             "barrier before each call",

@@ -78,8 +78,8 @@ def test_tables_from_a_minimal_document():
     assert "0.0123" in text and "1235" in text and "5.20" in text and "35.0" in text  # 3 significant digits
     assert "skipped: 15 experts do not divide over 2 ranks" in text
     # no layer step and no symm_mem in this document: their columns drop out, named under the legend
-    assert "not in this run: symm_mem dispatch (us)" in text and "moonep layer step (us)" in text
-    assert "speed-up (x)" not in text.split("# MoE layer step")[1].split("legend")[0]
+    assert "not in this run: symm_mem dispatch (us)" in text and "moonep training step (us)" in text
+    assert "speed-up (x)" not in text.split("# MoE layer training step")[1].split("legend")[0]
 
 
 @pytest.mark.parametrize("name", ["cpu_np4_suite.json", "h200x2_suite_2026-12-01.json"])
