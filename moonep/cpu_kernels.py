@@ -23,7 +23,8 @@ from numba import njit
 
 __all__ = ["dense", "u8", "u8_choices", "bits16", "bf16_nan_bits", "gather_rows", "expand_rows", "scatter_choices",
            "gather_choices", "pick_choices", "reduce_pairs_bf16", "reduce_pairs_float",
-           "pack_pairs", "unpack_pairs", "token_order", "sum_by_rank_bf16", "sum_by_rank_float", "route_pairs", "check_topk"]
+           "pack_pairs", "unpack_pairs", "token_order", "sum_by_rank_bf16", "sum_by_rank_float", "route_pairs", "check_topk",
+           "copy_destinations"]
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -390,3 +391,39 @@ def check_topk(idx):
                         dup = i
                         break
     return lo, hi, dup
+
+
+@njit(cache=True)
+def copy_destinations(flat, before, A, rep, cu, epn, dst_rank, dst_row):
+    """The layout of one source rank's copies (:func:`moonep.layout.token_destinations` on CPU plans).
+
+    ``flat`` int64 ``[n]`` expert ids in (token, choice) order (``-1``: masked); ``before [E]`` copies of
+    each expert on lower source ranks; ``A [E, R]`` the plan's assignment; ``rep [R, epn]`` replica experts
+    (``-1`` empty); ``cu [R, 2*epn+1]`` slot offsets.  The ``g``-th copy of expert ``e`` (over all sources in
+    rank order) goes to the rank whose chunk of ``A[e]`` holds ``g``, into ``e``'s slot there (home, or
+    ``epn`` + its replica index), at ``g`` minus the chunk's start.  Writes ``dst_rank``, ``dst_row``.
+    """
+    E, R = A.shape
+    slot = np.full((R, E), -1, dtype=np.int64)
+    for r in range(R):
+        for j in range(epn):
+            slot[r, r * epn + j] = j
+            e = rep[r, j]
+            if e >= 0:
+                slot[r, e] = epn + j
+    seen = before.copy()
+    for i in range(flat.shape[0]):
+        e = flat[i]
+        if e < 0:
+            dst_rank[i] = -1
+            dst_row[i] = -1
+            continue
+        g = seen[e]
+        seen[e] += 1
+        start = 0
+        r = 0
+        while r < R - 1 and g >= start + A[e, r]:
+            start += A[e, r]
+            r += 1
+        dst_rank[i] = r
+        dst_row[i] = cu[r, slot[r, e]] + g - start

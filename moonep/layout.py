@@ -20,6 +20,7 @@ import operator
 
 import torch
 
+from . import cpu_kernels as ck
 from .errors import expect, expect_int, expect_slack, expect_tensor
 from .planner import Plan, _validate, cap_for, plan_balanced
 from .planner.cuda import cu_seqlens_cuda, layout_cuda, layout_fast, plan_layout_cuda, plan_layout_fast
@@ -184,6 +185,21 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
         res = layout_cuda(plan, rank, topk_idx, align)
         if res is not None:
             return res
+    if plan.assignment.device.type == "cpu":  # one pass of a numba kernel, not some twenty small torch ops
+        flat = topk_idx.reshape(-1).to(torch.int64).contiguous()
+        dst, row = torch.empty_like(flat), torch.empty_like(flat)
+        ck.copy_destinations(flat.numpy(), plan.counts[:rank].sum(0).to(torch.int64).numpy(),
+                             plan.assignment.to(torch.int64).contiguous().numpy(),
+                             plan.replica_experts.to(torch.int64).contiguous().numpy(),
+                             cu_seqlens(plan, None, align).to(torch.int64).numpy(), plan.experts_per_rank,
+                             dst.numpy(), row.numpy())
+        return dst.view(topk_idx.shape), row.view(topk_idx.shape)
+    return destinations_torch(plan, rank, topk_idx, align)
+
+
+def destinations_torch(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int = 1):
+    """:func:`token_destinations` in torch ops, on any device (a CUDA plan the fused kernel does not take;
+    checked against the CPU kernel in the tests).  Arguments already checked."""
     A = plan.assignment
     E, R = A.shape
     epn = E // R

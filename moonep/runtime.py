@@ -97,6 +97,10 @@ class Runtime:
     _host: object = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.comm is not None:  # the MPI transport's waits: no spinning on oversubscribed cores
+            from .transport.mpi import set_polling
+
+            set_polling(self.local_world_size)
         if self.group is not None and self.cpu_group is not None and self.cpu_group is not self.group:
             register_host_group(self.group, self.cpu_group)  # headers of collectives on a NCCL group
 

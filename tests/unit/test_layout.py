@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moonep.layout import capacity, cu_seqlens, slot_experts, slot_sizes, token_destinations
+from moonep.layout import capacity, cu_seqlens, destinations_torch, slot_experts, slot_sizes, token_destinations
 from moonep.planner import plan_balanced
 from moonep.planner.corpus import counts_from_topk, routing
 
@@ -22,6 +22,9 @@ def check_layout(tk, E, slack, align):
     got = {}  # (dst, row) -> (src, i, k, e)
     for src in range(R):
         dr, row = token_destinations(plan, src, torch.from_numpy(tk[src]).to(torch.int32), align)
+        # the CPU kernel and the torch ops (a CUDA plan's fallback) place every copy alike
+        tr, tw = destinations_torch(plan, src, torch.from_numpy(tk[src]).to(torch.int32), align)
+        assert torch.equal(dr, tr) and torch.equal(row, tw)
         assert dr.dtype == torch.int64 and row.dtype == torch.int64 and dr.shape == (s, K)
         m = tk[src] < 0
         assert (dr.numpy()[m] == -1).all() and (row.numpy()[m] == -1).all()
