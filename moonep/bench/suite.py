@@ -389,6 +389,18 @@ class Suite:
         meg_err = _rel_err(mc.out, ref)
         local["meg"] = dict(recv=mctx["n_recv"], send=mctx["send_splits"])
         md.out = mc.out = None
+        # dispatch + combine (identity experts) on both paths, paired: the ratio that a shared machine keeps
+        ep = eps[a.slack[0]]
+
+        def moonep_dc():
+            hh = ep.dispatch(x, idx, w)
+            return ep.combine(dequantize_rows(hh) if self.fp8 else hh.tokens, hh)
+
+        def meg_dc():
+            tok, ctx = meg.dispatch(x, idx)
+            return meg.combine(tok, w, ctx)
+
+        dc = T.paired(moonep_dc, meg_dc)
         # the layer steps (first slack): training (forward and backward), then inference (forward only)
         lay = None
         if weights is not None and a.layer and self.fp8:
@@ -441,6 +453,8 @@ class Suite:
                 if c_d:
                     rec["dispatch_prefetch_efficiency"] = _sig(c_d(both) / rec["dispatch_prefetch_us"], 3)
         pt["moonep"] = moon
+        pt["dispatch_combine"] = dict(slack=a.slack[0], moonep_us=dc["a_us"], megatron_us=dc["b_us"],
+                                      speedup=dc["ratio"], speedup_p25=dc["ratio_p25"], speedup_p75=dc["ratio_p75"])
         if lay is not None:
             rows = [e["layer_rows"] for e in every]
             lay.update(moonep_rows_per_rank=rows, megatron_rows_per_rank=meg_recv,
@@ -602,6 +616,11 @@ DEFINITIONS = {
     "rank_load_max_over_mean": "copies homed on the most loaded rank over the mean (what a per-copy all-to-all "
                                "without replication receives)",
     "vs_megatron_*": "Megatron time / moonep time (> 1: moonep faster); vs_symm_* likewise",
-    "layer": "dispatch + (moonep: prefetch) + SwiGLU expert GEMMs over the received rows + combine; "
-             "*_expert_us: each rank's expert GEMMs alone, which follow its received rows",
+    "dispatch_combine": "dispatch then combine (identity experts), moonep (first slack) and Megatron-style timed "
+                        "alternately in every iteration; speedup: median over iterations of Megatron / moonep, "
+                        "with its 25th and 75th percentiles",
+    "layer": "train_*: router, dispatch, replica fetch (moonep), SwiGLU experts, combine, forward and backward "
+             "(the replica gradient reduce included); inference_*: the same forward only; both paths timed "
+             "alternately in every iteration, *_speedup the median per-iteration ratio Megatron / moonep; "
+             "*_expert_us: each rank's expert GEMMs alone (forward), which follow its received rows",
 }

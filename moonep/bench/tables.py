@@ -119,6 +119,17 @@ TABLES = (
         Col("dispatch\nvs\nsymm_mem", "x", _m("vs_symm_dispatch"), RATIO, "symm_mem dispatch time / moonep's"),
         Col("combine\nvs\nsymm_mem", "x", _m("vs_symm_combine"), RATIO, "symm_mem combine time / moonep's"),
     )),
+    Table("dispatch + combine against the Megatron-style path, timed alternately in every iteration", False, (
+        Col("moonep\ndispatch\n+ combine", "us", lambda p, r: p["dispatch_combine"]["moonep_us"], US,
+            "ep.dispatch then ep.combine (identity experts), the first slack"),
+        Col("Megatron\ndispatch\n+ combine", "us", lambda p, r: p["dispatch_combine"]["megatron_us"], US,
+            "the same on the Megatron-style path"),
+        Col("speed-up", "x", lambda p, r: p["dispatch_combine"]["speedup"], RATIO,
+            "median over iterations of Megatron's time / moonep's"),
+        Col("speed-up\n25th-75th\npercentile", "x",
+            lambda p, r: f"{p['dispatch_combine']['speedup_p25']:.2f}-{p['dispatch_combine']['speedup_p75']:.2f}",
+            "{}", "the spread of that ratio"),
+    )),
     Table("baselines: Megatron-style all-to-all, PyTorch symm_mem, ceiling (GPU) or reference (CPU)", False, (
         Col("Megatron\ndispatch", "us", _meg("dispatch_us"), US,
             "permute, counts to the host, all-to-all of every token copy, regroup by local expert"),

@@ -65,8 +65,8 @@ def test_output_once_in_words(run_tiny):
     _, out, stdout, stderr = run_tiny
     assert "2/2" in stderr and stderr.count("moonep-bench: 100%") >= 1  # tqdm
     assert stdout.count("# moonep-bench: 2 ranks on cpu") == 1
-    assert stdout.count("# moonep: time per call") == 1 and stdout.count("# -- 32 tokens per rank") == 6
-    assert stdout.count("#  legend:") == 6 and "most rows received (rows)" in stdout
+    assert stdout.count("# moonep: time per call") == 1 and stdout.count("# -- 32 tokens per rank") == 7
+    assert stdout.count("#  legend:") == 7 and "most rows received (rows)" in stdout
     assert "# MoE layer training step" in stdout and "# MoE layer inference step" in stdout
     assert stdout.count(f"# wrote {out}") == 1
     assert not [c for c in CODES if c in stdout]
@@ -105,6 +105,8 @@ def test_points(run_tiny):
             assert len(lay[f"{step}_moonep_per_rank_us"]) == R
         assert lay["train_check_rel_err"] < 2e-2  # bf16: the paths' outputs and gradients agree
         assert len(lay["megatron_expert_us"]) == R
+        dc = p["dispatch_combine"]
+        assert dc["moonep_us"] > 0 and dc["megatron_us"] > 0 and dc["speedup_p25"] <= dc["speedup"] <= dc["speedup_p75"]
         assert lay["megatron_rows_per_rank"] == g["recv_rows_per_rank"]
         assert "symm_mem" not in p  # CPU run: the NVSHMEM baseline is GPU only
     # the skewed routing is skewed, the uniform one is not
