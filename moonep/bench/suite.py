@@ -440,8 +440,9 @@ class Suite:
                 vs_megatron_combine=_sig(mc.us / rec["combine_us"], 3))
             # the ceiling's time for `b` bytes per rank, scaled from its measurement on this point's bytes
             bound = ceiling is not None  # efficiencies only against a hardware ceiling
-            c_d = (lambda b: b / ceil["mean_sent_bytes"] * ceil["dispatch_us"]) if bound and ceil["mean_sent_bytes"] else None
-            c_c = (lambda b: b / ceil["mean_recv_bytes"] * ceil["combine_us"]) if bound and ceil["mean_recv_bytes"] else None
+            sent, recvd = (ceil["mean_sent_bytes"], ceil["mean_recv_bytes"]) if bound else (0, 0)
+            c_d = (lambda b: b / sent * ceil["dispatch_us"]) if sent else None
+            c_c = (lambda b: b / recvd * ceil["combine_us"]) if recvd else None
             if c_d:
                 rec["dispatch_efficiency"] = _sig(c_d(wire) / rec["dispatch_us"], 3)
             if c_c:

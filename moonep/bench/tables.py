@@ -67,8 +67,20 @@ def _lay(key, pick=None):
     return (lambda p, r: p["layer"][key]) if pick is None else (lambda p, r: pick(p["layer"][key]))
 
 
-def _spread(step):
-    return lambda p, r: f"{p['layer'][step + '_speedup_p25']:.2f}-{p['layer'][step + '_speedup_p75']:.2f}"
+def _paired(field, prefix, moonep, megatron):
+    """The four columns of a paired timing: ``p[field][prefix + "moonep_us"]`` and so on (see
+    :meth:`moonep.bench.suite.Timer.paired`); ``moonep``, ``megatron``: (heading, legend) of the two times."""
+    def get(key):
+        return lambda p, r: p[field][prefix + key]
+
+    def spread(p, r):
+        return f"{p[field][prefix + 'speedup_p25']:.2f}-{p[field][prefix + 'speedup_p75']:.2f}"
+
+    return (Col(moonep[0], "us", get("moonep_us"), US, moonep[1]),
+            Col(megatron[0], "us", get("megatron_us"), US, megatron[1]),
+            Col("speed-up", "x", get("speedup"), RATIO,
+                "median over iterations of Megatron's time / moonep's, both timed in every iteration"),
+            Col("speed-up\n25th-75th\npercentile", "x", spread, "{}", "the spread of that ratio"))
 
 
 KEY = (
@@ -119,17 +131,10 @@ TABLES = (
         Col("dispatch\nvs\nsymm_mem", "x", _m("vs_symm_dispatch"), RATIO, "symm_mem dispatch time / moonep's"),
         Col("combine\nvs\nsymm_mem", "x", _m("vs_symm_combine"), RATIO, "symm_mem combine time / moonep's"),
     )),
-    Table("dispatch + combine against the Megatron-style path, timed alternately in every iteration", False, (
-        Col("moonep\ndispatch\n+ combine", "us", lambda p, r: p["dispatch_combine"]["moonep_us"], US,
-            "ep.dispatch then ep.combine (identity experts), the first slack"),
-        Col("Megatron\ndispatch\n+ combine", "us", lambda p, r: p["dispatch_combine"]["megatron_us"], US,
-            "the same on the Megatron-style path"),
-        Col("speed-up", "x", lambda p, r: p["dispatch_combine"]["speedup"], RATIO,
-            "median over iterations of Megatron's time / moonep's"),
-        Col("speed-up\n25th-75th\npercentile", "x",
-            lambda p, r: f"{p['dispatch_combine']['speedup_p25']:.2f}-{p['dispatch_combine']['speedup_p75']:.2f}",
-            "{}", "the spread of that ratio"),
-    )),
+    Table("dispatch + combine against the Megatron-style path, timed alternately in every iteration", False,
+          _paired("dispatch_combine", "",
+                  ("moonep\ndispatch\n+ combine", "ep.dispatch then ep.combine (identity experts), the first slack"),
+                  ("Megatron\ndispatch\n+ combine", "the same on the Megatron-style path"))),
     Table("baselines: Megatron-style all-to-all, PyTorch symm_mem, ceiling (GPU) or reference (CPU)", False, (
         Col("Megatron\ndispatch", "us", _meg("dispatch_us"), US,
             "permute, counts to the host, all-to-all of every token copy, regroup by local expert"),
@@ -151,24 +156,17 @@ TABLES = (
         Col("reference\ncombine", "us", lambda p, r: p["reference"]["combine_us"], US, "the same rows back"),
     )),
     Table("MoE layer training step: router, dispatch, replica fetch (moonep), SwiGLU experts, combine, "
-          "forward and backward", False, (
-        Col("moonep\ntraining\nstep", "us", _lay("train_moonep_us"), US,
-            "the step on moonep, the replica gradient reduce included"),
-        Col("Megatron\ntraining\nstep", "us", _lay("train_megatron_us"), US,
-            "the same step on the Megatron-style path (differentiable all_to_all_single)"),
-        Col("speed-up", "x", _lay("train_speedup"), RATIO,
-            "median over iterations of Megatron's time / moonep's, both timed in every iteration"),
-        Col("speed-up\n25th-75th\npercentile", "x", _spread("train"), "{}", "the spread of that ratio"),
+          "forward and backward", False, _paired(
+              "layer", "train_",
+              ("moonep\ntraining\nstep", "the step on moonep, the replica gradient reduce included"),
+              ("Megatron\ntraining\nstep",
+               "the same step on the Megatron-style path (differentiable all_to_all_single)")) + (
         Col("paths\nagree", "rel. err", _lay("train_check_rel_err"), "{:.1e}",
             "largest relative difference between the paths' outputs and gradients"),
     )),
-    Table("MoE layer inference step: the same, forward only", False, (
-        Col("moonep\ninference\nstep", "us", _lay("inference_moonep_us"), US, "forward only, on moonep"),
-        Col("Megatron\ninference\nstep", "us", _lay("inference_megatron_us"), US,
-            "forward only, on the Megatron-style path"),
-        Col("speed-up", "x", _lay("inference_speedup"), RATIO,
-            "median over iterations of Megatron's time / moonep's, both timed in every iteration"),
-        Col("speed-up\n25th-75th\npercentile", "x", _spread("inference"), "{}", "the spread of that ratio"),
+    Table("MoE layer inference step: the same, forward only", False, _paired(
+        "layer", "inference_", ("moonep\ninference\nstep", "forward only, on moonep"),
+        ("Megatron\ninference\nstep", "forward only, on the Megatron-style path")) + (
         Col("moonep\nexperts\nslowest", "us", _lay("moonep_expert_us", max), US,
             "the expert GEMMs alone (forward) on the slowest rank (they follow its received rows)"),
         Col("moonep\nexperts\nfastest", "us", _lay("moonep_expert_us", min), US, "the same on the fastest rank"),

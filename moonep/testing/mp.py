@@ -108,12 +108,12 @@ class Launch:
 
 
 def launch(cases_file: str, n: int, *, timeout: float = 600, case_timeout: float = 120, tag: str = "",
-           env: dict | None = None) -> Launch:
+           env: dict | None = None, keep_going: float = 0.0) -> Launch:
     """Run every case of ``cases_file`` (several files: comma-separated) on ``n`` ranks; never outlives
-    ``timeout`` seconds."""
+    ``timeout`` seconds.  ``keep_going``: see ``mprun --keep-going`` (0: the first failure ends the job)."""
     out = tempfile.mkdtemp(prefix="moonep-mp-")
     cmd = mpiexec_cmd(n) + [sys.executable, "-m", "moonep.testing.mprun", str(cases_file), "--out", out,
-                            "--case-timeout", str(case_timeout), "--tag", tag]
+                            "--case-timeout", str(case_timeout), "--tag", tag, "--keep-going", str(keep_going)]
     launch_id = uuid.uuid4().hex
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MOONEP_LAUNCH_ID=launch_id,
                     **(env or {}))

@@ -41,6 +41,22 @@ def test_stalled_rank_is_killed_by_case_timeout():
     assert _stray_processes(tag) == []
 
 
+def test_keep_going_runs_on_after_a_failure_on_every_rank():
+    """--keep-going: a case that fails on every rank is reported and the next one runs; a failure on one
+    rank, with its peers left in a collective, still ends the job (within the keep-going wait)."""
+    tag = uuid.uuid4().hex
+    res = launch("tests/mp/harness_keep_going.py", 3, timeout=120, tag=tag, keep_going=5,
+                 env={"MOONEP_TIMEOUT": "60"})
+    assert res.seconds < 60, res.seconds
+    status, msg = res.outcome("case_fails_on_every_rank", 3)
+    assert status == "failed" and "deliberate failure on every rank" in msg, msg
+    assert res.outcome("case_after_a_uniform_failure", 3) == ("passed", "")
+    status, msg = res.outcome("case_one_rank_fails", 3)
+    assert status == "failed" and "deliberate failure on rank 1" in msg, msg
+    assert res.outcome("case_never_reached", 3)[0] == "failed"
+    assert res.returncode != 0 and _stray_processes(tag) == []
+
+
 def test_two_launches_at_once_do_not_interfere():
     results = {}
 
