@@ -21,6 +21,12 @@ def track_zero_slots(buffer: torch.Tensor) -> torch.Tensor:
     return buffer
 
 
+def forget_zero_slots(buffer: torch.Tensor) -> None:
+    """Another writer (the nvlink kernels) filled ``buffer``: no slot of it is known to hold zeros now."""
+    if getattr(buffer, _ZERO, None) is not None:
+        setattr(buffer, _ZERO, set())
+
+
 def _replica_lists(plan, R: int):
     """Per rank ``u``: its source rank and the valid replica slot indices ``j`` (ascending)."""
     rep = plan.replica_experts.cpu().numpy()

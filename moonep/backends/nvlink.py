@@ -85,7 +85,7 @@ from ..config import Tuning, parse_fused
 from ..errors import MoonepError, expect
 from ..guard import HEADER_WORDS, check_order_enabled
 from ..handles import NVLinkStep
-from ..replicas import home_is_view
+from ..replicas import forget_zero_slots, home_is_view
 from ..transport.ipc import HostWords, SymmetricBuffer
 from ..transport.order_board import OrderBoard
 from . import nvlink_abi as abi
@@ -665,6 +665,7 @@ class NVLinkBackend(Backend):
         """This rank's replica slots into ``replicas [epn, *D]`` (a persistent buffer); the home weights are
         read where they are.  Returns ``replicas``."""
         self._prefetch(plan, local_weight.contiguous(), None, replicas, self._prev_replicas(replicas))
+        forget_zero_slots(replicas)  # a host-path fetch into this pool buffer later zeroes every empty slot
         return replicas
 
     def _prefetch(self, plan, lw, home_out, rep_out, prev):
