@@ -342,6 +342,19 @@ class MPITransport(Transport):
         MPI, comm, tag = self._MPI, self.comm, self._instance_tags()[1]
         sends, msgs, sizes, recvs = [], {}, {}, []
         keep = [sbuf]
+
+        def give_up():
+            """Leaving early: matched messages not yet received are received into scratch (a matched message
+            must be received, and nothing of this call may land later), then everything is kept alive."""
+            for p in [p for p in msgs if msgs[p] is not None]:
+                scratch = np.empty(sizes[p] * row, dtype=sbuf.dtype)
+                keep.append(scratch)
+                try:
+                    recvs.append(msgs.pop(p).Irecv(scratch))
+                except Exception:  # noqa: BLE001 (a failed peer: its buffer stays kept)
+                    pass
+            _abandon(recvs + sends, keep)
+
         try:
             for p in self.peers:
                 sends.append(comm.Isend(sbuf[s_off[p]:s_off[p + 1]], dest=p, tag=tag))
@@ -360,24 +373,23 @@ class MPITransport(Transport):
                 spins += 1
                 _nap(spins, self.timeout - (deadline - time.monotonic()))
                 if time.monotonic() > deadline:
-                    # the matched messages are received (into scratch) so that nothing of this call lingers
-                    scratch = [np.empty(sizes[p] * row, dtype=sbuf.dtype) for p in msgs]
-                    keep.append(scratch)
-                    recvs = [msgs[p].Irecv(b) for p, b in zip(msgs, scratch)]
-                    _abandon(recvs + sends, keep)
-                    raise self._missing("all_to_all", [p for p in self.peers if p not in msgs])
+                    missing = [p for p in self.peers if p not in msgs]
+                    give_up()
+                    raise self._missing("all_to_all", missing)
             recv_splits = [sizes[p] if p != me else int(send_splits[me]) for p in range(R)]
             recv = torch.empty((sum(recv_splits), *shape), dtype=send.dtype)
             rbuf = _np(recv).reshape(-1)
             keep.append(rbuf)
             r_off = np.concatenate([[0], np.cumsum(np.asarray(recv_splits, dtype=np.int64) * row)]).tolist()
             rbuf[r_off[me]:r_off[me + 1]] = sbuf[s_off[me]:s_off[me + 1]]
-            recvs = [msgs[p].Irecv(rbuf[r_off[p]:r_off[p + 1]]) for p in self.peers]
+            for p in self.peers:
+                recvs.append(msgs[p].Irecv(rbuf[r_off[p]:r_off[p + 1]]))
+                msgs[p] = None  # received (posted): nothing left to drain
             self._poll(recvs, sends, "all_to_all", keep)
         except MoonepError:
             raise
         except BaseException as exc:
-            _abandon(recvs + sends, keep)
+            give_up()
             raise self._left("all_to_all", exc) from (exc if isinstance(exc, Exception) else None)
         return recv, recv_splits
 

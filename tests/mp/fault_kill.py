@@ -41,7 +41,7 @@ def _ep_scenario(sub, op, transport, victim, timeout, die):
             h = ep.dispatch(x, idx, w)
         if op == "combine":
             ep.prefetch(h, home)
-        ep.transport.all_to_all = lambda *a, **k: die()
+        ep.transport.all_to_all = ep.transport.all_to_all_sized = lambda *a, **k: die()
         {"dispatch": lambda: ep.dispatch(x, idx, w), "combine": lambda: ep.combine(h.tokens, h),
          "prefetch": lambda: ep.prefetch(h, home)}[op]()
         raise AssertionError("the victim survived its own op")

@@ -12,7 +12,7 @@ from ep_reference import dense_reference, make_problem, my_slice, run_slots
 from moonep.transport.mpi import MPITransport
 from moonep.transport.torchdist import TorchDistTransport
 
-WAITS = ("exchange_header", "all_gather", "all_to_all", "all_gather_object")
+WAITS = ("exchange_header", "all_gather", "all_to_all", "all_to_all_sized", "all_gather_object")
 CANARY = 0xA5
 
 
