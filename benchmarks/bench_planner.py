@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from moonep.layout import plan_and_destinations, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
-from moonep.planner.corpus import FAMILIES, corpus, expert_probs  # noqa: E402
+from tests.harness.planner_corpus import FAMILIES, corpus, expert_probs  # noqa: E402
 
 CONFIGS = [(256, 8, 8), (384, 16, 8), (896, 64, 16), (8192, 1024, 16)]
 
@@ -209,7 +209,7 @@ def main():
                   + "".join(f"; target {k} <= {tgt:.0f}: {'MET' if worst[k + '_us'] <= tgt else 'MISSED'}"
                             for k in ("eager_fused", "loop_fused", "graph_fused") if tgt), flush=True)
     if not a.no_oracle:
-        from moonep.planner.oracle import oracle_plan
+        from tests.harness.planner_oracle import oracle_plan
         cases, eq, ratios = [], 0, []
         for fam, cfg, seed, c in corpus():
             got = plan_balanced(torch.from_numpy(c)).num_replicas()

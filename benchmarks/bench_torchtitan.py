@@ -7,7 +7,7 @@ Four runs of ``torchtitan.train`` at 2 ranks, each from the same seed and data: 
 at steps 25 and 50 through torchtitan's checkpointer), moonep resumed from the step-25 checkpoint, and a
 control: torchtitan's own dispatcher at EP = 1, how far two exact implementations drift apart in bf16.  Writes
 the loss curves (JSON, and a PNG beside it) and how the resumed run's losses compare.  The ranks run
-:mod:`moonep.testing.torchtitan_train` (``torchtitan.train.main`` with torch-2.13 and CPU stand-ins).
+:mod:`tests.harness.torchtitan_train` (``torchtitan.train.main`` with torch-2.13 and CPU stand-ins).
 
 Data: no data set can be downloaded here, so the run makes its own: text from a fixed random bigram language
 (``--docs`` documents) and a BPE tokenizer trained on it (the ``tokenizers`` package), in the layout
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MOONEP = "moonep.integrations.torchtitan.moonep_experts"
-CPU_ATTENTION = "moonep.testing.torchtitan_train.cpu_attention_flexattention"
+CPU_ATTENTION = "tests.harness.torchtitan_train.cpu_attention_flexattention"
 
 
 def make_data(where: Path, docs: int, vocab: int, seed: int = 0) -> tuple[Path, Path]:
@@ -85,7 +85,7 @@ def train(args, name: str, dump: Path, overrides: list, ep: int | None = None) -
     # rank 0's output on the console (the ranks' lines would interleave), every rank's in the run's folder
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "--local-ranks-filter", "0", "--log-dir", str(dump / "ranks"), "--tee", "3",
-           "-m", "moonep.testing.torchtitan_train",
+           "-m", "tests.harness.torchtitan_train",
            "--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel",
            "--hf_assets_path", str(args.tok), "--dataloader.dataset", "c4_test",
            "--dataloader.dataset_path", str(args.data), "--dump_folder", str(dump),

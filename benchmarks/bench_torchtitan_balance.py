@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python benchmarks/bench_torchtitan_balance.py --out benchmarks/results/cpu_torchtitan_balance_np2.json
 
-torchtitan's debug models at EP = world size on CPU ranks (:mod:`moonep.testing.torchtitan`), the same weights
+torchtitan's debug models at EP = world size on CPU ranks (:mod:`tests.harness.torchtitan`), the same weights
 for both dispatchers.  The routing is skewed the way a hot group of experts skews it in training: every MoE
 layer's ``expert_bias_E`` is frozen (no load-balancing update) with ``--hot-bias`` added to the experts of
 rank 0 (experts ``0 .. E/R - 1``), so most choices land on them.  One forward pass per dispatcher; each
@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     import moonep
     from moonep.bench.provenance import command, git_commit, machine
     from moonep.integrations.torchtitan import MoonepTokenDispatcher
-    from moonep.testing import torchtitan as tt
+    from tests.harness import torchtitan as tt
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
     rt = moonep.init(device="cpu")

@@ -114,7 +114,7 @@ for s in "$@"; do case $s in
   pool_trace) step pool_trace 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/trace_pool_overlap.py --out $o/h200x1_pool_overlap_np2.json ;;
   training_keep) for n in 2 4; do  # every case runs even after one fails (diagnosis with little device time)
                    MOONEP_TEST_DEVICE=cuda OMP_NUM_THREADS=1 step training_keep_np$n 200 mpirun --allow-run-as-root \
-                     --oversubscribe -n $n python3 -m moonep.testing.mprun \
+                     --oversubscribe -n $n python3 -m tests.harness.mprun \
                      tests/mp/cases_training.py,tests/mp/cases_examples.py --out $o --case-timeout 120 --keep-going 40
                    mkdir -p $o/keep_np$n; mv $o/rank*.jsonl $o/keep_np$n/ 2>/dev/null; done ;;
   training_np2) MOONEP_GPU_NRANKS=2 step training_np2 420 python3 -m pytest -q -rA tests/gpu/test_mp_training_gpu.py ;;

@@ -186,7 +186,7 @@ def plan_gpu_emu(counts, slack, stats):
     return A.reshape(E, R), np.array(s.rx).reshape(R, epn), np.array(s.rsrc), np.array(rc), attempt
 
 def main(n=1200, seed=0):
-    from moonep.planner.corpus import random_counts, FAMILIES
+    from tests.harness.planner_corpus import random_counts, FAMILIES
     rng = np.random.default_rng(seed)
     stats = {'fast': 0, 'slow': 0}
     cases = []

@@ -12,7 +12,7 @@ import torch
 sys.path.insert(0, ".")
 from moonep.layout import plan_and_destinations  # noqa: E402
 from moonep.planner import cuda as pc  # noqa: E402
-from moonep.planner.corpus import counts_from_topk, routing  # noqa: E402
+from tests.harness.planner_corpus import counts_from_topk, routing  # noqa: E402
 
 
 def t(f, n=200, k=7):

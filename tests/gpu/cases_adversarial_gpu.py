@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mp"))  # tests/mp: cases_adversarial, ep_reference
 import cases_adversarial as A  # noqa: E402
-from moonep.testing.mp import SkipCase  # noqa: E402
+from tests.harness.mp import SkipCase  # noqa: E402
 
 
 def _need_cuda(rt):

@@ -16,9 +16,9 @@ from moonep import MoonepError
 
 import moonep
 from moonep.config import parse_fused
-from moonep.testing.cuda_graph import capture
+from tests.harness.cuda_graph import capture
 from moonep.ep import ExpertParallel
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mp"))  # tests/mp: ep_reference, cases_ep
 from ep_reference import make_problem, my_slice  # noqa: E402

@@ -11,7 +11,7 @@ import time
 import torch
 
 import moonep
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 from moonep.transport import ipc
 
 TIMEOUT = 5.0

@@ -9,7 +9,7 @@ import torch
 
 from moonep import cuda_runtime as cuda_kernels
 from moonep.balance import QuantileBalancer, histogram_quantiles
-from moonep.testing.cuda_graph import capture
+from tests.harness.cuda_graph import capture
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -11,7 +11,7 @@ import torch._dynamo  # noqa: E402
 
 from moonep import QuantileBalancer, cuda_runtime  # noqa: E402
 from moonep.layers import LatentMoE  # noqa: E402
-from moonep.testing.mp import GPU_ENV, mp_cases  # noqa: E402
+from tests.harness.mp import GPU_ENV, mp_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 

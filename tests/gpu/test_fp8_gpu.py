@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 import moonep  # noqa: E402
 from moonep import cuda_runtime, fp8  # noqa: E402
-from moonep.testing.cuda_graph import capture  # noqa: E402
+from tests.harness.cuda_graph import capture  # noqa: E402
 from moonep.quant import _quantize_torch  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]

@@ -6,7 +6,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
-from moonep.testing.mp import GPU_ENV, gpu_nranks, mp_cases  # noqa: E402
+from tests.harness.mp import GPU_ENV, gpu_nranks, mp_cases  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 

@@ -6,7 +6,7 @@ GPU). On an 8-GPU machine: MOONEP_GPU_NRANKS="8 16".
 import pytest
 import torch
 
-from moonep.testing.mp import GPU_ENV as CUDA, gpu_nranks, mp_cases
+from tests.harness.mp import GPU_ENV as CUDA, gpu_nranks, mp_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 NRANKS = gpu_nranks()

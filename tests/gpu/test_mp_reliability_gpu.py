@@ -15,7 +15,7 @@ gloo staging through the host when ranks share one), plus the nvlink backend for
 import pytest
 import torch
 
-from moonep.testing.mp import GPU_ENV, gpu_nranks, mp_cases
+from tests.harness.mp import GPU_ENV, gpu_nranks, mp_cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 NRANKS = gpu_nranks()

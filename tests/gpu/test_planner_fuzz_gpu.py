@@ -24,7 +24,7 @@ from test_planner_fuzz import SLACKS, fuzz_routing  # noqa: E402
 
 from moonep.layout import cu_seqlens, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
-from moonep.planner.corpus import counts_from_topk, verify_plan  # noqa: E402
+from tests.harness.planner_corpus import counts_from_topk, verify_plan  # noqa: E402
 
 FIELDS = ("assignment", "replica_experts", "replica_source", "recv_counts", "expert_counts")
 N_ROUTINGS = int(os.environ.get("MOONEP_FUZZ_GPU_N", 1000))

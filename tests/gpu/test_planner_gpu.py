@@ -10,8 +10,8 @@ pytest.importorskip("cupy")
 
 from moonep.layout import cu_seqlens, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
-from moonep.planner.corpus import counts_from_topk, random_counts, routing, verify_plan  # noqa: E402
-from moonep.testing.cuda_graph import capture  # noqa: E402
+from tests.harness.planner_corpus import counts_from_topk, random_counts, routing, verify_plan  # noqa: E402
+from tests.harness.cuda_graph import capture  # noqa: E402
 
 FIELDS = ("assignment", "replica_experts", "replica_source", "recv_counts", "expert_counts")
 

@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 from moonep import cuda_runtime, experts_cuda  # noqa: E402
 from moonep.experts import _two_loop  # noqa: E402
-from moonep.testing.cuda_graph import capture  # noqa: E402
+from tests.harness.cuda_graph import capture  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not cuda_runtime.available(), reason="needs CuPy")]
 

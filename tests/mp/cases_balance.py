@@ -1,4 +1,4 @@
-"""QuantileBalancer across ranks (run on every rank by moonep.testing.mprun; see tests/mp/test_mp_balance.py).
+"""QuantileBalancer across ranks (run on every rank by tests.harness.mprun; see tests/mp/test_mp_balance.py).
 
 Balancers live on ``rt.collective_device`` (the GPU under NCCL, else the host), where the group's
 all-reduce wants them.
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moonep.balance import QuantileBalancer
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 _SOLO = None
 

@@ -1,4 +1,4 @@
-"""Bootstrap cases: run on every rank by moonep.testing.mprun (see tests/mp/test_mp_bootstrap.py)."""
+"""Bootstrap cases: run on every rank by tests.harness.mprun (see tests/mp/test_mp_bootstrap.py)."""
 import torch
 import torch.distributed as dist
 

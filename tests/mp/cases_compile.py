@@ -22,7 +22,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import moonep
 from moonep import ops
 from moonep.layers import LatentMoE
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 D, L, K, FE, FS = 12, 6, 3, 10, 4
 H, F = 16, 24

@@ -21,8 +21,8 @@ import torch
 import moonep
 from faults_common import expect_moonep_error, isolated
 from interrupts_common import Injected, checked_step, interrupt_at, make_ep, problem, train_step, transports
-from moonep.testing.mp import SkipCase
-from moonep.testing.mprun import quiet_barrier
+from tests.harness.mp import SkipCase
+from tests.harness.mprun import quiet_barrier
 
 T = 2.0
 SLACK = 2.5  # on top of T (2 cores shared by 3 ranks)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import moonep
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 from ep_reference import dense_reference, expert, routing, run_slots
 
 LAYOUTS = ("contiguous", "expanded", "transposed", "sliced")

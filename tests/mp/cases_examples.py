@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811  (mprun's own class)
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import moonep  # noqa: F401
 from layers_reference import RoutedMoE
 from moonep.integrations import patch_generic, softmax_topk
 from moonep.training import full_state_dict, sync_grads
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 
 def _hf_or_skip():

@@ -24,8 +24,8 @@ import moonep
 from faults_common import isolated
 from interrupts_common import (CANARY, Injected, canaries, checked_step, fence_intact, fenced, intact, interrupt_at,
                                make_ep, problem, train_step, transports)
-from moonep.testing.mp import SkipCase
-from moonep.testing.mprun import quiet_barrier
+from tests.harness.mp import SkipCase
+from tests.harness.mprun import quiet_barrier
 
 T = 2.0  # the isolated runtimes' timeout: nothing here waits for it
 LATE = 0.1  # how late the peers come to the interrupted collective (mpi)

@@ -9,7 +9,7 @@ import moonep  # noqa: F401
 from layers_reference import PlainLM, dense_latent_moe, tiny_hf
 from moonep.layers import LatentMoE, balancer_step
 from moonep.training import expert_parameters, full_state_dict, sync_grads
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 # mprun runs as __main__, so its SkipCase is a different class from the importable one: raise that one.
 SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811

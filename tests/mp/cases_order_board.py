@@ -5,7 +5,7 @@ import os
 import time
 
 from moonep.errors import MoonepError
-from moonep.testing.mprun import quiet_barrier
+from tests.harness.mprun import quiet_barrier
 from moonep.guard import HEADER_WORDS, CollectiveGuard
 from moonep.transport.order_board import OrderBoard
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811  (see cases_layers.py)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import moonep
 from ep_reference import dense_reference, make_problem, moe_step, my_slice
 from faults_common import expect_moonep_error, isolated
-from moonep.testing.mprun import quiet_barrier
+from tests.harness.mprun import quiet_barrier
 
 T = 3.0  # timeout of the isolated runtimes and instances (seconds)
 SLACK = 2.0  # allowed on top of T to raise (2 cores shared by up to 4 ranks)

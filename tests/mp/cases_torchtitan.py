@@ -40,7 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811  (mprun's own class)
 
@@ -57,7 +57,7 @@ PARAM_DTYPE = {"gpt_oss": "bfloat16"}
 
 def _tt():
     try:
-        from moonep.testing import torchtitan as tt
+        from tests.harness import torchtitan as tt
         import torchtitan  # noqa: F401
     except ImportError as exc:
         raise SkipCase(f"torchtitan is not installed (scripts/setup.sh installs it): {exc}")

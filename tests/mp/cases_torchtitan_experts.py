@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 
 SkipCase = getattr(sys.modules.get("__main__"), "SkipCase", SkipCase)  # noqa: F811  (mprun's own class)
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import moonep
-from moonep.testing.mp import SkipCase
+from tests.harness.mp import SkipCase
 from training_models import (HF_KINDS, KINDS, assert_close_dicts, batch, blocks, full_grads, full_params, loss_of,
                              mean_over_ranks, patched, rel, twins, unpatched)
 

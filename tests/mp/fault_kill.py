@@ -77,7 +77,7 @@ def main():
     import moonep
     from faults_common import isolated
 
-    from moonep.testing.mprun import quiet_barrier
+    from tests.harness.mprun import quiet_barrier
 
     rt = moonep.init(device="cpu")
     pairs = rt.world_size // 2

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from moonep.testing.mp import REPO_ROOT, mpiexec_cmd
+from tests.harness.mp import REPO_ROOT, mpiexec_cmd
 
 CODES = ("d_logGB", "eff_dp", "xSym_d", "megD_us", "xMeg_d", "rcv_max")  # the old tables' column codes
 

@@ -4,7 +4,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from moonep.testing.mp import launch
+from tests.harness.mp import launch
 
 
 def _stray_processes(tag):

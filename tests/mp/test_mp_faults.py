@@ -1,7 +1,7 @@
 """Fault injection on CPU ranks under mpiexec: mismatched collective order, stalls, killed ranks, interrupts
 at every wait, ranks in different collectives, and resource hygiene (create/close ExpertParallel 100
 times).  See docs/reliability.md."""
-from moonep.testing.mp import mp_cases
+from tests.harness.mp import mp_cases
 
 # one launch per world size for the three files (at 3 ranks all of them, at 2 the last two)
 test_faults = mp_cases("tests/mp/cases_faults.py", nranks=[3], case_timeout=60, group="faults")
@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from moonep.testing.mp import REPO_ROOT, _kill_launch, mpiexec_cmd  # noqa: E402
+from tests.harness.mp import REPO_ROOT, _kill_launch, mpiexec_cmd  # noqa: E402
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "mp"))
 from fault_kill import SCENARIOS, VICTIM_EXIT  # noqa: E402

@@ -1,6 +1,6 @@
 """Every wait has a timeout (tests/mp/cases_timeouts.py at 2 and 4 ranks), plus the waits of
 ``moonep.init`` and ``Runtime.shutdown`` under mpiexec: a rank late for init, a rank stalled in shutdown."""
-from moonep.testing.mp import mp_cases
+from tests.harness.mp import mp_cases
 
 test_timeouts = mp_cases("tests/mp/cases_timeouts.py", nranks=[2, 4], case_timeout=60)
 
@@ -17,7 +17,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from moonep.testing.mp import REPO_ROOT, _kill_launch, mpiexec_cmd  # noqa: E402
+from tests.harness.mp import REPO_ROOT, _kill_launch, mpiexec_cmd  # noqa: E402
 
 TIMEOUT = 2.0
 SCRIPT = r'''

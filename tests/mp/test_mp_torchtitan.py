@@ -1,6 +1,6 @@
 import os
 
-from moonep.testing.mp import mp_cases
+from tests.harness.mp import mp_cases
 
 # torchtitan's MoE models with moonep against torchtitan's all-to-all dispatcher (tests/mp/cases_torchtitan.py).
 # CI runs DeepSeek-V3 at EP = 2 (10 to 40 s on 2 cores); MOONEP_TT_FULL=1 runs every MoE debug model at

@@ -1,4 +1,4 @@
-from moonep.testing.mp import mp_cases
+from tests.harness.mp import mp_cases
 
 # DDP, accumulation, FSDP2, clipping, checkpoints (DCP 4 <-> 2 at 4 ranks), autocast, generation: each
 # patched model against the unpatched one; about 40 s at 2 ranks and 110 s at 4 on 2 CPU cores.

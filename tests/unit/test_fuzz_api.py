@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import moonep
 from moonep.layout import capacity, cu_seqlens, slot_experts, slot_sizes, token_destinations
 from moonep.planner import plan_balanced
-from moonep.planner.corpus import counts_from_topk, routing, verify_plan
+from tests.harness.planner_corpus import counts_from_topk, routing, verify_plan
 
 SET = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 INT_DT = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8]

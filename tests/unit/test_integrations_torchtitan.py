@@ -16,7 +16,7 @@ from torchtitan.models.common import moe as tt_moe  # noqa: E402
 from torchtitan.models.common import token_dispatcher as tt_disp  # noqa: E402
 
 from moonep.integrations import torchtitan as mt  # noqa: E402
-from moonep.testing import torchtitan as ttb  # noqa: E402
+from tests.harness import torchtitan as ttb  # noqa: E402
 
 E, K, D = 8, 3, 32
 

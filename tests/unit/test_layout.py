@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from moonep.layout import capacity, cu_seqlens, destinations_torch, slot_experts, slot_sizes, token_destinations
 from moonep.planner import plan_balanced
-from moonep.planner.corpus import counts_from_topk, routing
+from tests.harness.planner_corpus import counts_from_topk, routing
 
 
 def check_layout(tk, E, slack, align):

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moonep.planner import cap_for, plan_balanced
-from moonep.planner.corpus import random_counts, verify_plan
+from tests.harness.planner_corpus import random_counts, verify_plan
 
 FAMS = ["uniform", "zipf1.0", "zipf2.0", "hot", "theorem2", "dirichlet"]
 SET = settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
@@ -78,7 +78,7 @@ def test_empty_and_single_rank():
 @pytest.mark.parametrize("fam", ["uniform", "zipf1.0", "zipf1.5", "zipf2.0", "hot", "theorem2", "dirichlet"])
 def test_matches_oracle_small(fam):
     pytest.importorskip("scipy")
-    from moonep.planner.oracle import oracle_plan
+    from tests.harness.planner_oracle import oracle_plan
     eq = n = 0
     for R, epn, seed in [(2, 2, 0), (3, 2, 1), (4, 2, 2), (4, 3, 3), (3, 4, 4)]:
         c = random_counts(fam, R, epn, 2, 12, seed)

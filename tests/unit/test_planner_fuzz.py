@@ -3,7 +3,7 @@
 Routings are generated with numpy (fast, seeded) from adversarial families: the corpus ones (uniform, Zipf,
 one hot expert, rank 0's experts cold, Dirichlet), everything to one expert, a random rank's experts cold,
 all-masked / empty batches, and random masking on top. Each routing is planned with ``slack = 0`` (exact
-balance) and with one ``slack > 0`` (cap); the plan is checked with ``moonep.planner.corpus.verify_plan``
+balance) and with one ``slack > 0`` (cap); the plan is checked with ``tests.harness.planner_corpus.verify_plan``
 (conservation, balance or cap, replica placement: only replica experts off-home, ``<= E/R`` per rank, one
 source rank) and the token layout of every source rank with the vectorised :func:`check_layout_fast`.
 
@@ -18,7 +18,7 @@ import torch
 
 from moonep.layout import capacity, cu_seqlens, slot_experts, slot_sizes, token_destinations
 from moonep.planner import plan_balanced
-from moonep.planner.corpus import counts_from_topk, routing, verify_plan
+from tests.harness.planner_corpus import counts_from_topk, routing, verify_plan
 
 FAMILIES = ("uniform", "zipf1.0", "zipf1.5", "zipf2.0", "hot", "theorem2", "dirichlet", "all_to_one",
             "cold_rank", "zeros", "masked")

@@ -32,7 +32,7 @@ def oracle_plan(counts, *, slack: float = 0.0, time_limit: float = 60.0,
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import lil_matrix
 
-    from .plan import cap_for
+    from moonep.planner.plan import cap_for
 
     c = np.asarray(counts, dtype=np.int64)
     R, E = c.shape

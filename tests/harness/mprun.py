@@ -1,6 +1,6 @@
 """Runs every ``case_*`` function of one cases file on every rank; started by ``mpiexec -n N``.
 
-    mpiexec -n 4 python -m moonep.testing.mprun tests/mp/cases_bootstrap.py --out DIR
+    mpiexec -n 4 python -m tests.harness.mprun tests/mp/cases_bootstrap.py --out DIR
 
 Each rank appends one JSON line per case to ``DIR/rank<r>.jsonl``. The first failure on any rank prints
 that rank's traceback and aborts the whole MPI job, so no peer is left waiting in a collective. A case
@@ -19,7 +19,7 @@ import traceback
 
 
 if __name__ == "__main__":  # run as a script: share the one SkipCase class that cases files import
-    from moonep.testing.mprun import SkipCase  # noqa: F401
+    from tests.harness.mprun import SkipCase  # noqa: F401
 else:
     class SkipCase(Exception):
         """Raise inside a case to report it as skipped (for example: needs CUDA)."""

@@ -77,7 +77,7 @@ def random_counts(family: str, R: int, epn: int, K: int, s: int, seed: int) -> n
 
 def verify_plan(plan, counts: np.ndarray, slack: float = 0.0) -> None:
     """Assert every guarantee of the plan contract (numpy on CPU copies)."""
-    from .plan import cap_for
+    from moonep.planner.plan import cap_for
     A = plan.assignment.cpu().numpy()
     rx = plan.replica_experts.cpu().numpy()
     rs = plan.replica_source.cpu().numpy()

@@ -1,8 +1,8 @@
 """torchtitan's own training entry point (``torchtitan.train.main``), also on torch 2.13 and on CPU ranks.
 
-    torchrun --nproc-per-node 2 -m moonep.testing.torchtitan_train --module deepseek_v3 \\
+    torchrun --nproc-per-node 2 -m tests.harness.torchtitan_train --module deepseek_v3 \\
         --config deepseek_v3_debugmodel --override.imports \\
-        moonep.testing.torchtitan_train.cpu_attention_flexattention,moonep.integrations.torchtitan.moonep_experts
+        tests.harness.torchtitan_train.cpu_attention_flexattention,moonep.integrations.torchtitan.moonep_experts
 
 Everything after the module name is torchtitan's command line.  Importing this module patches torchtitan and
 torch in its process (it is meant for processes of its own), before ``main()`` runs, for only what stands in
@@ -91,7 +91,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":  # run as `-m`: the work happens in the module imported by name (registered once)
-    from moonep.testing import torchtitan_train
+    from tests.harness import torchtitan_train
 
     torchtitan_train.main()
 else:  # patched on import: before any torchtitan module copies its device

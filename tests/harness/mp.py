@@ -4,7 +4,7 @@ A cases file holds ``case_<name>(rt)`` functions. One ``mpiexec -n N`` launch ru
 ``import torch`` once per rank, not once per test); each case still shows up as its own pytest item:
 
     # tests/mp/test_mp_bootstrap.py
-    from moonep.testing.mp import mp_cases
+    from tests.harness.mp import mp_cases
     test_bootstrap = mp_cases("tests/mp/cases_bootstrap.py", nranks=[1, 2, 4])
 
 The launch runs in its own session with a timeout: on expiry the whole process group is killed, so no
@@ -112,7 +112,7 @@ def launch(cases_file: str, n: int, *, timeout: float = 600, case_timeout: float
     """Run every case of ``cases_file`` (several files: comma-separated) on ``n`` ranks; never outlives
     ``timeout`` seconds.  ``keep_going``: see ``mprun --keep-going`` (0: the first failure ends the job)."""
     out = tempfile.mkdtemp(prefix="moonep-mp-")
-    cmd = mpiexec_cmd(n) + [sys.executable, "-m", "moonep.testing.mprun", str(cases_file), "--out", out,
+    cmd = mpiexec_cmd(n) + [sys.executable, "-m", "tests.harness.mprun", str(cases_file), "--out", out,
                             "--case-timeout", str(case_timeout), "--tag", tag, "--keep-going", str(keep_going)]
     launch_id = uuid.uuid4().hex
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MOONEP_LAUNCH_ID=launch_id,
