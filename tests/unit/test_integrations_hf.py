@@ -4,6 +4,7 @@ each one matches the unpatched model (logits and gradients) or is refused at pat
     .venv/bin/python -m pytest -s tests/unit/test_integrations_hf.py    # -s prints the table
 """
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +24,13 @@ def _model(t):
     return hf_tiny.build(t, TYPES[t])
 
 
-def test_every_moe_model_type_matches_or_is_refused():
-    rows = hf_survey.survey()
+@pytest.fixture(scope="module")
+def survey_rows():
+    return hf_survey.survey()
+
+
+def test_every_moe_model_type_matches_or_is_refused(survey_rows):
+    rows = survey_rows
     print("\n" + hf_survey.table(rows))
     bad = [r for r in rows if not r.ok]
     assert not bad, "\n" + hf_survey.table(bad)
@@ -33,6 +39,26 @@ def test_every_moe_model_type_matches_or_is_refused():
     for t in ("mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text", "longcat_flash"):
         assert status.get(t, "matched") == "matched", (t, status.get(t))
     assert "transformers " in hf_survey.table(rows, markdown=True).splitlines()[0]
+
+
+def test_the_documented_survey_is_current(survey_rows):
+    """docs/integrations.md's table was made with the installed transformers, and every type's result (matched,
+    refused, not built) is what the survey finds now."""
+    import transformers
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    block = doc.split("<!-- hf_survey:begin -->")[1].split("<!-- hf_survey:end -->")[0].strip()
+    stamp = block.splitlines()[0].split(",")[0]
+    regen = "regenerate it: mpiexec -n 2 python -m moonep.integrations.hf_survey --markdown"
+    installed = f"transformers {transformers.__version__}"
+    assert stamp == installed, f"docs/integrations.md: made with {stamp}, {installed} is installed; {regen}"
+    cells = [[c.strip() for c in line.strip().strip("|").split("|")] for line in block.splitlines()
+             if line.startswith("| ") and not line.startswith("| model type")]
+    documented = {c[0]: c[1] for c in cells}
+    found = {r.model_type: r.status for r in survey_rows}
+    differ = {t: (documented.get(t), found.get(t)) for t in set(documented) | set(found)
+              if documented.get(t) != found.get(t)}
+    assert not differ, f"docs/integrations.md differs from the survey (documented, found): {differ}; {regen}"
 
 
 def test_other_expert_maths_is_refused_and_nothing_changes(monkeypatch):
