@@ -482,7 +482,7 @@ class QuantileBalancer(torch.nn.Module):
 
     def _all_reduce(self, t: torch.Tensor, what: str) -> None:
         try:
-            with released(t, on=dist.get_backend(self.group) == "gloo"):
+            with released(self.group, t):
                 dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         except RuntimeError as exc:
             self._failed_collective(what, exc)

@@ -36,7 +36,7 @@ class ExpertWeights:
 
     def fetch(self, ep, h):
         """This step's replicas of the three projections (collective)."""
-        return [self.pool.fetch(ep, h, w, name) for w, name in zip(self.projections, NAMES)]
+        return fetch_replicas(self.pool, ep, h, self.projections)
 
     def nbytes_per_expert(self) -> int:
         """Bytes of one expert's three projections."""
@@ -50,9 +50,15 @@ def swiglu_experts(a, cu_seqlens, wg, wu, wd):
     return slot_matmul(F.silu(g) * u, cu_seqlens, wd)
 
 
-def moonep_experts(h, weights: ExpertWeights, reps):
-    """The SwiGLU experts over the ``2*epn`` slots of ``h`` (``reps``: :meth:`ExpertWeights.fetch`)."""
-    (wg, wu, wd), (rg, ru, rd), cu = weights.projections, reps, h.cu_seqlens
+def fetch_replicas(pool, ep, h, projections):
+    """This step's replicas of the three projections ``(w_gate, w_up, w_down)`` from ``pool`` (collective)."""
+    return [pool.fetch(ep, h, w, name) for w, name in zip(projections, NAMES)]
+
+
+def moonep_experts(h, projections, reps):
+    """The SwiGLU experts over the ``2*epn`` slots of ``h``: ``projections`` the home ``(w_gate, w_up,
+    w_down)``, ``reps`` their replicas (:func:`fetch_replicas`)."""
+    (wg, wu, wd), (rg, ru, rd), cu = projections, reps, h.cu_seqlens
     g = expert_matmul(h.tokens, cu, wg, rg)
     u = expert_matmul(h.tokens, cu, wu, ru)
     return expert_matmul(F.silu(g) * u, cu, wd, rd)
@@ -61,7 +67,7 @@ def moonep_experts(h, weights: ExpertWeights, reps):
 def moonep_step(ep, x, idx, w, weights: ExpertWeights):
     """One forward layer step on moonep; returns ``(y [s, H], h)``."""
     h = ep.dispatch(x, idx, w)
-    out = moonep_experts(h, weights, weights.fetch(ep, h))
+    out = moonep_experts(h, weights.projections, weights.fetch(ep, h))
     return ep.combine(out, h), h
 
 

@@ -483,7 +483,7 @@ class Suite:
         inf = T.paired(lambda: moonep_step(ep, x, idx, w, weights), lambda: megatron_step(meg, x, idx, w, weights))
         h = ep.dispatch(x, idx, w)
         reps = weights.fetch(ep, h)
-        mg = T(lambda: moonep_experts(h, weights, reps))
+        mg = T(lambda: moonep_experts(h, weights.projections, reps))
         rows = int(h.num_rows)
         btok, bctx = meg.dispatch(x, idx)
         bg = T(lambda: swiglu_experts(btok, bctx["cu_seqlens"], *weights.projections))

@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from moonep.experts import ReplicaPool, expert_matmul, slot_matmul
-
-PROJECTIONS = ("w_gate", "w_up", "w_down")
+from moonep.bench.layer_step import fetch_replicas, moonep_experts, swiglu_experts
+from moonep.experts import ReplicaPool
 
 
 def torch_all_to_all(group):
@@ -80,8 +78,12 @@ class TrainingLayer:
         self.pool = ReplicaPool()
 
     @property
+    def projections(self):
+        return (self.w_gate, self.w_up, self.w_down)
+
+    @property
     def params(self):
-        return (self.router, self.w_gate, self.w_up, self.w_down)
+        return (self.router, *self.projections)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -100,11 +102,7 @@ def moonep_train_step(ep, layer: TrainingLayer, x, topk_idx, grad_y):
     x.grad = None
     w = layer.topk_weights(x, topk_idx)
     h = ep.dispatch(x, topk_idx, w)
-    cu = h.cu_seqlens
-    r_gate, r_up, r_down = (layer.pool.fetch(ep, h, getattr(layer, n), n) for n in PROJECTIONS)
-    g = expert_matmul(h.tokens, cu, layer.w_gate, r_gate)
-    u = expert_matmul(h.tokens, cu, layer.w_up, r_up)
-    out = expert_matmul(F.silu(g) * u, cu, layer.w_down, r_down)
+    out = moonep_experts(h, layer.projections, fetch_replicas(layer.pool, ep, h, layer.projections))
     y = ep.combine(out, h)
     y.backward(grad_y)
     return y
@@ -116,10 +114,6 @@ def megatron_train_step(meg, layer: TrainingLayer, x, topk_idx, grad_y):
     x.grad = None
     w = layer.topk_weights(x, topk_idx)
     tokens, ctx = meg.dispatch(x, topk_idx)
-    cu = ctx["cu_seqlens"]
-    g = slot_matmul(tokens, cu, layer.w_gate)
-    u = slot_matmul(tokens, cu, layer.w_up)
-    out = slot_matmul(F.silu(g) * u, cu, layer.w_down)
-    y = meg.combine(out, w, ctx)
+    y = meg.combine(swiglu_experts(tokens, ctx["cu_seqlens"], *layer.projections), w, ctx)
     y.backward(grad_y)
     return y

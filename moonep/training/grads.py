@@ -26,10 +26,6 @@ from .sharding import full_tensor
 __all__ = ["sync_grads", "clip_grad_norm_", "all_reduce_grads"]
 
 
-def _gloo(rt) -> bool:
-    return dist.get_backend(rt.group) == "gloo"
-
-
 def sync_grads(model: nn.Module) -> None:
     """Average the replicated parameters' gradients over the ranks (what DDP does), for training without a
     data-parallel wrapper.  Expert gradients are left as they are (already complete and averaged).
@@ -64,7 +60,7 @@ def all_reduce_grads(params: list, rt, average: bool = False) -> None:
     dev = flat.device
     if dist.get_backend(rt.group) == "nccl" and dev.type != "cuda":
         flat = flat.cuda()
-    with rt.host.span("sync_grads"), _named("sync_grads"), released(flat, on=_gloo(rt)):
+    with rt.host.span("sync_grads"), _named("sync_grads"), released(rt.group, flat):
         dist.all_reduce(flat, group=rt.group)
     if average:
         flat /= rt.world_size
@@ -153,7 +149,7 @@ def _reduce_norm(local: torch.Tensor, norm_type: float, rt) -> torch.Tensor:
         return local
     inf = norm_type == float("inf")
     t = (local if inf else local.double() ** norm_type).to(rt.collective_device).reshape(1)
-    with _span(rt, "clip_grad_norm_"), released(t, on=_gloo(rt)):
+    with _span(rt, "clip_grad_norm_"), released(rt.group, t):
         dist.all_reduce(t, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM, group=rt.group)
     t = t.to(local.device).reshape(())
     return (t if inf else t ** (1.0 / norm_type)).to(local.dtype)

@@ -147,7 +147,7 @@ def check_replicated(model: nn.Module, rt, *, broadcast_from: int | None = None,
             for _, t in named:
                 t = t.to_local() if hasattr(t, "to_local") else t
                 buf = t.detach().to(rt.collective_device)
-                with released(buf, on=dist.get_backend(rt.group) == "gloo"):
+                with released(rt.group, buf):
                     dist.broadcast(buf, src=src, group=rt.group)
                 t.copy_(buf)
         return

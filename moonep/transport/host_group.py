@@ -44,19 +44,19 @@ def register(group, cpu_group) -> None:
 
 
 @contextlib.contextmanager
-def released(*tensors, on: bool = True, timeout_s: float = 1.0):
-    """Around one gloo collective on ``tensors``: on leaving, wait (the GIL released) until gloo's worker
-    thread has dropped its references to them.
+def released(group, *tensors, timeout_s: float = 1.0):
+    """Around one collective on ``group`` over ``tensors``: when ``group`` is gloo, on leaving, wait (the GIL
+    released) until gloo's worker thread has dropped its references to them.
 
     Why: gloo marks a collective complete before its worker thread destroys the work, and destroying it
     drops the tensors, which takes the GIL.  When the interpreter is already finalizing by then (the
     collective was the last one before exit), Python ends that thread inside a ``noexcept`` destructor and
     the process aborts ("terminate called without an active exception").  Each tensor's use count is
     back to what it was before the call once the worker let go: usually at once, else within
-    microseconds.  Bounded by ``timeout_s``; skipped when the collective raised, or ``on`` is false (another
-    backend).
+    microseconds.  Bounded by ``timeout_s``; skipped when the collective raised, and on other backends.
     """
-    counts = [t._use_count() for t in tensors] if on and hasattr(torch.Tensor, "_use_count") else None
+    on = hasattr(torch.Tensor, "_use_count") and dist.get_backend(group) == "gloo"
+    counts = [t._use_count() for t in tensors] if on else None
     yield
     if counts is None:
         return
@@ -136,7 +136,7 @@ class HostGroup:
         mine = torch.tensor(words, dtype=torch.int64)
         out = torch.empty(self.world_size * HEADER_WORDS, dtype=torch.int64)
         try:
-            with released(out, mine):
+            with released(self.group, out, mine):
                 all_gather_single(out, mine, group=self.group)
         except RuntimeError as exc:  # gloo: "Timed out waiting ...", "Connection closed by peer ..."
             raise self._failed(what, exc) from exc
@@ -160,7 +160,7 @@ class HostGroup:
         out = torch.empty(self.world_size * n, dtype=torch.uint8)
         with self.span(what):
             try:
-                with released(out, mine):
+                with released(self.group, out, mine):
                     all_gather_single(out, mine, group=self.group)
             except RuntimeError as exc:
                 raise self._failed(what, exc) from exc

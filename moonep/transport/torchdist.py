@@ -75,7 +75,7 @@ class TorchDistTransport(Transport):
         recv = torch.empty((sum(recv_splits), *send.shape[1:]), dtype=send.dtype, device=send.device)
         if send.dtype == torch.bool:  # gloo has no bool all-to-all
             return self.all_to_all(send.view(torch.uint8), send_splits, recv_splits).view(torch.bool)
-        with released(recv, send, on=self.backend == "gloo"):
+        with released(self.group, recv, send):
             dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=self.group)
         return recv
 
@@ -86,7 +86,7 @@ class TorchDistTransport(Transport):
         t = t.to(torch.int64).contiguous()
         out = torch.empty(self.world_size * t.numel(), dtype=torch.int64, device=t.device)
         flat = t.reshape(-1)
-        with released(out, flat, on=self.backend == "gloo"):
+        with released(self.group, out, flat):
             all_gather_single(out, flat, group=self.group)
         return out.view(self.world_size, -1)
 

@@ -71,7 +71,7 @@ dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
 held = 0
 for _ in range(300):
     mine, out = torch.ones(4, dtype=torch.int64), torch.empty(4, dtype=torch.int64)
-    with released(out, mine):
+    with released(dist.group.WORLD, out, mine):
         all_gather_single(out, mine)
     held += mine._use_count() > 1 or out._use_count() > 1
 print('held', held)
