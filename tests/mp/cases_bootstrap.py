@@ -68,7 +68,8 @@ def case_all_to_all_sized_learns_the_splits(rt):
     r, n = rt.rank, rt.world_size
     for tr in _transports(rt):
         for step in range(3):
-            for dtype, row in ((torch.float32, ()), (torch.bfloat16, (5,)), (torch.uint8, (2, 3))):
+            for dtype, row in ((torch.float32, ()), (torch.bfloat16, (5,)), (torch.uint8, (2, 3)),
+                               (torch.float32, (0,))):  # rows of no bytes: their count is still learned
                 # rank 0 sends nothing anywhere; others send (r + d + step) % 3 rows to rank d
                 send_splits = [0 if r == 0 else (r + d + step) % 3 for d in range(n)]
                 want_splits = [0 if s == 0 else (s + r + step) % 3 for s in range(n)]
