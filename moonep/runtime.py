@@ -25,7 +25,7 @@ from .config import env_float
 from .errors import MoonepError, expect
 from .guard import BARRIER
 from .transport.host_group import HostGroup, register as register_host_group
-from .transport.mpi import _abandon, _nap
+from .transport.mpi import _abandon, _nap, set_polling
 
 _DEFAULT_TIMEOUT_S = 60.0
 
@@ -98,8 +98,6 @@ class Runtime:
 
     def __post_init__(self) -> None:
         if self.comm is not None:  # the MPI transport's waits: no spinning on oversubscribed cores
-            from .transport.mpi import set_polling
-
             set_polling(self.local_world_size)
         if self.group is not None and self.cpu_group is not None and self.cpu_group is not self.group:
             register_host_group(self.group, self.cpu_group)  # headers of collectives on a NCCL group
