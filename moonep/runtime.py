@@ -328,6 +328,8 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         expect(group.ndim == 1, "group", "a ProcessGroup or a 1-D DeviceMesh (e.g. mesh['ep'])",
                f"a {group.ndim}-D DeviceMesh")
         mesh, group = group, group.get_group()
+        if want_cuda is None:  # a mesh names its device type: a "cpu" mesh on a GPU machine stays on the host
+            want_cuda = mesh.device_type == "cuda"
     if group is not None or dist.is_initialized():
         pg = group if group is not None else dist.group.WORLD
         rank, size = dist.get_rank(pg), dist.get_world_size(pg)

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
 # The tree arrives without .git: the caller writes HEAD into .git_commit and carries it.
-export MOONEP_GIT_COMMIT=$(cat .git_commit 2>/dev/null || echo unknown) MOONEP_MACHINE_KIND=${MOONEP_MACHINE_KIND:-$(n=$(nvidia-smi -L | wc -l); [ "$n" = 1 ] && echo nvidia-h200 || echo nvidia-h200-x$n)}
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h); gpu=${gpu:-gpu}
+ngpu=$(nvidia-smi -L | wc -l); pfx=${gpu}x$ngpu  # result files' prefix: h100x1, h200x2...
+export MOONEP_GIT_COMMIT=$(cat .git_commit 2>/dev/null || echo unknown) MOONEP_MACHINE_KIND=${MOONEP_MACHINE_KIND:-$([ "$ngpu" = 1 ] && echo nvidia-$gpu || echo nvidia-$gpu-x$ngpu)}
 o=/tmp/o; rm -rf $o; mkdir -p $o  # a warm machine keeps /tmp: start each run empty
 # inductor's caches do not key on how moonep's ops are registered (e.g. as side-effecting): none reused
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/inductor.XXXXXX)
@@ -127,6 +129,12 @@ for s in "$@"; do case $s in
   reliability_np2) MOONEP_GPU_NRANKS=2 step reliability_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_reliability_gpu.py ;;
   training_bench) for n in 1 2; do step training_bench_np$n 300 mpirun --allow-run-as-root -n $n python3 \
                     benchmarks/bench_training.py --out $o/h200x1_training_np$n.json; done ;;
+  training_bench2) step training_bench_np2 200 mpirun --allow-run-as-root -n 2 python3 \
+                    benchmarks/bench_training.py --out $o/${pfx}_training_np2.json ;;
+  host_before_after) for lib in tree old; do  # the nvlink host times of the library in the tree, then of .old/moonep
+                       pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
+                       PYTHONPATH=$pp step host_$lib 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
+                         --library "$lab" --out $o/host_$lib; done ;;
   training_bench1) step training_bench_np1 200 mpirun --allow-run-as-root -n 1 python3 \
                     benchmarks/bench_training.py --out $o/h200x1_training_np1.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;

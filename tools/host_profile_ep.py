@@ -3,6 +3,9 @@
 
     mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py [--out DIR]
 
+Also the host time of one dispatch + combine, eager and replayed from a CUDA graph.  For another version of
+the library, put its ``moonep`` package first on ``PYTHONPATH`` (the JSON records the commit it names).
+
 Back-to-back GPU timings are the larger of the GPU time and this host time per call.
 """
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 import moonep
 from moonep.bench.provenance import git_commit
 from moonep.ep import ExpertParallel
+from tests.harness.cuda_graph import capture
 
 
 def host_us(fn, n=60, k=5):
@@ -42,6 +46,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--library", default="", help="which library version this run used (recorded in the JSON)")
     a = ap.parse_args()
     rt = moonep.init()
     s, H, E, K = a.tokens, a.hidden, 256, 8
@@ -63,6 +68,15 @@ def main() -> int:
         # the backend that plans each step (its attribute name differs between versions of ep.py)
         eng = next(b for b in (getattr(ep, n, None) for n in ("backend", "_backend", "_engine")) if b is not None)
         res["plan_step_host_us"] = round(host_us(lambda: eng.plan_step(x, idx, w)), 1)
+
+        def step():  # one dispatch + combine, eager and then replayed from a CUDA graph
+            hs = ep.dispatch(x, idx, w)
+            return ep.combine(hs.tokens, hs)
+
+        res["step_eager_host_us"] = round(host_us(step), 1)
+        graph, _ = capture(step)
+        res["step_graph_replay_host_us"] = round(host_us(graph.replay), 1)
+        graph.reset()
         hh = {}
         for name, fn in (("dispatch", lambda: ep.dispatch(x, idx, w)), ("combine", lambda: ep.combine(hh["h"].tokens, hh["h"]))):
             hh["h"] = ep.dispatch(x, idx, w)  # a zero-copy view is valid until the next dispatch
@@ -100,7 +114,8 @@ def main() -> int:
         for k in ("dispatch_profile", "combine_profile"):
             print(f"==== {k}\n" + res[k][:6000])
         if a.out:
-            res.update(benchmark="host_profile_ep", git_commit=git_commit(),
+            res.update(benchmark="host_profile_ep", git_commit=git_commit(), library=a.library or "the tree",
+                       moonep_path=os.path.dirname(moonep.__file__),
                        machine=os.environ.get("MOONEP_MACHINE_KIND", "?"), world_size=rt.world_size,
                        command=" ".join(sys.argv))
             Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ theirs as usual (which leaves the already-sharded experts alone)::
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -34,7 +35,8 @@ def fully_shard_experts(model: nn.Module, *, mesh=None, **fsdp_kwargs) -> nn.Mod
             experts' group came from your own 2-D mesh (``patch_hf_moe(model, mesh["ep"])``), pass ``mesh["dp"]``.
         fsdp_kwargs: passed to ``fully_shard`` (``mp_policy``, ``reshard_after_forward``, ...); over a mesh of
             one rank ``reshard_after_forward`` defaults to ``False`` (resharding would free nothing).
-    Returns ``model``.  Call it before ``fully_shard`` of the blocks and the root.  Collective.
+    Returns ``model``, its experts moved to the mesh's device (as ``fully_shard`` moves plain parameters).
+    Call it before ``fully_shard`` of the blocks and the root.  Collective.
     Raises ``ValueError`` (before anything is wrapped) for a mesh that contains other expert-parallel ranks
     (FSDP would shard the experts over ranks whose experts differ), and for ``patch_generic`` blocks, whose
     expert modules FSDP2 cannot shard (exclude them: ``ignored_params=set(expert_parameters(model))``).
@@ -59,8 +61,20 @@ def fully_shard_experts(model: nn.Module, *, mesh=None, **fsdp_kwargs) -> nn.Mod
     for m in modules:
         expect(all(isinstance(getattr(m, n), DTensor) for n in m.sharded_params), "model",
                "expert parameters that are DTensors over the expert-parallel mesh", type(m).__name__)
+    device = _mesh_device(mesh)
+    for m in modules:
+        # fully_shard moves plain parameters to the mesh's device itself but refuses DTensors elsewhere: a
+        # model patched on the host and sharded over a CUDA mesh gets its experts moved here, like the rest
+        m.to(device)
         fully_shard(m, mesh=mesh, **fsdp_kwargs)
     return model
+
+
+def _mesh_device(mesh) -> torch.device:
+    """The device FSDP2 puts a module sharded over ``mesh`` on (the current CUDA device for a CUDA mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _check_disjoint(mesh, rt) -> None:

@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     # Diagnosis runs (one GPU session, many cases): after a failure, go on if every rank reaches the next
     # barrier within this many seconds (a failure on every rank at once); else abort as usual.
     ap.add_argument("--keep-going", type=float, default=0.0)
+    ap.add_argument("--only", default="", help="comma-separated substrings: run only the cases naming one")
     args = ap.parse_args(argv)
 
     from mpi4py import MPI
@@ -81,6 +82,8 @@ def main(argv=None) -> int:
         rt = moonep.init(device=args.device)
         # several files (comma-separated) share one launch: their cases run in file order
         cases = [c for path in args.cases.split(",") for c in load_cases(path)]
+        if args.only:
+            cases = [(n, fn) for n, fn in cases if any(k in n for k in args.only.split(","))]
         names = [n for n, _ in cases]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 import moonep
+from moonep.balance import normalise_topk
 from moonep.runtime import local_runtime
 
 HF_KINDS = ("mixtral", "deepseek_v3", "qwen3_moe", "gpt_oss")
@@ -136,3 +137,32 @@ def blocks(model):
     """The transformer blocks of a model (HF ``model.model.layers``, LatentLM ``layers``)."""
     inner = model.module if hasattr(model, "module") else model
     return inner.layers if isinstance(inner, LatentLM) else inner.model.layers
+
+
+def route_as(ref, mine) -> list:
+    """Make the LatentLM ``mine`` route each token to the experts that ``ref`` chose for it in the same call
+    (``ref`` runs its forwards first, ``mine`` the same ones after). Returns ``[flips]``: how many of ``mine``'s
+    tokens would have chosen other experts on their own.
+
+    In bf16 two models that differ only in round-off still pick different top-k experts for a token whose
+    k-th and (k+1)-th scores are within a rounding. That token's gradients then differ by O(1), which is not
+    round-off. Both models route the same way here (sigmoid scores, top-k, weights normalised, no balancer),
+    and the weights stay differentiable functions of each model's own scores."""
+    chosen, flips = [], [0]
+
+    def select(layer, x, replay):
+        scores = torch.sigmoid(layer.router(x))
+        w, idx = scores.topk(layer.topk, dim=1)
+        if replay:
+            want = chosen.pop(0)
+            flips[0] += int((idx.sort(1).values != want.sort(1).values).any(1).sum())
+            idx, w = want, scores.gather(1, want)
+        else:
+            chosen.append(idx)
+        return idx, normalise_topk(w), None
+
+    for model, replay in ((ref, False), (mine, True)):
+        for layer in blocks(model):
+            assert layer.balancer is None
+            layer._select = lambda x, layer=layer, replay=replay: select(layer, x, replay)
+    return flips
