@@ -11,12 +11,17 @@ Setups (every rank its own batch; the same bf16 model built on every rank):
   step: bare moonep, the reference of the wrapper overhead;
 * ``moonep_ddp`` / ``moonep_fsdp2``: the patched model under DDP / FSDP2 (``fully_shard_experts``, then every
   block and the root);
+* ``moonep_fsdp2_glue``: the patched model under FSDP2 without ``fully_shard_experts``: the experts left out
+  of FSDP with ``ignored_params`` (their gradients come out of the backward complete), every block and the
+  root sharded.  That is FSDP2's own traffic, so ``moonep_fsdp2`` / ``moonep_fsdp2_glue`` is what the wrapper
+  costs under FSDP2 (``moonep_fsdp2`` / ``moonep`` also holds FSDP2's gathers of every other parameter);
 * ``plain_ddp`` / ``plain_fsdp2``: the unpatched model (every expert on every rank) under DDP / FSDP2.
 
 Times are the median of ``--iters`` steps after ``--warmup`` (CUDA events on CUDA, wall clock on CPU), the
 slowest rank's.  ``host_syncs``: device-to-host synchronisations in one step (``torch.cuda.set_sync_debug_mode``;
 CUDA only).  The JSON holds the command, the commit, the machine, the configuration, every setup's time and
-host syncs, and the ratios ``moonep_*`` / ``moonep`` (the wrapper's overhead) and ``moonep_*`` / ``plain_*``.
+host syncs, and the ratios ``moonep_*`` / ``moonep``, ``moonep_fsdp2`` / ``moonep_fsdp2_glue`` (the wrapper's
+overhead) and ``moonep_*`` / ``plain_*``.
 """
 from __future__ import annotations
 
@@ -34,7 +39,7 @@ import moonep
 from moonep.bench.provenance import command, git_commit, machine
 from moonep.integrations import patch_hf_moe
 
-SETUPS = ("moonep", "moonep_ddp", "moonep_fsdp2", "plain_ddp", "plain_fsdp2")
+SETUPS = ("moonep", "moonep_ddp", "moonep_fsdp2", "moonep_fsdp2_glue", "plain_ddp", "plain_fsdp2")
 
 
 def build(args, rt, setup: str):
@@ -54,7 +59,12 @@ def build(args, rt, setup: str):
         patch_hf_moe(model, rt, max_tokens=args.batch * args.seq)
     if setup.endswith("ddp"):
         return DDP(model)
-    if setup.endswith("fsdp2"):
+    if setup == "moonep_fsdp2_glue":
+        kw = dict(ignored_params=set(moonep.training.expert_parameters(model)))
+        for block in model.model.layers:
+            fully_shard(block, **kw)
+        fully_shard(model, **kw)
+    elif setup.endswith("fsdp2"):
         if setup.startswith("moonep"):
             moonep.training.fully_shard_experts(model)
         for block in model.model.layers:
@@ -167,6 +177,9 @@ def main(argv=None) -> int:
     ratios |= {f"{s}/plain_{s.split('_', 1)[1]}": results[s]["ms_per_step"] /
                results[f"plain_{s.split('_', 1)[1]}"]["ms_per_step"]
                for s in results if s.startswith("moonep_") and f"plain_{s.split('_', 1)[1]}" in results}
+    if "moonep_fsdp2" in results and "moonep_fsdp2_glue" in results:
+        ratios["moonep_fsdp2/moonep_fsdp2_glue"] = (results["moonep_fsdp2"]["ms_per_step"] /
+                                                    results["moonep_fsdp2_glue"]["ms_per_step"])
     if rt.rank == 0:
         print(f"training step of a Mixtral ({args.layers} layers, hidden {args.hidden}, {args.experts} experts "
               f"top-{args.topk}, {args.batch}x{args.seq} tokens per rank, {args.dtype}) on {rt.world_size} "
