@@ -131,10 +131,10 @@ for s in "$@"; do case $s in
                     benchmarks/bench_training.py --out $o/h200x1_training_np$n.json; done ;;
   training_bench2) step training_bench_np2 200 mpirun --allow-run-as-root -n 2 python3 \
                     benchmarks/bench_training.py --out $o/${pfx}_training_np2.json ;;
-  host_before_after) for lib in tree old; do  # the nvlink host times of the library in the tree, then of .old/moonep
+  host_before_after) for lib in tree old tree old; do  # nvlink host times, the tree and .old/moonep alternately
                        pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
-                       PYTHONPATH=$pp step host_$lib 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
-                         --library "$lab" --out $o/host_$lib; done ;;
+                       PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
+                         --library "$lab" --out $o/host_${lib}_$SECONDS; done ;;
   training_bench1) step training_bench_np1 200 mpirun --allow-run-as-root -n 1 python3 \
                     benchmarks/bench_training.py --out $o/h200x1_training_np1.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
