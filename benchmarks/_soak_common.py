@@ -53,7 +53,7 @@ def all_gather(rt, obj) -> list:
 
 def provenance(rt, args, benchmark: str, launcher: str, python: str, machine: dict) -> dict:
     """The head of a soak's JSON: which soak, its command line (``launcher -n R python argv``), the commit
-    (``MOONEP_GIT_COMMIT`` on the device machine, else HEAD), the machine, the options."""
+    (HEAD, or ``.git_commit`` on the device machine), the machine, the options."""
     from moonep.bench.provenance import git_commit
 
     return dict(benchmark=benchmark, command=f"{launcher} -n {rt.world_size} {python} " + " ".join(sys.argv),

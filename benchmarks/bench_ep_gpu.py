@@ -17,8 +17,8 @@ an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
   time includes waiting for the slower peer), ``planner``, ``layout``, ``dispatch`` (send on ``num_sms``
   SMs overlapped with the local expansion on the others, chunk-pipelined), ``zero`` (unwritten rows),
   ``combine`` (reduce + push overlapped with the local rank-order sums), ``gaps`` (GPU idle between
-  kernels: launch/Python overhead, small ops).  With ``MOONEP_NVLINK_FUSED=0``: ``validate``, ``gather``,
-  ``send``, ``expand``, ``reduce_push``, ``sum`` as before;
+  kernels: launch/Python overhead, small ops).  With ``--fused 0``: ``validate``, ``gather``, ``send``,
+  ``expand``, ``reduce_push``, ``sum`` as before;
 * ``copy_*``: the same dispatch/combine in copy mode (fresh output tensors) against zero-copy;
 * ``*_graph_us``: full dispatch (plan included), combine and the step replayed from CUDA graphs of 10
   calls (``bench_planner.graph_time``, median of 5 replays): device time without the host's launch time
@@ -27,6 +27,8 @@ an entry barrier, so ranks run in lockstep).  Reported per rank and SM budget:
 ``--maxvio 0 1 4`` sweeps routing imbalance with the generator of ``python -m moonep.bench``
 (``moonep.bench.routing``: Zipf popularity, exponent bisected to the target) and reports the achieved
 maxvio of the global batch; without it, ``--skew`` (a Zipf exponent, 0 = uniform) picks one routing.
+The kernel build and the Tuning measured: ``benchmarks/_profile_build.py`` (``--fused``, ``--chunks``,
+``--switch``, ``--patch``, ``--lineinfo``).
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ import moonep
 from moonep.bench.provenance import git_commit
 from moonep import ExpertParallel, Tuning
 
-from bench_planner import graph_time  # noqa: E402  (benchmarks/, this script's directory, is on sys.path)
+import _profile_build  # noqa: E402  (benchmarks/, this script's directory, is on sys.path)
+from bench_planner import graph_time  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +114,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--ceiling", type=float, default=360.0, help="one-way peer-store ceiling, GB/s")
+    _profile_build.add_args(ap)
     args = ap.parse_args()
+    tuning_kw = _profile_build.apply(args)  # the kernel build and Tuning this run measures
 
     rt = moonep.init()
     R, rank, d = rt.world_size, rt.rank, rt.device
@@ -131,7 +136,7 @@ def main() -> int:
     sms_list = [int(v) for v in args.sms.split(",")]
     for (mv_target, idx, w), sms in [(r, m) for r in routings for m in sms_list]:
         with ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
-                                   transport="nvlink", zero_copy=True, tuning=Tuning(num_sms=sms)) as ep, torch.no_grad():
+                                   transport="nvlink", zero_copy=True, tuning=Tuning(num_sms=sms, **tuning_kw)) as ep, torch.no_grad():
             eng = ep._backend
             counts = torch.bincount(idx.reshape(-1).cpu(), minlength=E)
             load = sum(ep.transport.all_gather_object(counts)).double()
@@ -202,7 +207,8 @@ def main() -> int:
                          cuda=torch.version.cuda, python=platform.python_version(),
                          cupy=__import__("cupy").__version__),
             config=dict(tokens=s, hidden=H, experts=E, topk=K, dtype="bfloat16", skew=args.skew, maxvio=args.maxvio,
-                        iters=args.iters, warmup=args.warmup, ceiling_GBps=args.ceiling),
+                        iters=args.iters, warmup=args.warmup, ceiling_GBps=args.ceiling,
+                        build=_profile_build.describe(args)),
             results=[r for per_rank in everything for r in per_rank])
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

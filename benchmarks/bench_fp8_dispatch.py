@@ -1,7 +1,7 @@
 """FP8 dispatch against bf16 dispatch on one GPU, one rank, NVLink backend.
 
     python3 benchmarks/bench_fp8_dispatch.py --out benchmarks/results/fp8_dispatch_h200.json
-    MOONEP_FP8_WORDS=0 python3 benchmarks/bench_fp8_dispatch.py --out ...  # the narrow send fanout
+    python3 benchmarks/bench_fp8_dispatch.py --switch MOONEP_FP8_WORDS=0 --out ...  # the narrow send fanout
 
 Same process, same device, same routing: 4096 tokens, hidden 7168, top-8 of 256 experts by default.  The
 three variants (bf16, fp8, fp8 pre-quantised) are built and warmed up first, then timed interleaved in
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _profile_build  # noqa: E402
 from bench_ep_gpu import phase_sums  # noqa: E402
 from bench_planner import graph_time  # noqa: E402
 
@@ -124,13 +124,13 @@ def _check_fp8_rows(h, x) -> bool:
 
 
 def _fanout() -> dict:
-    """The fp8 send fanout of this process's "ep" program (its switches are read when it is compiled, from the
-    same environment as now): MOONEP_FP8_WORDS as set, and what reached the compile options."""
+    """The fp8 send fanout of this process's "ep" program (``--switch MOONEP_FP8_WORDS=N``), and what reached
+    the compile options."""
     defines = [o for o in cuda_runtime.compile_options("ep") if o.startswith("-D")]
     words = [int(o.split("=", 1)[1]) for o in defines if o.startswith("-DMOONEP_FP8_WORDS=")]
     words = words[0] if words else 4  # csrc/common.cuh's default
     return dict(fp8_fanout="narrow" if words == 0 else f"16-channel, {words} words per lane in flight",
-                fp8_words_env=os.environ.get("MOONEP_FP8_WORDS"), fp8_words=words, ep_defines=defines)
+                fp8_words=words, ep_defines=defines)
 
 
 def expert_parallel(rt, dtype, fp8, x, idx, E):
@@ -232,7 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=60, help="timed calls per variant")
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds the calls are split into")
     ap.add_argument("--out", help="JSON file to write")
+    _profile_build.add_args(ap)
     args = ap.parse_args(argv)
+    _profile_build.apply(args)  # the kernel build measured (--switch MOONEP_FP8_WORDS=0, --patch...)
     rt = moonep.init(device="cuda")
     s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     x, idx, w = problem(args)
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
     round_ratios = [round(r["fp8"] / r["bf16"], 3) for r in by_round]
     out = dict(benchmark="fp8_dispatch", command=command(), commit=git_commit(), machine=machine(),
                config=dict(tokens=s, hidden=H, experts=E, topk=K, ranks=1, transport="nvlink", iters=args.iters,
-                           rounds=args.rounds, **_fanout()),
+                           rounds=args.rounds, build=_profile_build.describe(args), **_fanout()),
                results=res, rounds=by_round, fp8_over_bf16_by_round=round_ratios,
                fp8_over_bf16_by_round_launch_bound=[round(r["fp8_launch_bound"] / r["bf16_launch_bound"], 3)
                                                     for r in by_round],

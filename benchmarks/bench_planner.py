@@ -47,7 +47,7 @@ def machine():
 
 
 def rev():
-    """The commit measured (``MOONEP_GIT_COMMIT`` on the device machine, else HEAD)."""
+    """The commit measured (HEAD, or ``.git_commit`` on the device machine)."""
     from moonep.bench.provenance import git_commit
     return git_commit()
 

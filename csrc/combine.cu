@@ -96,10 +96,8 @@ __device__ __forceinline__ float sum_rows(const void* out, i64 H, i64 h, int dt,
 // me*S + its source index there): stage its rows here (rec: K-aligned, k order) and their weights in the
 // warp's s_rows/s_w, push its per-choice weight gradients (gw_in: fp32 [cap] or null) K-aligned to
 // base[p] + gw_off, then its partial to base[p] + acc_off: the k-ordered fp32 sum of the (weighted) rows
-// rounded to out_dt, the wire dtype (push_token16 with vec, else element by element).  DIAG: the timing
-// variants of moonep_combine_reduce (MOONEP_DIAG), 0 elsewhere.
-template <int DIAG>
-__device__ __forceinline__ void push_partial(const Ctx* c, int K, i64 cap, int me, i64 f, int p, i64 slot,
+// rounded to out_dt, the wire dtype (push_token16 with vec, else element by element).
+__device__ __forceinline__ void push_partial(const Ctx* c, int K, i64 cap, i64 f, int p, i64 slot,
                                              const void* out, int out_dt, i64 H, i64 row_bytes, const float* weights,
                                              const float* gw_in, const int* rec, int vec, i64 acc_off, i64 gw_off,
                                              int* s_rows, float* s_w, int lane) {
@@ -111,11 +109,9 @@ __device__ __forceinline__ void push_partial(const Ctx* c, int K, i64 cap, int m
   const int n = stage_rows(row, row >= 0, weights, s_rows, s_w, lane);
   if (gw_in != nullptr && lane < K)
     ((float*)(c->base[p] + gw_off))[slot * K + lane] = row >= 0 ? gw_in[row] : 0.f;
-  char* dst = c->base[(DIAG & DIAG_REDUCE_LOCAL_PUSH) ? me : p] + acc_off + slot * row_bytes;
+  char* dst = c->base[p] + acc_off + slot * row_bytes;
   const bool weighted = weights != nullptr;
-  if (DIAG & DIAG_REDUCE_NO_LOADS) {
-    for (i64 j = lane; j < (row_bytes >> 4); j += 32) ((int4*)dst)[j] = make_int4(0, 0, 0, 0);
-  } else if (vec) {
+  if (vec) {
     if (out_dt == DT_F32) push_token16<DT_F32>(dst, (const char*)out, row_bytes, s_rows, s_w, n, weighted, lane);
     else if (out_dt == DT_BF16) push_token16<DT_BF16>(dst, (const char*)out, row_bytes, s_rows, s_w, n, weighted, lane);
     else push_token16<DT_F16>(dst, (const char*)out, row_bytes, s_rows, s_w, n, weighted, lane);
@@ -172,8 +168,8 @@ extern "C" __global__ void __launch_bounds__(512) moonep_combine_reduce(const Ct
       if (sr < 0 || sr >= nsrc) continue;
       const int p = (int)(sr / S);
       const i64 slot = (i64)me * S + (sr - (i64)p * S);
-      push_partial<MOONEP_DIAG>(c, K, cap, me, f, p, slot, out, out_dt, H, row_bytes, weights, gw_in, rec, vec,
-                                acc_off, gw_off, s_rows[wib], s_w[wib], lane);
+      push_partial(c, K, cap, f, p, slot, out, out_dt, H, row_bytes, weights, gw_in, rec, vec, acc_off, gw_off,
+                   s_rows[wib], s_w[wib], lane);
     }
   }
   finish_send(c, ne, false);
@@ -256,7 +252,7 @@ extern "C" __global__ void moonep_combine_sum(const Ctx* c, int s, const i64* ds
 }
 
 // ===================================================================================================
-// Fused path (default; MOONEP_NVLINK_FUSED=0 selects the kernels above).
+// Fused path (default; Tuning(fused=()) selects the kernels above).
 // ===================================================================================================
 
 // Local side, words [jlo, jhi) of this rank's token i: y = sum over its destination ranks p (ascending) of
@@ -360,8 +356,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) moonep_combine_fused(
           const int srr = __shfl_sync(FULL_MASK, sr, l);
           const int p = srr / (int)S;
           const i64 slot = (i64)me * S + (srr - (i64)p * S);
-          push_partial<0>(c, K, cap, me, ff, p, slot, out, out_dt, H, row_bytes, weights, gw_in, rec, vec, acc_off,
-                          gw_off, s_rows[wib], s_w[wib], lane);
+          push_partial(c, K, cap, ff, p, slot, out, out_dt, H, row_bytes, weights, gw_in, rec, vec, acc_off,
+                       gw_off, s_rows[wib], s_w[wib], lane);
         }
       }
     });

@@ -25,18 +25,6 @@ typedef long long i64;
 
 #define MAXR 64
 
-// Timing diagnostics (tools/diag_nvlink.sh): MOONEP_NVLINK_DIAG=<bits> compiles variants that leave
-// one stage of a kernel out, so that differences of their times place the time inside the kernel (the
-// results are then wrong: never set it outside that script).  0, the default, compiles every stage.
-#ifndef MOONEP_DIAG
-#define MOONEP_DIAG 0
-#endif
-#define DIAG_FUSED_NO_OWN_ROWS 1     // moonep_dispatch_fused: own tokens' local rows not copied
-#define DIAG_FUSED_NO_EXPAND 2       // moonep_dispatch_fused: peers' first rows not expanded
-#define DIAG_FUSED_NO_REMOTE_ROWS 4  // moonep_dispatch_fused: NVLink blocks write metadata only
-#define DIAG_REDUCE_LOCAL_PUSH 8     // moonep_combine_reduce: partials stored locally, not to the peer
-#define DIAG_REDUCE_NO_LOADS 16      // moonep_combine_reduce: zeros pushed, rows not read
-#define DIAG_SEND_REMOTE_ONLY 32     // moonep_dispatch_send: only the remote first rows are copied
 #define FULL_MASK 0xffffffffu
 #define MAX_WARPS 32   // warps per block (per-warp shared-memory scratch)
 

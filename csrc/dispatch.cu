@@ -109,7 +109,6 @@ __device__ __forceinline__ void dispatch_send_impl(const Ctx* c, int mode, const
       }
       // Destination rows of the data: the first row on every rank, plus (local_expand) every local row.
       bool dst = is_first || (local_expand && r == me && r >= 0);
-      if (MOONEP_DIAG & DIAG_SEND_REMOTE_ONLY) dst = is_first && r != me;
       unsigned dmask = __ballot_sync(FULL_MASK, dst);
       int n = __popc(dmask);
       if (dst) {
@@ -206,7 +205,7 @@ extern "C" __global__ void moonep_dispatch_expand(const Ctx* c, int mode, char* 
 }
 
 // ===================================================================================================
-// Fused path (default; MOONEP_NVLINK_FUSED=0 selects the kernels above).
+// Fused path (default; Tuning(fused=()) selects the kernels above).
 // ===================================================================================================
 
 // Fused dispatch: send + local expansion in one launch.
@@ -286,12 +285,11 @@ __device__ __forceinline__ void dispatch_fused_impl(
         }
         __syncwarp();
         if constexpr (QDT < 0) {
-          if (n > 0 && !(MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS)) {
+          if (n > 0) {
             warp_fanout(s_dst[wib], n, x + (i64)i * row_bytes, row_bytes, vec, lane);
           }
         } else if (n > 0 || R > 1) {
-          const int nq = (MOONEP_DIAG & DIAG_FUSED_NO_REMOTE_ROWS) ? 0 : n;
-          if (put_token<QDT>(s_dst[wib], nq, x, i, row_bytes, vec, (int)c->H, pow2, lane))
+          if (put_token<QDT>(s_dst[wib], n, x, i, row_bytes, vec, (int)c->H, pow2, lane))
             xbad_mark(c, off_xbad, xrep, de, true, lane);
         }
         __syncwarp();
@@ -344,7 +342,7 @@ __device__ __forceinline__ void dispatch_fused_impl(
         }
         if (local) s_dst[wib][__popc(lm & ((1u << lane) - 1u))] = dst + (i64)row * row_bytes;
         __syncwarp();
-        const int n = (MOONEP_DIAG & DIAG_FUSED_NO_OWN_ROWS) ? 0 : __popc(lm);
+        const int n = __popc(lm);
         if (put_token<QDT>(s_dst[wib], n, x, i, row_bytes, vec, (int)c->H, pow2, lane))
           xbad_mark(c, off_xbad, xrep, de, false, lane);
         __syncwarp();
@@ -417,7 +415,7 @@ __device__ __forceinline__ void dispatch_fused_impl(
         const unsigned dm = __ballot_sync(FULL_MASK, want);
         if (want) s_dst[wib][__popc(dm & ((1u << lane) - 1u))] = dst + (i64)rk * row_bytes;
         __syncwarp();
-        const int n = (MOONEP_DIAG & DIAG_FUSED_NO_EXPAND) ? 0 : __popc(dm);
+        const int n = __popc(dm);
         warp_fanout<true>(s_dst[wib], n, sbuf + (i64)f * row_bytes, row_bytes, vec, lane);
         __syncwarp();
       }

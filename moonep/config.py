@@ -1,8 +1,10 @@
 """Configuration: the tuning knobs of the GPU kernels, and every environment variable moonep reads.
 
-Tuning lives in :class:`Tuning`, passed to ``ExpertParallel(..., tuning=...)``.  Environment variables are
-not configuration: each one below is an override for profiling, benchmarking or tests, and ``ENV`` is the
-one place that lists them (a unit test checks that the code reads no other ``MOONEP_*`` variable).
+Tuning lives in :class:`Tuning`, passed to ``ExpertParallel(..., tuning=...)``; no variable overrides it.
+The package reads six environment variables: the runtime's timeouts, its order check and the rendezvous
+address, and two test switches, none of which changes a result.  ``ENV`` lists them beside those that the
+tests, tools and benchmarks read (a unit test checks that no code reads another ``MOONEP_*`` variable).
+Profiling builds of the kernels are asked for in code (:func:`moonep.cuda_runtime.profile_build`).
 
 Every variable is read through :func:`env_float`, :func:`env_int` or :func:`env_flag` when it is used, not
 when ``moonep`` is imported (``MOONEP_BOARD_CHECK`` is the exception: read when the order board's module is
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .errors import expect, expect_int
 
@@ -51,21 +53,6 @@ class Tuning:
         expect(isinstance(self.fused, (tuple, list, frozenset, set)) and set(self.fused) <= set(FUSED_STAGES),
                "tuning.fused", f"a tuple of stages from {FUSED_STAGES}", repr(self.fused))
         object.__setattr__(self, "fused", tuple(s for s in FUSED_STAGES if s in set(self.fused)))
-
-    def with_env(self) -> "Tuning":
-        """This tuning with the profiling overrides ``MOONEP_NVLINK_*`` applied (see ``ENV``); a bad value
-        raises ``ValueError`` naming the variable."""
-        kw = {}
-        spec = os.environ.get("MOONEP_NVLINK_FUSED")
-        if spec is not None:
-            kw["fused"] = parse_fused(spec, "MOONEP_NVLINK_FUSED")
-        chunks = env_int("MOONEP_NVLINK_CHUNKS", None, lo=1, hi=8)
-        if chunks is not None:
-            kw["chunks"] = chunks
-        combine_sms = env_int("MOONEP_NVLINK_COMBINE_SMS", 0, lo=0)  # 0: the default, 2 * num_sms
-        if combine_sms:
-            kw["combine_sms"] = combine_sms
-        return replace(self, **kw) if kw else self
 
 
 def parse_fused(spec: str, name: str = "fused") -> tuple:
@@ -131,36 +118,28 @@ def env_flag(name: str, default: bool) -> bool:
 class EnvVar:
     name: str
     default: str
-    group: str  # runtime, profiling, tests or tools
+    group: str  # runtime, library tests (both read by the package), tests or tools (read outside it)
     doc: str
 
 
-# Every MOONEP_* variable read anywhere in the package, its tests, tools and benchmarks:
+# Every MOONEP_* variable read anywhere in the package, its tests, tools and benchmarks (the package reads
+# the runtime ones and the two "library tests" switches; profiling builds are asked for in code,
+# cuda_runtime.profile_build, and a Tuning is an argument):
 # name | default | group | what it does
 _TABLE = """
 MOONEP_TIMEOUT | 60 | runtime | seconds a collective waits for a peer before MoonepError (moonep.init's default; a finite number > 0)
 MOONEP_NVLINK_TIMEOUT | the runtime's timeout | runtime | seconds the nvlink kernels wait for a peer's signal (a finite number > 0)
 MOONEP_CHECK_ORDER | 1 | runtime | 0 skips the per-call header exchange that checks all ranks make the same call with agreeing arguments: mismatches then go undetected (0/1/true/false/yes/no)
 MOONEP_MASTER_ADDR | loopback, or rank 0's address | runtime | address of rank 0's TCPStore under mpirun
-MOONEP_NVLINK_FUSED | route,dispatch | profiling | overrides Tuning.fused: 0, 1 or a comma list of stages
-MOONEP_NVLINK_CHUNKS | 4 | profiling | overrides Tuning.chunks (an int in 1..8)
-MOONEP_NVLINK_COMBINE_SMS | 0 (2 * num_sms) | profiling | overrides Tuning.combine_sms (an int >= 0; 0 keeps the default)
-MOONEP_LAY_TILES | 48 | profiling | tile blocks the layout kernel aims at (an int >= 1)
-MOONEP_NVLINK_DIAG | 0 | profiling | bit mask (an int >= 0): timing variants of the nvlink kernels that leave a stage out (wrong results by design; tools/diag_nvlink.sh)
-MOONEP_LINEINFO | unset | profiling | 1 compiles the kernels with -lineinfo (source lines in ncu)
-MOONEP_PLAN_CLOCKS | unset | profiling | 1 compiles cycle counters per planner phase (tools/profile_planner.py)
-MOONEP_PLAN_STAMPS | unset | profiling | 1 compiles phase stamps of the fused planner launch
-MOONEP_QUANT_SOFT_CVT | unset | profiling | 1 compiles the fp8 quantiser with its portable e4m3 conversion instead of the sm_89+ instruction
-MOONEP_FP8_WORDS | 4 | profiling | fp8 dispatch send fanout, compiled into the nvlink kernels: 16-byte input words per lane in flight of the 16-channel fanout (1..8; rounded down to whole 16-channel chunks, at least one), 0 the narrow fanout (one word per chunk, four chunks in flight); an int in 0..8, csrc/common.cuh
-MOONEP_DISPATCH_THREADS | 512 | profiling | threads per block of the fused nvlink dispatch, compiled into its launch bounds (a multiple of 32 in 512..1024; one block per SM, so more threads are more warps with fewer registers each), csrc/dispatch.cu
-MOONEP_NO_CUPY | 0 | tests | 1 forces the pure-torch fallbacks of the CUDA kernels (0/1/true/false/yes/no)
-MOONEP_BOARD_CHECK | 0 (1 off x86) | tests | 1 makes the order board's readers verify every header's checksum (0/1/true/false/yes/no)
+MOONEP_NO_CUPY | 0 | library tests | 1 forces the pure-torch fallbacks of the CUDA kernels (0/1/true/false/yes/no)
+MOONEP_BOARD_CHECK | 0 (1 off x86) | library tests | 1 makes the order board's readers verify every header's checksum (0/1/true/false/yes/no)
 MOONEP_MPIEXEC | the venv's mpiexec | tests | launcher of the multi-rank tests
 MOONEP_LAUNCH_ID | set by the harness | tests | marks the processes of one test launch
 MOONEP_TEST_DEVICE | cpu | tests | device of the multi-rank test cases
 MOONEP_TEST_DTYPES | float64 | tests | row dtypes of the replica pool cases (tests/mp/cases_pool.py), comma list
 MOONEP_TEST_TRANSPORT | mpi,torch | tests | host transports the multi-rank EP cases run over
 MOONEP_GPU_NRANKS | 2 4 | tests | world sizes of the GPU multi-rank tests
+MOONEP_TEST_FP8_WORDS | unset | tests | the fp8 send fanout tests/gpu/test_fp8_gpu.py builds (0..8; its child process runs 0)
 MOONEP_FUZZ_N | 10000 | tests | routings of the planner fuzz test
 MOONEP_FUZZ_GPU_N | 1000 | tests | routings of the GPU planner fuzz test
 MOONEP_TT_FULL | 0 | tests | 1 runs the torchtitan cases for every MoE debug model and EP size, not only DeepSeek-V3 at EP 2
@@ -170,8 +149,6 @@ MOONEP_TT_DTYPE | per model | tests | parameter dtype of the torchtitan cases
 MOONEP_TT_RECORD | unset | tests | JSON path ({N}: ranks) where the torchtitan cases record their figures
 MOONEP_EXTRAS | test,bench | tools | extras that scripts/setup.sh installs
 MOONEP_TORCHTITAN | 1 | tools | 0 makes scripts/setup.sh skip installing torchtitan (its tests then skip)
-MOONEP_GIT_COMMIT | git rev-parse HEAD | tools | commit recorded in benchmark results (machines without git)
-MOONEP_MACHINE_KIND | unset | tools | machine name recorded in benchmark results
 MOONEP_BENCH_COMMAND | the command line | tools | command recorded in benchmark results
 """
 ENV = {v.name: v for v in (EnvVar(*(f.strip() for f in line.split("|", 3)))

@@ -4,12 +4,11 @@ The kernels are plain CUDA C in ``csrc/``, grouped in *programs* (:data:`PROGRAM
 files concatenated into one translation unit (``#pragma once`` and ``#include`` lines naming a file of the
 same program are dropped, so NVRTC needs no include path; each file still compiles alone with nvcc).
 
-* **Compile**: ``cupy.RawModule(code=..., backend="nvrtc")``, once per (program, device) in a process, with
-  the compile options of that moment: the switches are read from the environment when a program is first
-  used on a device (``MOONEP_LINEINFO``: ``-lineinfo``, every program; ``MOONEP_NVLINK_DIAG``: "ep";
-  ``MOONEP_PLAN_CLOCKS`` / ``MOONEP_PLAN_STAMPS``: "plan"). CuPy's on-disk cache keys on the full source
-  text, the options and the architecture, so a later process only loads the binary, and editing any file of
-  a program recompiles it.
+* **Compile**: ``cupy.RawModule(code=..., backend="nvrtc")``, once per (program, device) in a process. The
+  shipped build has no switches; profiling tools ask for another one with :func:`profile_build` before a
+  program is first used (``-lineinfo``, phase clocks of the planner, another fp8 send fanout...), and the
+  library itself never does.  CuPy's on-disk cache keys on the full source text, the options and the
+  architecture, so a later process only loads the binary, and editing any file of a program recompiles it.
 * **Why CuPy/NVRTC**: no build step, and CPU installs need neither CuPy nor a compiler: CuPy is imported
   lazily, only when a CUDA tensor needs a kernel. ``MOONEP_NO_CUPY=1`` makes :func:`available` false, so
   callers take their pure-torch fallbacks. A CUDA caller that falls back because CuPy cannot be imported
@@ -25,55 +24,75 @@ same program are dropped, so NVRTC needs no include path; each file still compil
 """
 from __future__ import annotations
 
-import os
 import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
 
-from .config import env_flag, env_int
+from .config import env_flag
+from .errors import expect
 
 __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
-           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "launch_form", "STATIC_SMEM"]
+           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "launch_form", "STATIC_SMEM",
+           "PROFILE_SWITCHES", "profile_build", "profile_switch"]
 
 
-def _flag(name: str) -> tuple[str, ...]:
-    """``-D<name>`` when the environment variable of the same name is set (a profiling build)."""
-    return (f"-D{name}",) if os.environ.get(name) else ()
+# Profiling builds: the -D switches a tool may set (tools/, benchmarks/), each one's accepted values, and
+# the default the program compiles with when it is not set (None: not defined at all).
+PROFILE_SWITCHES = {
+    "MOONEP_PLAN_CLOCKS": ((0, 1), None),        # cycle counters per planner phase (tools/profile_planner.py)
+    "MOONEP_PLAN_STAMPS": ((0, 1), None),        # phase stamps of the fused planner launch
+    "MOONEP_QUANT_SOFT_CVT": ((0, 1), None),     # the portable e4m3 conversion instead of the sm_89+ one
+    "MOONEP_FP8_WORDS": (tuple(range(9)), None),  # fp8 send fanout, 16-byte words in flight (csrc/common.cuh)
+    "MOONEP_DISPATCH_THREADS": (tuple(range(512, 1025, 32)), 512),  # the fused dispatch's block size
+}
+_PROFILE: dict = {"lineinfo": False, "defines": {}, "sources": None, "extra": {}}
 
 
-def _diag() -> tuple[str, ...]:
-    # MOONEP_NVLINK_DIAG: timing variants for tools/diag_nvlink.sh only (see csrc/common.cuh)
-    diag = env_int("MOONEP_NVLINK_DIAG", 0, lo=0)
-    return (f"-DMOONEP_DIAG={diag}",) if diag else ()
+def profile_build(*, lineinfo: bool = False, sources: str | None = None, **switches: int) -> None:
+    """Compile every program first used after this call with ``-lineinfo`` (source lines in ncu) and with
+    ``switches`` (names and values of :data:`PROFILE_SWITCHES`), replacing an earlier call's.  For profiling
+    tools; results are those of the shipped build except where a switch's comment says otherwise.
+
+    ``sources``: a directory of patched kernel sources to compile instead of ``csrc/`` (e.g. with
+    ``tools/diag_nvlink.patch`` applied); ``switches`` may then also name that patch's own defines, which
+    every program gets.
+
+    Raises ``ValueError`` for an unknown switch or value, and ``RuntimeError`` once a program is loaded (its
+    build is fixed for the process: call this first)."""
+    extra = {}
+    for name, v in switches.items():
+        if name not in PROFILE_SWITCHES and sources is not None:
+            expect(isinstance(v, int), name, "an int", repr(v))
+            extra[name] = v
+            continue
+        expect(name in PROFILE_SWITCHES, "switches", f"names from {sorted(PROFILE_SWITCHES)}", name)
+        expect(v in PROFILE_SWITCHES[name][0], name, f"one of {PROFILE_SWITCHES[name][0]}", v)
+    expect(sources is None or (Path(sources) / "common.cuh").exists(), "sources",
+           "a directory holding the kernel sources (common.cuh...)", sources)
+    if any(_LOADED.values()):
+        raise RuntimeError("profile_build: a kernel program is already loaded in this process; call it before "
+                           "the first CUDA call of moonep")
+    global _CSRC
+    _CSRC = None if sources is None else Path(sources)
+    _PROFILE.update(lineinfo=bool(lineinfo), defines={k: v for k, v in switches.items() if k not in extra},
+                    sources=sources, extra=extra)
 
 
-def _fp8_words() -> tuple[str, ...]:
-    # MOONEP_FP8_WORDS: the fp8 dispatch's send fanout (csrc/common.cuh), passed only when set
-    if os.environ.get("MOONEP_FP8_WORDS") is None:
-        return ()
-    return (f"-DMOONEP_FP8_WORDS={env_int('MOONEP_FP8_WORDS', 4, lo=0, hi=8)}",)
-
-
-_DISPATCH_THREADS = 512
+def profile_switch(name: str):
+    """The value a program compiles ``name`` with (:func:`profile_build`, else its default; ``None``: unset)."""
+    v = _PROFILE["defines"].get(name, PROFILE_SWITCHES[name][1])
+    return None if v is None or (PROFILE_SWITCHES[name][0] == (0, 1) and not v) else v
 
 
 def dispatch_threads() -> int:
-    """Threads per block of the fused dispatch (MOONEP_DISPATCH_THREADS, a multiple of 32 in 512..1024):
-    compiled into its launch bounds and used to launch it.  One block per SM: more threads are more
-    warps in flight with fewer registers each."""
-    t = env_int("MOONEP_DISPATCH_THREADS", _DISPATCH_THREADS, lo=512, hi=1024)
-    if t % 32:
-        raise ValueError(f"moonep: MOONEP_DISPATCH_THREADS must be a multiple of 32, got {t}")
-    return t
-
-
-def _dispatch_threads() -> tuple[str, ...]:
-    return (f"-DMOONEP_DISPATCH_THREADS={dispatch_threads()}",)
+    """Threads per block of the fused dispatch, compiled into its launch bounds and used to launch it (512;
+    ``MOONEP_DISPATCH_THREADS`` of :func:`profile_build`).  One block per SM: more threads are more warps in
+    flight with fewer registers each."""
+    return profile_switch("MOONEP_DISPATCH_THREADS")
 
 
 @dataclass(frozen=True)
@@ -83,7 +102,16 @@ class Program:
 
     files: tuple[str, ...]
     kernels: tuple[str, ...]
-    defines: Callable[[], tuple[str, ...]] = tuple
+    switches: tuple[str, ...] = ()  # the PROFILE_SWITCHES its sources read
+
+    def defines(self) -> tuple[str, ...]:
+        """``-D`` options of its switches that are set (:func:`profile_build`) or have a default."""
+        out = []
+        for name in self.switches:
+            v = profile_switch(name)
+            if v is not None:
+                out.append(f"-D{name}={v}")
+        return tuple(out)
 
 
 PROGRAMS: dict[str, Program] = {
@@ -91,22 +119,22 @@ PROGRAMS: dict[str, Program] = {
     "plan": Program(("planner.cu", "layout.cu"),
                     ("moonep_plan", "moonep_colsum", "moonep_assign", "moonep_cu", "moonep_layout",
                      "moonep_plan_layout"),
-                    lambda: _flag("MOONEP_PLAN_CLOCKS") + _flag("MOONEP_PLAN_STAMPS")),
+                    ("MOONEP_PLAN_CLOCKS", "MOONEP_PLAN_STAMPS")),
     # the NVLink backend's data path by stage, launched by moonep/backends/nvlink.py
     "ep": Program(("common.cuh", "route.cu", "dispatch.cu", "combine.cu", "replicas.cu"),
                   ("moonep_gather", "moonep_route_gather", "moonep_dispatch_send", "moonep_dispatch_expand",
                    "moonep_dispatch_fused", "moonep_dispatch_zero", "moonep_combine_reduce", "moonep_combine_sum",
                    "moonep_combine_fused", "moonep_prefetch_push", "moonep_prefetch_finish",
                    "moonep_reduce_stage", "moonep_reduce_finish"),
-                  lambda: _diag() + _fp8_words() + _dispatch_threads()),
+                  ("MOONEP_FP8_WORDS", "MOONEP_DISPATCH_THREADS")),
     # Quantile Balancing's recording and bias step, launched by moonep/balance.py
     "balance": Program(("balance.cu",),
                        ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",
                         "qb_finalize")),
-    # FP8 (e4m3) quantiser, launched by moonep/quant.py; MOONEP_QUANT_SOFT_CVT: portable e4m3 conversion
+    # FP8 (e4m3) quantiser, launched by moonep/quant.py
     "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16",
                       "moonep_quant_wire_f32", "moonep_quant_wire_bf16", "moonep_quant_wire_f16"),
-                     lambda: _flag("MOONEP_QUANT_SOFT_CVT")),
+                     ("MOONEP_QUANT_SOFT_CVT",)),
     # float32 expert GEMMs with the slot offsets read on the device, launched by moonep/experts_cuda.py
     "slot_gemm": Program(("slot_gemm.cu",), ("moonep_slot_gemm_f32", "moonep_slot_wgrad_f32")),
 }
@@ -215,9 +243,9 @@ def program_source(name: str) -> str:
 
 
 def compile_options(name: str) -> tuple[str, ...]:
-    """NVRTC options of a program, from the environment now (see the module docstring)."""
-    # MOONEP_LINEINFO=1: source lines in profiles (ncu --page source)
-    return ("-std=c++17",) + (("-lineinfo",) if os.environ.get("MOONEP_LINEINFO") else ()) + PROGRAMS[name].defines()
+    """NVRTC options of a program: the shipped build's, or the profiling build's (:func:`profile_build`)."""
+    extra = tuple(f"-D{k}={v}" for k, v in _PROFILE["extra"].items())  # a patched build's own defines
+    return ("-std=c++17",) + (("-lineinfo",) if _PROFILE["lineinfo"] else ()) + PROGRAMS[name].defines() + extra
 
 
 def ptr(t) -> np.uint64:

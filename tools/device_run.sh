@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, MOONEP_NVLINK_DIAG=1) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, tools/diag_nvlink.patch) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_prof compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
 # The tree arrives without .git: the caller writes HEAD into .git_commit and carries it.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h); gpu=${gpu:-gpu}
 ngpu=$(nvidia-smi -L | wc -l); pfx=${gpu}x$ngpu  # result files' prefix: h100x1, h200x2...
-export MOONEP_GIT_COMMIT=$(cat .git_commit 2>/dev/null || echo unknown) MOONEP_MACHINE_KIND=${MOONEP_MACHINE_KIND:-$([ "$ngpu" = 1 ] && echo nvidia-$gpu || echo nvidia-$gpu-x$ngpu)}
+# (the commit the results record: .git_commit, written by the caller, moonep.bench.provenance reads it)
 o=/tmp/o; rm -rf $o; mkdir -p $o  # a warm machine keeps /tmp: start each run empty
 # inductor's caches do not key on how moonep's ops are registered (e.g. as side-effecting): none reused
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/inductor.XXXXXX)
@@ -53,13 +53,13 @@ for s in "$@"; do case $s in
   ncu_planner) step ncu_planner 200 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:moonep --csv \
                  --launch-skip 40 --launch-count 60 python3 tools/profile_planner.py --families zipf1.5 ;;
   ncu_src) for c in "256,8,8 uniform plan" "896,64,16 theorem2 plan" "896,64,16 zipf1.5 plan" "256,8,8 uniform layout"; do set -- $c
-              MOONEP_LINEINFO=1 step ncu_src_$1_$2_$3 150 ncu --clock-control none --set full --import-source yes \
-                -k regex:moonep_$3 --launch-skip 10 -c 1 -o $o/ncu_$1_$2_$3 python3 tools/profile_planner.py --configs "$1" --families $2
+              step ncu_src_$1_$2_$3 150 ncu --clock-control none --set full --import-source yes \
+                -k regex:moonep_$3 --launch-skip 10 -c 1 -o $o/ncu_$1_$2_$3 python3 tools/profile_planner.py --lineinfo --configs "$1" --families $2
               ncu --import $o/ncu_$1_$2_$3.ncu-rep --page source --csv --print-source cuda > $o/src_$1_$2_$3.csv 2>&1
               ncu --import $o/ncu_$1_$2_$3.ncu-rep --page details > $o/details_$1_$2_$3.txt 2>&1; done ;;
   ncu_fp8) for wr in bf16 fp8 fp8_pre; do  # one dispatch_fused launch per wire format, full set, source lines
-              MOONEP_LINEINFO=1 step ncu_fp8_$wr 150 ncu --clock-control none --set full --import-source yes \
-                -k regex:moonep_dispatch_fused --launch-skip 5 -c 1 -o $o/ncu_fp8_$wr python3 tools/profile_fp8_dispatch.py --wire $wr
+              step ncu_fp8_$wr 150 ncu --clock-control none --set full --import-source yes \
+                -k regex:moonep_dispatch_fused --launch-skip 5 -c 1 -o $o/ncu_fp8_$wr python3 tools/profile_fp8_dispatch.py --lineinfo --wire $wr
               ncu --import $o/ncu_fp8_$wr.ncu-rep --page details > $o/details_fp8_$wr.txt 2>&1
               ncu --import $o/ncu_fp8_$wr.ncu-rep --page source --csv --print-source cuda > $o/src_fp8_$wr.csv 2>&1; done ;;
   ncu_fp8_time) for wr in bf16 fp8 fp8_pre; do  # the fused dispatch's own duration, 20 launches per wire format
@@ -86,8 +86,8 @@ for s in "$@"; do case $s in
   fp8_np4) MOONEP_GPU_NRANKS=4 step fp8_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py ;;
   fp8_single) step fp8_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py tests/unit/test_quant.py ;;
   fp8_speed) step fp8_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch.json ;;
-  fp8_words) for w in 0 2 8; do MOONEP_FP8_WORDS=$w step fp8_words${w}_speed 200 python3 benchmarks/bench_fp8_dispatch.py \
-                --out $o/h200x1_fp8_dispatch_words$w.json; done ;;
+  fp8_words) for w in 0 2 8; do step fp8_words${w}_speed 200 python3 benchmarks/bench_fp8_dispatch.py \
+                --switch MOONEP_FP8_WORDS=$w --out $o/h200x1_fp8_dispatch_words$w.json; done ;;
   fp8_ab) step fp8_ab_0 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_ab_0.json  # the tree as carried
           for p in .prof/ab/*.patch; do patch -s -p1 -R < $p; b=$(basename $p .patch)  # then each patch taken out, cumulatively
             step fp8_ab_no$b 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_ab_no$b.json; done
@@ -96,10 +96,11 @@ for s in "$@"; do case $s in
   fp8_try) for p in .prof/try/*.patch; do b=$(basename $p .patch)  # each patch on its own: applied, measured, taken out
              patch -s -p1 < $p && step fp8_try_$b 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_try_$b.json
              patch -s -p1 -R < $p; done ;;
-  fp8_diag) MOONEP_NVLINK_DIAG=1 step fp8_diag_no_rows 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_diag_no_rows.json
+  fp8_diag) step fp8_diag_no_rows 200 python3 benchmarks/bench_fp8_dispatch.py --patch tools/diag_nvlink.patch \
+              --switch MOONEP_DIAG=1 --out $o/fp8_diag_no_rows.json
             step fp8_diag_tree 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_diag_tree.json ;;  # loads, quantisation, metadata: no row stores; then the tree
-  fp8_threads) for t in 768 640 512 768; do MOONEP_DISPATCH_THREADS=$t step fp8_threads${t}_$SECONDS 200 \
-                 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_threads${t}_$SECONDS.json; done ;;
+  fp8_threads) for t in 768 640 512 768; do step fp8_threads${t}_$SECONDS 200 \
+                 python3 benchmarks/bench_fp8_dispatch.py --switch MOONEP_DISPATCH_THREADS=$t --out $o/fp8_threads${t}_$SECONDS.json; done ;;
   ep_np1) MOONEP_GPU_NRANKS=1 step ep_np1 300 python3 -m pytest -q -rA tests/gpu/test_mp_ep_gpu.py ;;
   compile) step compile_r1 500 python3 -m pytest -q -rA tests/unit/test_ops.py tests/gpu/test_slot_gemm_gpu.py tests/gpu/test_compile_gpu.py ;;
   numerics) step compile_numerics 300 python3 tools/compile_numerics.py --out $o/h200x1_compile_numerics.json ;;
@@ -135,6 +136,8 @@ for s in "$@"; do case $s in
                        pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
                        PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
                          --library "$lab" --out $o/host_${lib}_$SECONDS; done ;;
+  diag_build) step diag_build 120 python3 tools/profile_fp8_dispatch.py --patch tools/diag_nvlink.patch \
+                --switch MOONEP_DIAG=1 --calls 3 ;;  # a patched profiling build compiles and runs
   training_bench1) step training_bench_np1 200 mpirun --allow-run-as-root -n 1 python3 \
                     benchmarks/bench_training.py --out $o/h200x1_training_np1.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;

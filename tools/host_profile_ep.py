@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import moonep
-from moonep.bench.provenance import git_commit
+from moonep.bench.provenance import git_commit, machine
 from moonep.ep import ExpertParallel
 from tests.harness.cuda_graph import capture
 
@@ -116,7 +116,7 @@ def main() -> int:
         if a.out:
             res.update(benchmark="host_profile_ep", git_commit=git_commit(), library=a.library or "the tree",
                        moonep_path=os.path.dirname(moonep.__file__),
-                       machine=os.environ.get("MOONEP_MACHINE_KIND", "?"), world_size=rt.world_size,
+                       machine=machine(), world_size=rt.world_size,
                        command=" ".join(sys.argv))
             Path(a.out).mkdir(parents=True, exist_ok=True)
             (Path(a.out) / "host_profile_ep.json").write_text(json.dumps(res, indent=1))

@@ -8,9 +8,9 @@ cd "$(dirname "$0")/.."
 o=$1; shift; mkdir -p $o /tmp/src
 for c in "$@"; do set -- $c; tag=$(echo $1_$2_$3 | tr , x)
   # --warp-sampling-interval 0: a sample every 2^5 cycles (the default interval left ~500 samples per launch)
-  MOONEP_LINEINFO=1 timeout 150 ncu --clock-control none --set full --import-source yes --warp-sampling-interval 0 \
+  timeout 150 ncu --clock-control none --set full --import-source yes --warp-sampling-interval 0 \
     -k regex:"moonep_$3\$" \
-    --launch-skip 10 -c 1 -o /tmp/ncu_$tag -f python3 tools/profile_planner.py --configs "$1" --families $2 \
+    --launch-skip 10 -c 1 -o /tmp/ncu_$tag -f python3 tools/profile_planner.py --lineinfo --configs "$1" --families $2 \
     > $o/log_$tag.txt 2>&1
   n=$(ncu --import /tmp/ncu_$tag.ncu-rep --page source --csv --print-source cuda 2>&1 | grep -o '[0-9a-f]*\.cubin\.cu' | head -1)
   cp csrc/planner.cu /tmp/src/$n

@@ -17,7 +17,7 @@ import torch
 
 import moonep
 from moonep.bench.baselines import PeerStoreCeiling
-from moonep.bench.provenance import git_commit
+from moonep.bench.provenance import git_commit, machine
 
 
 def main() -> int:
@@ -61,7 +61,7 @@ def main() -> int:
             print(r)
         res = dict(benchmark="probe_peer_store", git_commit=git_commit(),
                    command=os.environ.get("MOONEP_BENCH_COMMAND", " ".join(sys.argv)),
-                   machine=dict(kind=os.environ.get("MOONEP_MACHINE_KIND", "?"), gpu=torch.cuda.get_device_name()),
+                   machine=machine(),
                    results=every)
         Path(a.out).mkdir(parents=True, exist_ok=True)
         (Path(a.out) / "probe_peer_store.json").write_text(json.dumps(res, indent=1))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import _profile_build  # noqa: E402
 from bench_fp8_dispatch import add_problem_args, expert_parallel, problem  # noqa: E402
 
 import moonep  # noqa: E402
@@ -27,7 +28,9 @@ def main(argv=None) -> int:
     ap.add_argument("--wire", choices=("bf16", "fp8", "fp8_pre"), default="fp8")
     add_problem_args(ap)
     ap.add_argument("--calls", type=int, default=8)
+    _profile_build.add_args(ap)  # --lineinfo for source lines in ncu, --switch...
     a = ap.parse_args(argv)
+    _profile_build.apply(a)
     rt = moonep.init(device="cuda")
     x, idx, w = problem(a)
     xin = quantize_fp8(x) if a.wire == "fp8_pre" else x

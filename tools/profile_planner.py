@@ -20,6 +20,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_planner import _events, bench_routing, graph_time, host_time, loop_time, machine  # noqa: E402
+from moonep import cuda_runtime  # noqa: E402
+from moonep.bench.provenance import git_commit  # noqa: E402
 from moonep.layout import plan_and_destinations, token_destinations  # noqa: E402
 from moonep.planner import plan_balanced  # noqa: E402
 
@@ -87,12 +89,11 @@ def main():
     ap.add_argument("--stamps", action="store_true",
                     help="a profiling build with only the fused launch's %%globaltimer phase stamps: its timeline")
     ap.add_argument("--cold", action="store_true", help="with --stamps/--clocks: L2 flushed before each launch")
+    ap.add_argument("--lineinfo", action="store_true", help="compile with -lineinfo (source lines in ncu)")
     a = ap.parse_args()
-    if a.clocks:
-        os.environ["MOONEP_PLAN_CLOCKS"] = "1"  # read when the kernels are first compiled (below)
-    if a.stamps:
-        os.environ["MOONEP_PLAN_STAMPS"] = "1"
-    res = {"command": " ".join([sys.executable] + sys.argv), "commit": os.environ.get("MOONEP_GIT_COMMIT"),
+    # a profiling build of the planner, before its kernels are first compiled (below)
+    cuda_runtime.profile_build(lineinfo=a.lineinfo, MOONEP_PLAN_CLOCKS=int(a.clocks), MOONEP_PLAN_STAMPS=int(a.stamps))
+    res = {"command": " ".join([sys.executable] + sys.argv), "commit": git_commit(),
            "machine": machine(), "rows": []}
     for cfg in a.configs.split(";"):
         E, R, K = map(int, cfg.split(","))

@@ -174,7 +174,6 @@ class NVLinkBackend(Backend):
         self.zero_copy = zero_copy
         props = torch.cuda.get_device_properties(self.device)
         self.sm_count = props.multi_processor_count
-        tuning = tuning.with_env()
         self.num_sms = max(1, min(int(tuning.num_sms), self.sm_count))
         self.block = block
         self.dispatch_block = cuda_runtime.dispatch_threads()  # the fused dispatch's launch bounds

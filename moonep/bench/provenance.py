@@ -1,7 +1,7 @@
 """Where a benchmark figure came from: the exact command, the git commit and the machine.
 
-The GPU machines receive a copy of the working tree without ``.git``, so the commit can be handed in
-through ``MOONEP_GIT_COMMIT`` (``tools/device_run.sh`` does this from ``.git_commit``).
+The GPU machines receive a copy of the working tree without ``.git``: the commit is then read from the file
+``.git_commit`` at the repository's root, which the caller writes (``git rev-parse HEAD > .git_commit``).
 """
 from __future__ import annotations
 
@@ -16,16 +16,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
-    """``HEAD`` (with ``-dirty`` when tracked files differ), or ``MOONEP_GIT_COMMIT`` when set."""
-    if os.environ.get("MOONEP_GIT_COMMIT"):
-        return os.environ["MOONEP_GIT_COMMIT"]
+    """``HEAD`` (with ``-dirty`` when tracked files differ); without git, what ``.git_commit`` names."""
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, cwd=ROOT).stdout.strip()
-        return (head + ("-dirty" if dirty else "")) if head else "unknown"
     except OSError:
-        return "unknown"
+        head = dirty = ""
+    if head:
+        return head + ("-dirty" if dirty else "")
+    stamp = ROOT / ".git_commit"
+    return stamp.read_text().strip() or "unknown" if stamp.exists() else "unknown"
 
 
 def machine() -> dict:
@@ -34,8 +35,6 @@ def machine() -> dict:
 
     info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
-    if os.environ.get("MOONEP_MACHINE_KIND"):
-        info["kind"] = os.environ["MOONEP_MACHINE_KIND"]
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["gpus"] = torch.cuda.device_count()

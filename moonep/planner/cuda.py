@@ -29,7 +29,6 @@ import struct
 import torch
 
 from .. import cuda_runtime
-from ..config import env_int
 from ..cuda_runtime import _cur_dev, _cur_stream
 
 FLAG_INTS = 256       # csrc/planner.cu
@@ -43,7 +42,7 @@ LAY_C32 = 1 << 33     # moonep_plan_layout: counts are int32
 LAY_STAGE = 1 << 34   # moonep_layout cfg: the plan's chunk tables staged in shared memory
 LAY_PRE = 1 << 35     # moonep_plan_layout cfg: also the rank's slot experts and cu_seqlens after dst row
 LAY_NW_SHIFT = 40     # bits 40-47: warps that own copies (0: all of the block's)
-LAY_TILES = 48        # tile blocks aimed at (48 beat 16: h200x1_planner_prof_layout_tiles{16,48}_24349bb.json); MOONEP_LAY_TILES overrides
+LAY_TILES = 48        # tile blocks aimed at (48 beat 16 on the H200; docs/performance.md); a profiling tool may set it
 BIG = 1 << 18         # R*E above this: column sums and assignment as separate grid kernels
 # The kernels' static shared memory (272 B in moonep_plan / moonep_plan_layout, more in profiling builds) counts
 # against the same per-block limits as the dynamic bytes: the runtime keeps cuda_runtime.STATIC_SMEM below both
@@ -52,8 +51,8 @@ _GEO: dict = {}
 
 
 def lay_tiles() -> int:
-    """``MOONEP_LAY_TILES`` (an int >= 1), else ``LAY_TILES``; read once per layout geometry (cached there)."""
-    return env_int("MOONEP_LAY_TILES", LAY_TILES, lo=1)
+    """``LAY_TILES``, read once per layout geometry (cached there)."""
+    return LAY_TILES
 
 
 _i64 = torch.int64
@@ -93,7 +92,7 @@ class _Geo:
         self.crk, self.cseg, self.err, self.flags = take(E), take((E + 2) // 2), take(1), take(FLAG_INTS // 2)
         self.pre, self.hist, self.c64 = take(E), take(HIST_BLOCKS * E // 2), take(R * E if c32 else 0)
         # profiling builds (MOONEP_PLAN_CLOCKS / _STAMPS): 32 words of phase stamps per block of a fused launch
-        prof = os.environ.get("MOONEP_PLAN_CLOCKS") or os.environ.get("MOONEP_PLAN_STAMPS")
+        prof = cuda_runtime.profile_switch("MOONEP_PLAN_CLOCKS") or cuda_runtime.profile_switch("MOONEP_PLAN_STAMPS")
         self.stamps = take(32 * (FLAG_INTS // 2) if prof else 0)
         self.words = o
         self.big = R * E > BIG

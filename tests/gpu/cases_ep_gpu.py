@@ -474,7 +474,7 @@ def case_repeated_expert_in_a_token_caught_for_any_topk(rt):
 
 def case_fused_kernels_equal_unfused(rt):
     """The fused kernels (validation+gather, chunk-pipelined dispatch, fused combine) against the earlier
-    two-kernel path (MOONEP_NVLINK_FUSED=0): every output and gradient bitwise equal, in fp32 and bf16,
+    two-kernel path (Tuning(fused=())): every output and gradient bitwise equal, in fp32 and bf16,
     zero-copy and copying, for several chunk counts and NVLink block budgets, odd rows included."""
     _need_cuda(rt)
     R, d = rt.world_size, rt.device

@@ -3,10 +3,10 @@ host backends' wire quantiser) against the torch path (bitwise), no host sync (s
 capture and replay, and a non-finite x reported lazily (also in a token without any destination).  Skipped
 without CUDA.
 
-The send kernels' fanout variant is compiled into the "ep" program once per process: ``MOONEP_FP8_WORDS``
-(csrc/common.cuh) selects it.  A plain run checks the default here and the narrow one (``0``) in a child
-process (``test_narrow_fanout_in_a_child``); ``MOONEP_FP8_WORDS=N pytest tests/gpu/test_fp8_gpu.py`` runs
-everything on variant ``N``."""
+The send kernels' fanout variant is compiled into the "ep" program once per process: the compile-time switch
+``MOONEP_FP8_WORDS`` (csrc/common.cuh, ``cuda_runtime.profile_build``) selects it.  A plain run checks the
+default here and the narrow one (``0``) in a child process (``test_narrow_fanout_in_a_child``);
+``MOONEP_TEST_FP8_WORDS=N pytest tests/gpu/test_fp8_gpu.py`` runs everything on variant ``N``."""
 import os
 import subprocess
 import sys
@@ -21,6 +21,10 @@ import moonep  # noqa: E402
 from moonep import cuda_runtime, fp8  # noqa: E402
 from tests.harness.cuda_graph import capture  # noqa: E402
 from moonep.quant import _quantize_torch  # noqa: E402
+
+WORDS = os.environ.get("MOONEP_TEST_FP8_WORDS")
+if WORDS is not None:  # this process runs a chosen fanout: built before any kernel loads
+    cuda_runtime.profile_build(MOONEP_FP8_WORDS=int(WORDS))
 
 pytestmark = [pytest.mark.gpu]
 FP8 = torch.float8_e4m3fn
@@ -98,16 +102,15 @@ def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
 
 
 def test_fanout_variant_compiled():
-    """MOONEP_FP8_WORDS reaches the "ep" program's compile options exactly when it is set."""
-    words = os.environ.get("MOONEP_FP8_WORDS")
+    """The fanout switch reaches the "ep" program's compile options exactly when it is set."""
     got = [o for o in cuda_runtime.compile_options("ep") if o.startswith("-DMOONEP_FP8_WORDS=")]
-    assert got == ([] if words is None else [f"-DMOONEP_FP8_WORDS={int(words)}"]), got
+    assert got == ([] if WORDS is None else [f"-DMOONEP_FP8_WORDS={int(WORDS)}"]), got
 
 
-@pytest.mark.skipif(os.environ.get("MOONEP_FP8_WORDS") is not None, reason="this process runs a chosen fanout")
+@pytest.mark.skipif(WORDS is not None, reason="this process runs a chosen fanout")
 def test_narrow_fanout_in_a_child():
     """The bitwise and non-finite checks again, in a process that compiles the narrow fanout."""
-    env = dict(os.environ, MOONEP_FP8_WORDS="0")
+    env = dict(os.environ, MOONEP_TEST_FP8_WORDS="0")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "dispatch_rows_bitwise or nonfinite or variant_compiled"],
                        env=env, capture_output=True, text=True, timeout=1200)

@@ -50,8 +50,8 @@ def test_provenance_and_header(run_tiny):
     launcher, n, ranks, python = doc["command"].split()[:4]
     assert launcher in ("mpiexec", "mpirun") and (n, ranks) == ("-n", "2")
     assert f"-m moonep.bench --preset tiny --device cpu --out {out.parent} --plot" in doc["command"]
-    # a source tarball has no .git: the commit is then "unknown" unless MOONEP_GIT_COMMIT names it
-    has_git = (REPO_ROOT / ".git").exists() or os.environ.get("MOONEP_GIT_COMMIT")
+    # a source tarball has no .git: the commit is then "unknown" unless a .git_commit file names it
+    has_git = (REPO_ROOT / ".git").exists() or (REPO_ROOT / ".git_commit").exists()
     assert doc["git_commit"] and (doc["git_commit"] != "unknown" or not has_git)
     assert {"host", "cpu", "cores", "torch"} <= set(doc["machine"])
     assert doc["ranks"] == 2 and doc["device"] == "cpu" and doc["dtype"] == "bf16"

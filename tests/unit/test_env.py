@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moonep import config
-from moonep.config import Tuning, env_flag, env_float, env_int
+from moonep.config import env_flag, env_float, env_int
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_NUMBERS = ["abc", "1s", "0x10", "--1"]
@@ -43,7 +43,7 @@ def test_env_float(monkeypatch):
 
 
 def test_env_int(monkeypatch):
-    name = "MOONEP_NVLINK_CHUNKS"
+    name = "MOONEP_FUZZ_N"  # any int variable: the parser alone
     monkeypatch.delenv(name, raising=False)
     assert env_int(name, 4, lo=1, hi=8) == 4
     monkeypatch.setenv(name, "")
@@ -209,62 +209,61 @@ def test_moonep_board_check():
     assert _board_verify(*raws) == want
 
 
-def test_moonep_nvlink_chunks_and_combine_sms(monkeypatch):
-    monkeypatch.delenv("MOONEP_NVLINK_FUSED", raising=False)
-    monkeypatch.delenv("MOONEP_NVLINK_COMBINE_SMS", raising=False)
-    for raw in ("1", "8"):
-        monkeypatch.setenv("MOONEP_NVLINK_CHUNKS", raw)
-        assert Tuning().with_env().chunks == int(raw)
-    monkeypatch.setenv("MOONEP_NVLINK_CHUNKS", "")
-    assert Tuning(chunks=3).with_env().chunks == 3
-    for raw in ("0", "-1", "9", "nan", "inf", "abc", "2.5"):  # was clamped (0 -> 1, 9 -> 8) or crashed
-        monkeypatch.setenv("MOONEP_NVLINK_CHUNKS", raw)
-        assert "an int in [1, 8]" in _raises("MOONEP_NVLINK_CHUNKS", Tuning().with_env, raw)
-    monkeypatch.delenv("MOONEP_NVLINK_CHUNKS")
-    for raw, want in (("0", None), ("", None), ("48", 48)):
-        monkeypatch.setenv("MOONEP_NVLINK_COMBINE_SMS", raw)
-        assert Tuning().with_env().combine_sms == want
-    for raw in ("-1", "nan", "inf", "abc", "1.5"):
-        monkeypatch.setenv("MOONEP_NVLINK_COMBINE_SMS", raw)
-        assert "an int >= 0" in _raises("MOONEP_NVLINK_COMBINE_SMS", Tuning().with_env, raw)
-
-
-def test_moonep_nvlink_fused(monkeypatch):
-    monkeypatch.setenv("MOONEP_NVLINK_FUSED", "dispatch,combine")
-    assert Tuning().with_env().fused == ("dispatch", "combine")
-    for raw in ("abc", "2", "route,nope"):
-        monkeypatch.setenv("MOONEP_NVLINK_FUSED", raw)
-        _raises("MOONEP_NVLINK_FUSED", Tuning().with_env, raw)
-
-
-def test_moonep_lay_tiles(monkeypatch):
+def test_the_kernel_build_takes_no_environment(monkeypatch):
+    """The shipped kernels' build reads nothing from the environment: a profiling build is asked for in code
+    (cuda_runtime.profile_build), and its switches are checked."""
+    from moonep import cuda_runtime
     from moonep.planner import cuda as planner_cuda
 
-    monkeypatch.delenv("MOONEP_LAY_TILES", raising=False)
-    assert planner_cuda.lay_tiles() == planner_cuda.LAY_TILES == 48
-    monkeypatch.setenv("MOONEP_LAY_TILES", "16")
-    assert planner_cuda.lay_tiles() == 16
-    for raw in ("0", "-1", "nan", "inf", "abc"):
-        monkeypatch.setenv("MOONEP_LAY_TILES", raw)
-        assert "an int >= 1" in _raises("MOONEP_LAY_TILES", planner_cuda.lay_tiles, raw)
+    for name in ("MOONEP_LINEINFO", "MOONEP_FP8_WORDS", "MOONEP_DISPATCH_THREADS", "MOONEP_PLAN_CLOCKS",
+                 "MOONEP_NVLINK_DIAG", "MOONEP_LAY_TILES"):
+        monkeypatch.setenv(name, "1")
+    assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-DMOONEP_DISPATCH_THREADS=512")
+    assert cuda_runtime.compile_options("plan") == ("-std=c++17",)
+    assert cuda_runtime.dispatch_threads() == 512 and planner_cuda.lay_tiles() == planner_cuda.LAY_TILES == 48
+    try:
+        cuda_runtime.profile_build(lineinfo=True, MOONEP_PLAN_CLOCKS=1, MOONEP_FP8_WORDS=0,
+                                   MOONEP_DISPATCH_THREADS=768)
+        assert cuda_runtime.compile_options("plan") == ("-std=c++17", "-lineinfo", "-DMOONEP_PLAN_CLOCKS=1")
+        assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-lineinfo", "-DMOONEP_FP8_WORDS=0",
+                                                      "-DMOONEP_DISPATCH_THREADS=768")
+        assert cuda_runtime.dispatch_threads() == 768
+        for bad, what in ((dict(MOONEP_FP8_WORDS=9), "^MOONEP_FP8_WORDS: expected one of"),
+                          (dict(MOONEP_DISPATCH_THREADS=600), "^MOONEP_DISPATCH_THREADS: expected one of"),
+                          (dict(MOONEP_DIAG=1), "^switches: expected names from"),
+                          (dict(sources="/nonexistent"), "^sources: expected a directory")):
+            with pytest.raises(ValueError, match=what):
+                cuda_runtime.profile_build(**bad)
+    finally:
+        cuda_runtime.profile_build()
+    assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-DMOONEP_DISPATCH_THREADS=512")
 
 
-def test_moonep_nvlink_diag(monkeypatch):
+def test_a_patched_build_compiles_other_sources(tmp_path):
+    """tools/diag_nvlink.patch applies to csrc/, and a build from the patched copy passes the patch's own
+    define to every program; the shipped sources hold none of its variants."""
+    import shutil
+    import subprocess
+
     from moonep import cuda_runtime
 
-    monkeypatch.delenv("MOONEP_NVLINK_DIAG", raising=False)
-    assert cuda_runtime._diag() == ()
-    monkeypatch.setenv("MOONEP_NVLINK_DIAG", "3")
-    assert cuda_runtime._diag() == ("-DMOONEP_DIAG=3",)
-    for raw in ("-1", "nan", "inf", "abc", "1.5"):
-        monkeypatch.setenv("MOONEP_NVLINK_DIAG", raw)
-        assert "an int >= 0" in _raises("MOONEP_NVLINK_DIAG", cuda_runtime._diag, raw)
+    root = Path(__file__).resolve().parents[2]
+    assert not any("MOONEP_DIAG" in f.read_text() for f in (root / "csrc").iterdir())
+    shutil.copytree(root / "csrc", tmp_path / "csrc")
+    subprocess.run(["patch", "-s", "-p1", "-d", str(tmp_path), "-i", str(root / "tools" / "diag_nvlink.patch")],
+                   check=True)
+    try:
+        cuda_runtime.profile_build(sources=str(tmp_path / "csrc"), MOONEP_DIAG=3)
+        assert "-DMOONEP_DIAG=3" in cuda_runtime.compile_options("ep")
+        assert "DIAG_FUSED_NO_EXPAND" in cuda_runtime.program_source("ep")
+    finally:
+        cuda_runtime.profile_build()
+    assert "DIAG_FUSED_NO_EXPAND" not in cuda_runtime.program_source("ep")
 
 
 def test_every_validated_variable_is_listed():
     for name in ("MOONEP_TIMEOUT", "MOONEP_NVLINK_TIMEOUT", "MOONEP_CHECK_ORDER", "MOONEP_NO_CUPY",
-                 "MOONEP_BOARD_CHECK", "MOONEP_NVLINK_CHUNKS", "MOONEP_NVLINK_COMBINE_SMS", "MOONEP_LAY_TILES",
-                 "MOONEP_NVLINK_DIAG", "MOONEP_NVLINK_FUSED"):
+                 "MOONEP_BOARD_CHECK"):
         assert name in config.ENV, name
 
 
