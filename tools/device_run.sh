@@ -136,6 +136,11 @@ for s in "$@"; do case $s in
                        pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
                        PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
                          --library "$lab" --out $o/host_${lib}_$SECONDS; done ;;
+  fp8_quick) step fp8_quick 120 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py -k "bitwise and not child" ;;
+  host_pair) for lib in tree old; do  # host_before_after, once each
+               pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
+               PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
+                 --library "$lab" --out $o/host_${lib}_$SECONDS; done ;;
   diag_build) step diag_build 120 python3 tools/profile_fp8_dispatch.py --patch tools/diag_nvlink.patch \
                 --switch MOONEP_DIAG=1 --calls 3 ;;  # a patched profiling build compiles and runs
   training_bench1) step training_bench_np1 200 mpirun --allow-run-as-root -n 1 python3 \

@@ -1,4 +1,4 @@
-"""Every ```python block of README.md runs, as its own script, in a fresh process.
+"""Every ```python block of README.md and docs/api.md runs, as its own script, in a fresh process.
 
 Each block is one test: it is written to a file in a temporary directory and run there with
 ``sys.executable`` (``PYTHONPATH`` = the repository root, ``OMP_NUM_THREADS=1``, no launcher variables, so
@@ -19,6 +19,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
+DOCS = (README, REPO_ROOT / "docs" / "api.md")  # the files whose python blocks must run as written
 TIMEOUT = 240
 LANGS = {"python", "python3", "py"}
 _OPEN = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
@@ -71,23 +72,22 @@ def python_blocks(text: str) -> list[Block]:
 
 
 def _blocks():
-    if not README.exists():
-        return []
-    return python_blocks(README.read_text(encoding="utf-8"))
+    return [(path, b) for path in DOCS if path.exists() for b in python_blocks(path.read_text(encoding="utf-8"))]
 
 
-def _id(block: Block) -> str:
+def _id(path: Path, block: Block) -> str:
     first = re.sub(r"\s+", " ", block.first_line)
-    return f"{block.index}-L{block.line}-{first[:40]}"
+    return f"{path.stem}-{block.index}-L{block.line}-{first[:40]}"
 
 
 BLOCKS = _blocks()
 
 
-@pytest.mark.parametrize("block", [pytest.param(b, id=_id(b)) for b in BLOCKS])
-def test_readme_block_runs(block, tmp_path):
+@pytest.mark.parametrize("path,block", [pytest.param(p, b, id=_id(p, b)) for p, b in BLOCKS])
+def test_readme_block_runs(path, block, tmp_path):
+    name = path.relative_to(REPO_ROOT)
     if block.skip is not None:
-        pytest.skip(f"README.md:{block.line}: not run: {block.skip}")
+        pytest.skip(f"{name}:{block.line}: not run: {block.skip}")
     script = tmp_path / f"readme_block_{block.index}.py"
     script.write_text(block.code, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
@@ -111,7 +111,7 @@ def test_readme_block_runs(block, tmp_path):
     if timed_out or proc.returncode != 0:
         numbered = "\n".join(f"{block.line + n:5d} | {ln}" for n, ln in enumerate(block.code.splitlines(), 1))
         why = f"timed out after {TIMEOUT}s" if timed_out else f"exit code {proc.returncode}"
-        pytest.fail(f"README.md block {block.index} (line {block.line}) {why}\n{numbered}\n"
+        pytest.fail(f"{name} block {block.index} (line {block.line}) {why}\n{numbered}\n"
                     f"--- stderr (tail) ---\n{err[-6000:]}\n--- stdout (tail) ---\n{out[-2000:]}", pytrace=False)
 
 
