@@ -4,19 +4,30 @@
 
 A citation is a file name of the results folder (with or without a ``benchmarks/results/`` or ``gpu_runs/``
 prefix) appearing in the text. Brace lists (``h200x1_planner_ab_A_{prof,clocks}.json``), ``*`` patterns
-and a suffix continuing the previous name (``…_ch1.json``, ``_ch8.json``) are expanded.
+and a suffix continuing the previous name (``…_ch1.json``, ``_ch8.json``) are expanded.  A citation written
+as git's ``COMMIT:benchmarks/results/NAME`` is history (``git show`` prints it): it must exist at that
+commit, checked when the repository has its ``.git``, and it keeps no file in the folder.
 """
 from __future__ import annotations
 
 import fnmatch
 import itertools
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 NAME = re.compile(r"[A-Za-z0-9_.{},*/-]+\.(?:json|png|txt)")
+GIT_REF = re.compile(r"\b([0-9a-f]{7,40}):$")  # what precedes a citation of a file at a commit
+
+
+def in_history(ref: str, path: str) -> bool:
+    """Whether ``path`` exists at commit ``ref`` (True without a ``.git`` to ask)."""
+    if not (ROOT / ".git").exists():
+        return True
+    return subprocess.run(["git", "cat-file", "-e", f"{ref}:{path}"], cwd=ROOT, capture_output=True).returncode == 0
 
 
 def expand(name: str) -> list[str]:
@@ -31,10 +42,18 @@ def main() -> int:
     cited, missing = set(), []
     for path in texts:
         prev = None
-        for raw in NAME.findall(path.read_text(encoding="utf-8")):
+        text = path.read_text(encoding="utf-8")
+        for m in NAME.finditer(text):
+            raw = m.group(0)
             name = raw.split("benchmarks/results/")[-1]
             if name.startswith("_") and prev:           # `_ch8.json` after `..._ch1.json`
                 name = prev.rsplit("_", 1)[0] + name
+            ref = GIT_REF.search(text[max(0, m.start() - 41):m.start()])
+            if ref:  # a file at a commit: history, not the folder
+                missing += [f"{path.relative_to(ROOT)}: {ref[1]}:{raw} (not at that commit)" for n in expand(raw)
+                            if "*" not in n and not in_history(ref[1], n)]
+                prev = name
+                continue
             for n in expand(name):
                 hits = [k for k in kept if fnmatch.fnmatch(k, n) or fnmatch.fnmatch(k, "gpu_runs/" + n)]
                 if hits:
