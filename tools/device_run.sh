@@ -8,7 +8,9 @@ source tools/gpu_env.sh
 # The tree arrives without .git: the caller writes HEAD into .git_commit and carries it.
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]00' | tr H h); gpu=${gpu:-gpu}
 ngpu=$(nvidia-smi -L | wc -l); pfx=${gpu}x$ngpu  # result files' prefix: h100x1, h200x2...
-# (the commit the results record: .git_commit, written by the caller, moonep.bench.provenance reads it)
+# The commit the results record: .git_commit, written by the caller (moonep.bench.provenance reads it when git
+# has no answer). A .git left on the machine is not this tree's: git is pointed away from it.
+export GIT_DIR=$PWD/.no-git
 o=/tmp/o; rm -rf $o; mkdir -p $o  # a warm machine keeps /tmp: start each run empty
 # inductor's caches do not key on how moonep's ops are registered (e.g. as side-effecting): none reused
 export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/inductor.XXXXXX)

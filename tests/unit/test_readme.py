@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/api.md runs, as its own script, in a fresh process.
+"""Every ```python block of README.md, docs/api.md and docs/integrations.md runs, as its own script, in a fresh
+process.
 
 Each block is one test: it is written to a file in a temporary directory and run there with
 ``sys.executable`` (``PYTHONPATH`` = the repository root, ``OMP_NUM_THREADS=1``, no launcher variables, so
@@ -19,7 +20,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
-DOCS = (README, REPO_ROOT / "docs" / "api.md")  # the files whose python blocks must run as written
+DOCS = (README, REPO_ROOT / "docs" / "api.md", REPO_ROOT / "docs" / "integrations.md")  # blocks that run as written
 TIMEOUT = 240
 LANGS = {"python", "python3", "py"}
 _OPEN = re.compile(r"^(?P<indent> {0,3})(?P<fence>`{3,}|~{3,})\s*(?P<info>.*)$")
