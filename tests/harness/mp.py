@@ -107,6 +107,29 @@ class Launch:
                           f" after {self.seconds:.1f}s)\n{first}\n--- stderr tail ---\n{self.stderr[-4000:]}")
 
 
+def run_bounded(cmd: list, *, timeout: float, env: dict, cwd=REPO_ROOT, cleanup=None):
+    """Run ``cmd`` in a session of its own, for at most ``timeout`` seconds: ``(returncode, stdout, stderr,
+    timed_out)``.  Whatever it leaves running is killed afterwards, after a clean exit too (its session, and
+    ``cleanup()`` when given: processes a launcher started outside it)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if cleanup is not None:
+            cleanup()
+    if timed_out:
+        out, err = proc.communicate()
+    return proc.returncode, out, err, timed_out
+
+
 def launch(cases_file: str, n: int, *, timeout: float = 600, case_timeout: float = 120, tag: str = "",
            env: dict | None = None, keep_going: float = 0.0) -> Launch:
     """Run every case of ``cases_file`` (several files: comma-separated) on ``n`` ranks; never outlives
@@ -119,19 +142,10 @@ def launch(cases_file: str, n: int, *, timeout: float = 600, case_timeout: float
                     **(env or {}))
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), full_env.get("PYTHONPATH")]))
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=full_env,
-                            start_new_session=True, cwd=REPO_ROOT)
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        # Kill whatever is left of the launch (hydra proxies, ranks) even after a clean exit.
-        _kill_launch(launch_id)
-    if timed_out:
-        stdout, stderr = proc.communicate()
-    result = Launch(proc.returncode, time.monotonic() - t0, stdout, stderr, timed_out=timed_out)
+    # whatever is left of the launch (hydra proxies, ranks) is killed even after a clean exit
+    rc, stdout, stderr, timed_out = run_bounded(cmd, timeout=timeout, env=full_env,
+                                                cleanup=lambda: _kill_launch(launch_id))
+    result = Launch(rc, time.monotonic() - t0, stdout, stderr, timed_out=timed_out)
     for f in sorted(Path(out).glob("rank*.jsonl")):
         for line in f.read_text().splitlines():
             if line.strip():

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 
-from tests.harness.mp import REPO_ROOT, mpiexec_cmd
+from tests.harness.mp import REPO_ROOT, mpiexec_cmd, run_bounded
 
 CODES = ("d_logGB", "eff_dp", "xSym_d", "megD_us", "xMeg_d", "rcv_max")  # the old tables' column codes
 
@@ -18,20 +16,10 @@ CODES = ("d_logGB", "eff_dp", "xSym_d", "megD_us", "xMeg_d", "rcv_max")  # the o
 def _run(cmd, timeout, expect_rc=0, pythonpath=()):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*pythonpath, str(REPO_ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=REPO_ROOT, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+    rc, out, err, timed_out = run_bounded(cmd, timeout=timeout, env=env)  # hydra and ranks: one session
+    if timed_out:
         pytest.fail(f"timed out after {timeout}s\n{out[-3000:]}\n{err[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # hydra proxies and ranks share the launch's session
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == expect_rc, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    assert rc == expect_rc, f"exit {rc}\n{out[-3000:]}\n{err[-3000:]}"
     return out, err
 
 

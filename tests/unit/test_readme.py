@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.harness.mp import run_bounded
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 README = REPO_ROOT / "README.md"
@@ -95,23 +95,10 @@ def test_readme_block_runs(path, block, tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    timed_out = False
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever the block started goes with it
-        except ProcessLookupError:
-            pass
-    if timed_out:
-        out, err = proc.communicate()
-    if timed_out or proc.returncode != 0:
+    rc, out, err, timed_out = run_bounded([sys.executable, str(script)], timeout=TIMEOUT, env=env, cwd=tmp_path)
+    if timed_out or rc != 0:
         numbered = "\n".join(f"{block.line + n:5d} | {ln}" for n, ln in enumerate(block.code.splitlines(), 1))
-        why = f"timed out after {TIMEOUT}s" if timed_out else f"exit code {proc.returncode}"
+        why = f"timed out after {TIMEOUT}s" if timed_out else f"exit code {rc}"
         pytest.fail(f"{name} block {block.index} (line {block.line}) {why}\n{numbered}\n"
                     f"--- stderr (tail) ---\n{err[-6000:]}\n--- stdout (tail) ---\n{out[-2000:]}", pytrace=False)
 
