@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=60, help="timed calls per variant")
     ap.add_argument("--rounds", type=int, default=6, help="interleaved rounds the calls are split into")
     ap.add_argument("--out", help="JSON file to write")
-    _profile_build.add_args(ap)
+    _profile_build.add_args(ap, tuning=False)  # the bench sets its own Tuning
     args = ap.parse_args(argv)
     _profile_build.apply(args)  # the kernel build measured (--switch MOONEP_FP8_WORDS=0, --patch...)
     rt = moonep.init(device="cuda")

@@ -40,52 +40,68 @@ __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_s
            "PROFILE_SWITCHES", "profile_build", "profile_switch"]
 
 
-# Profiling builds: the -D switches a tool may set (tools/, benchmarks/), each one's accepted values, and
-# the default the program compiles with when it is not set (None: not defined at all).
+# Profiling builds: the -D switches a tool may set (tools/, benchmarks/): each one's kind ("flag": defined or
+# not, read with #ifdef; "int": -DNAME=value), accepted values, and the default the shipped build compiles
+# with (None: not defined).
 PROFILE_SWITCHES = {
-    "MOONEP_PLAN_CLOCKS": ((0, 1), None),        # cycle counters per planner phase (tools/profile_planner.py)
-    "MOONEP_PLAN_STAMPS": ((0, 1), None),        # phase stamps of the fused planner launch
-    "MOONEP_QUANT_SOFT_CVT": ((0, 1), None),     # the portable e4m3 conversion instead of the sm_89+ one
-    "MOONEP_FP8_WORDS": (tuple(range(9)), None),  # fp8 send fanout, 16-byte words in flight (csrc/common.cuh)
-    "MOONEP_DISPATCH_THREADS": (tuple(range(512, 1025, 32)), 512),  # the fused dispatch's block size
+    "MOONEP_PLAN_CLOCKS": ("flag", (0, 1), None),     # cycle counters per planner phase (tools/profile_planner.py)
+    "MOONEP_PLAN_STAMPS": ("flag", (0, 1), None),     # phase stamps of the fused planner launch
+    "MOONEP_QUANT_SOFT_CVT": ("flag", (0, 1), None),  # the portable e4m3 conversion instead of the sm_89+ one
+    "MOONEP_FP8_WORDS": ("int", tuple(range(9)), None),  # fp8 send fanout, 16-byte words in flight (common.cuh)
+    "MOONEP_DISPATCH_THREADS": ("int", tuple(range(512, 1025, 32)), 512),  # the fused dispatch's block size
 }
-_PROFILE: dict = {"lineinfo": False, "defines": {}, "sources": None, "extra": {}}
+_SHIPPED = {"lineinfo": False, "defines": {}, "sources": None, "extra": {}}
+BUILD_SIZED: list = []  # callables: whether a module has sized something for the build in force (the planner)
+_PROFILE: dict = dict(_SHIPPED)
+_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
 def profile_build(*, lineinfo: bool = False, sources: str | None = None, **switches: int) -> None:
     """Compile every program first used after this call with ``-lineinfo`` (source lines in ncu) and with
-    ``switches`` (names and values of :data:`PROFILE_SWITCHES`), replacing an earlier call's.  For profiling
-    tools; results are those of the shipped build except where a switch's comment says otherwise.
+    ``switches`` (names and values of :data:`PROFILE_SWITCHES`), replacing an earlier call's; with no argument,
+    the shipped build.  For profiling tools; results are those of the shipped build except where a switch's
+    comment says otherwise.
 
     ``sources``: a directory of patched kernel sources to compile instead of ``csrc/`` (e.g. with
-    ``tools/diag_nvlink.patch`` applied); ``switches`` may then also name that patch's own defines, which
-    every program gets.
+    ``tools/diag_nvlink.patch`` applied); ``switches`` may then also name that patch's own integer defines
+    (each must appear in those sources), which every program gets.
 
-    Raises ``ValueError`` for an unknown switch or value, and ``RuntimeError`` once a program is loaded (its
-    build is fixed for the process: call this first)."""
+    Raises ``ValueError`` for an unknown switch or value, and ``RuntimeError`` once a program is loaded or the
+    planner has sized a workspace (the build is fixed for the process: call this first); asking again for the
+    build already in force is a no-op."""
+    src = None if sources is None else Path(sources).resolve()
+    expect(src is None or (src / "common.cuh").exists(), "sources",
+           "a directory holding the kernel sources (common.cuh...)", sources)
+    text = "" if src is None else "\n".join(f.read_text() for f in sorted(src.iterdir()) if f.suffix in (".cu", ".cuh"))
     extra = {}
     for name, v in switches.items():
-        if name not in PROFILE_SWITCHES and sources is not None:
-            expect(isinstance(v, int), name, "an int", repr(v))
+        expect(type(v) is int, name, "an int", repr(v))  # (a bool or a float would compile as something else)
+        if name not in PROFILE_SWITCHES and src is not None:
+            expect(_NAME.fullmatch(name) is not None and name in text, "switches",
+                   f"names from {sorted(PROFILE_SWITCHES)} or defines the sources in {src} read", name)
             extra[name] = v
             continue
         expect(name in PROFILE_SWITCHES, "switches", f"names from {sorted(PROFILE_SWITCHES)}", name)
-        expect(v in PROFILE_SWITCHES[name][0], name, f"one of {PROFILE_SWITCHES[name][0]}", v)
-    expect(sources is None or (Path(sources) / "common.cuh").exists(), "sources",
-           "a directory holding the kernel sources (common.cuh...)", sources)
-    if any(_LOADED.values()):
-        raise RuntimeError("profile_build: a kernel program is already loaded in this process; call it before "
-                           "the first CUDA call of moonep")
+        expect(v in PROFILE_SWITCHES[name][1], name, f"one of {PROFILE_SWITCHES[name][1]}", v)
+    want = {"lineinfo": bool(lineinfo), "defines": {k: v for k, v in switches.items() if k not in extra},
+            "sources": src, "extra": extra}
+    if want == _PROFILE:
+        return
+    if any(_LOADED.values()) or any(sized() for sized in BUILD_SIZED):
+        raise RuntimeError("profile_build: a kernel program is already loaded (or a planner workspace sized) in "
+                           "this process; call it before the first CUDA call of moonep")
     global _CSRC
-    _CSRC = None if sources is None else Path(sources)
-    _PROFILE.update(lineinfo=bool(lineinfo), defines={k: v for k, v in switches.items() if k not in extra},
-                    sources=sources, extra=extra)
+    _CSRC = src
+    _PROFILE.clear()
+    _PROFILE.update(want)
 
 
 def profile_switch(name: str):
-    """The value a program compiles ``name`` with (:func:`profile_build`, else its default; ``None``: unset)."""
-    v = _PROFILE["defines"].get(name, PROFILE_SWITCHES[name][1])
-    return None if v is None or (PROFILE_SWITCHES[name][0] == (0, 1) and not v) else v
+    """The value a program compiles ``name`` with (:func:`profile_build`, else its default; ``None``: not
+    defined, as a flag that is off)."""
+    kind, _, default = PROFILE_SWITCHES[name]
+    v = _PROFILE["defines"].get(name, default)
+    return None if v is None or (kind == "flag" and not v) else v
 
 
 def dispatch_threads() -> int:
@@ -126,15 +142,15 @@ PROGRAMS: dict[str, Program] = {
                    "moonep_dispatch_fused", "moonep_dispatch_zero", "moonep_combine_reduce", "moonep_combine_sum",
                    "moonep_combine_fused", "moonep_prefetch_push", "moonep_prefetch_finish",
                    "moonep_reduce_stage", "moonep_reduce_finish"),
-                  ("MOONEP_FP8_WORDS", "MOONEP_DISPATCH_THREADS")),
+                  ("MOONEP_FP8_WORDS", "MOONEP_DISPATCH_THREADS", "MOONEP_QUANT_SOFT_CVT")),
     # Quantile Balancing's recording and bias step, launched by moonep/balance.py
     "balance": Program(("balance.cu",),
                        ("qb_record_f32", "qb_record_bf16", "qb_record_f16", "qb_record_f64", "qb_quantiles",
                         "qb_finalize")),
-    # FP8 (e4m3) quantiser, launched by moonep/quant.py
+    # FP8 (e4m3) quantiser, launched by moonep/quant.py (common.cuh also holds the send fanout, unused here)
     "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16",
                       "moonep_quant_wire_f32", "moonep_quant_wire_bf16", "moonep_quant_wire_f16"),
-                     ("MOONEP_QUANT_SOFT_CVT",)),
+                     ("MOONEP_QUANT_SOFT_CVT", "MOONEP_FP8_WORDS")),
     # float32 expert GEMMs with the slot offsets read on the device, launched by moonep/experts_cuda.py
     "slot_gemm": Program(("slot_gemm.cu",), ("moonep_slot_gemm_f32", "moonep_slot_wgrad_f32")),
 }

@@ -308,7 +308,7 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
             DeviceMesh (the ``"ep"`` dimension of a ``("dp", "ep")`` mesh): its group, and expert parameters
             become DTensors over that mesh (FSDP2 shards them over its ``"dp"`` sibling).
         backend: "gloo" or "nccl"; default NCCL when the device is CUDA, else gloo.
-        device: "cpu" or "cuda"; default CUDA when available.
+        device: "cpu" or "cuda"; default: a DeviceMesh's device type, else CUDA when available.
         timeout: seconds before a collective that waits on a dead or stalled peer raises (default 60,
             or ``MOONEP_TIMEOUT``); also bounds the MPI rendezvous here and the barriers of
             :meth:`Runtime.shutdown`.
@@ -328,8 +328,11 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         expect(group.ndim == 1, "group", "a ProcessGroup or a 1-D DeviceMesh (e.g. mesh['ep'])",
                f"a {group.ndim}-D DeviceMesh")
         mesh, group = group, group.get_group()
-        if want_cuda is None:  # a mesh names its device type: a "cpu" mesh on a GPU machine stays on the host
-            want_cuda = mesh.device_type == "cuda"
+        # a mesh names its device type: a "cpu" mesh on a GPU machine stays on the host
+        if want_cuda is not None and want_cuda != (mesh.device_type == "cuda"):
+            name, got = ("device", device) if device is not None else ("backend", backend)
+            expect(False, name, f"one that runs on the mesh's device type, {mesh.device_type} (or None)", got)
+        want_cuda = mesh.device_type == "cuda"
     if group is not None or dist.is_initialized():
         pg = group if group is not None else dist.group.WORLD
         rank, size = dist.get_rank(pg), dist.get_world_size(pg)

@@ -87,9 +87,9 @@ for s in "$@"; do case $s in
   fp8_np2) MOONEP_GPU_NRANKS=2 step fp8_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py ;;
   fp8_np4) MOONEP_GPU_NRANKS=4 step fp8_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_fp8_gpu.py ;;
   fp8_single) step fp8_single 200 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py tests/unit/test_quant.py ;;
-  fp8_speed) step fp8_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/h200x1_fp8_dispatch.json ;;
+  fp8_speed) step fp8_speed 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/${pfx}_fp8_dispatch.json ;;
   fp8_words) for w in 0 2 8; do step fp8_words${w}_speed 200 python3 benchmarks/bench_fp8_dispatch.py \
-                --switch MOONEP_FP8_WORDS=$w --out $o/h200x1_fp8_dispatch_words$w.json; done ;;
+                --switch MOONEP_FP8_WORDS=$w --out $o/${pfx}_fp8_dispatch_words$w.json; done ;;
   fp8_ab) step fp8_ab_0 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_ab_0.json  # the tree as carried
           for p in .prof/ab/*.patch; do patch -s -p1 -R < $p; b=$(basename $p .patch)  # then each patch taken out, cumulatively
             step fp8_ab_no$b 200 python3 benchmarks/bench_fp8_dispatch.py --out $o/fp8_ab_no$b.json; done
@@ -105,18 +105,18 @@ for s in "$@"; do case $s in
                  python3 benchmarks/bench_fp8_dispatch.py --switch MOONEP_DISPATCH_THREADS=$t --out $o/fp8_threads${t}_$SECONDS.json; done ;;
   ep_np1) MOONEP_GPU_NRANKS=1 step ep_np1 300 python3 -m pytest -q -rA tests/gpu/test_mp_ep_gpu.py ;;
   compile) step compile_r1 500 python3 -m pytest -q -rA tests/unit/test_ops.py tests/gpu/test_slot_gemm_gpu.py tests/gpu/test_compile_gpu.py ;;
-  numerics) step compile_numerics 300 python3 tools/compile_numerics.py --out $o/h200x1_compile_numerics.json ;;
+  numerics) step compile_numerics 300 python3 tools/compile_numerics.py --out $o/${pfx}_compile_numerics.json ;;
   compile_np2) step ops_dce 120 python3 -m pytest -q -rA tests/unit/test_ops.py -k nothing_reads
                MOONEP_GPU_NRANKS=2 step compile_np2 460 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
   compile_np4) MOONEP_GPU_NRANKS=4 step compile_np4 560 python3 -m pytest -q -rA tests/gpu/test_mp_compile_gpu.py ;;
   compile_prof) step compile_prof 300 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py \
-                  --modes default,cudagraphs --iters 10 --profile $o/compile_prof --out $o/h200x1_compile_prof.json ;;
-  compile_speed) step compile_speed 400 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py --out $o/h200x1_compile_r1.json ;;
+                  --modes default,cudagraphs --iters 10 --profile $o/compile_prof --out $o/${pfx}_compile_prof.json ;;
+  compile_speed) step compile_speed 400 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py --out $o/${pfx}_compile_r1.json ;;
   pool_np2) MOONEP_GPU_NRANKS=2 step pool_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_pool_gpu.py ;;
   pool_np4) MOONEP_GPU_NRANKS=4 step pool_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_pool_gpu.py ;;
   pool_mem) for n in 2 4; do for dt in fp32 bf16; do step pool_mem_np${n}_$dt 200 mpirun --allow-run-as-root --oversubscribe -n $n \
-              python3 benchmarks/bench_pool_memory.py --device cuda --dtype $dt --out $o/h200x1_pool_memory_np${n}_$dt.json; done; done ;;
-  pool_trace) step pool_trace 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/trace_pool_overlap.py --out $o/h200x1_pool_overlap_np2.json ;;
+              python3 benchmarks/bench_pool_memory.py --device cuda --dtype $dt --out $o/${pfx}_pool_memory_np${n}_$dt.json; done; done ;;
+  pool_trace) step pool_trace 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/trace_pool_overlap.py --out $o/${pfx}_pool_overlap_np2.json ;;
   training_keep) for n in 2 4; do  # every case runs even after one fails (diagnosis with little device time)
                    MOONEP_TEST_DEVICE=cuda OMP_NUM_THREADS=1 step training_keep_np$n 200 mpirun --allow-run-as-root \
                      --oversubscribe -n $n python3 -m tests.harness.mprun \
@@ -131,7 +131,7 @@ for s in "$@"; do case $s in
                     python3 -m pytest -q -rA tests/gpu/test_mp_torchtitan_gpu.py ;;
   reliability_np2) MOONEP_GPU_NRANKS=2 step reliability_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_reliability_gpu.py ;;
   training_bench) for n in 1 2; do step training_bench_np$n 300 mpirun --allow-run-as-root -n $n python3 \
-                    benchmarks/bench_training.py --out $o/h200x1_training_np$n.json; done ;;
+                    benchmarks/bench_training.py --out $o/${pfx}_training_np$n.json; done ;;
   training_bench2) step training_bench_np2 200 mpirun --allow-run-as-root -n 2 python3 \
                     benchmarks/bench_training.py --out $o/${pfx}_training_np2.json ;;
   host_before_after) for lib in tree old tree old; do  # nvlink host times, the tree and .old/moonep alternately
@@ -146,7 +146,7 @@ for s in "$@"; do case $s in
   diag_build) step diag_build 120 python3 tools/profile_fp8_dispatch.py --patch tools/diag_nvlink.patch \
                 --switch MOONEP_DIAG=1 --calls 3 ;;  # a patched profiling build compiles and runs
   training_bench1) step training_bench_np1 200 mpirun --allow-run-as-root -n 1 python3 \
-                    benchmarks/bench_training.py --out $o/h200x1_training_np1.json ;;
+                    benchmarks/bench_training.py --out $o/${pfx}_training_np1.json ;;
   suite) step suite 300 mpirun --allow-run-as-root -n 2 python3 -m moonep.bench --device cuda --preset h200 --plot --out $o/suite_h200.json ;;
 esac; done
 tar czf "${OUT:-/tmp}/run.tgz" -C $o .

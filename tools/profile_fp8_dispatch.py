@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wire", choices=("bf16", "fp8", "fp8_pre"), default="fp8")
     add_problem_args(ap)
     ap.add_argument("--calls", type=int, default=8)
-    _profile_build.add_args(ap)  # --lineinfo for source lines in ncu, --switch...
+    _profile_build.add_args(ap, tuning=False)  # --lineinfo for source lines in ncu, --switch...
     a = ap.parse_args(argv)
     _profile_build.apply(a)
     rt = moonep.init(device="cuda")

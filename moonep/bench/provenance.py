@@ -16,17 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def git_commit() -> str:
-    """``HEAD`` (with ``-dirty`` when tracked files differ); without git, what ``.git_commit`` names."""
+    """``HEAD`` (with ``-dirty`` when tracked files differ) of the repository this package lies at the root of;
+    otherwise (no git, or an installed package inside some other repository) what ``.git_commit`` names."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        top, _, head = subprocess.run(["git", "rev-parse", "--show-toplevel", "HEAD"], capture_output=True,
+                                      text=True, cwd=ROOT).stdout.strip().partition("\n")
+        if not top or Path(top).resolve() != ROOT.resolve():
+            head = ""
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=ROOT).stdout.strip()
+                               text=True, cwd=ROOT).stdout.strip() if head else ""
     except OSError:
         head = dirty = ""
     if head:
         return head + ("-dirty" if dirty else "")
     stamp = ROOT / ".git_commit"
-    return stamp.read_text().strip() or "unknown" if stamp.exists() else "unknown"
+    return (stamp.read_text().strip() or "unknown") if stamp.exists() else "unknown"
 
 
 def machine() -> dict:

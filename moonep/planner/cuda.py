@@ -50,6 +50,14 @@ BIG = 1 << 18         # R*E above this: column sums and assignment as separate g
 _GEO: dict = {}
 
 
+def sized() -> bool:
+    """Whether a workspace geometry was computed (its size depends on the kernel build: phase stamps)."""
+    return bool(_GEO)
+
+
+cuda_runtime.BUILD_SIZED.append(sized)  # a profiling build may not change under a sized workspace
+
+
 def lay_tiles() -> int:
     """``LAY_TILES``, read once per layout geometry (cached there)."""
     return LAY_TILES

@@ -61,6 +61,9 @@ def fully_shard_experts(model: nn.Module, *, mesh=None, **fsdp_kwargs) -> nn.Mod
     for m in modules:
         expect(all(isinstance(getattr(m, n), DTensor) for n in m.sharded_params), "model",
                "expert parameters that are DTensors over the expert-parallel mesh", type(m).__name__)
+    if rt is not None and rt.group is not None:
+        expect(mesh.device_type == rt.device.type, "mesh",
+               f"a {rt.device.type} mesh (the device of the expert-parallel group's ranks)", f"a {mesh.device_type} mesh")
     device = _mesh_device(mesh)
     for m in modules:
         # fully_shard moves plain parameters to the mesh's device itself but refuses DTensors elsewhere: a

@@ -139,23 +139,28 @@ def blocks(model):
     return inner.layers if isinstance(inner, LatentLM) else inner.model.layers
 
 
-def route_as(ref, mine) -> list:
+def route_as(ref, mine) -> dict:
     """Make the LatentLM ``mine`` route each token to the experts that ``ref`` chose for it in the same call
-    (``ref`` runs its forwards first, ``mine`` the same ones after). Returns ``[flips]``: how many of ``mine``'s
-    tokens would have chosen other experts on their own.
+    (``ref`` runs its forwards first, ``mine`` the same ones after). Returns the running counts ``{"tokens":
+    routed by mine, "flips": those that would have chosen other experts on their own, "pending": ref's
+    routings not replayed yet}``: check them after training.
 
     In bf16 two models that differ only in round-off still pick different top-k experts for a token whose
     k-th and (k+1)-th scores are within a rounding. That token's gradients then differ by O(1), which is not
-    round-off. Both models route the same way here (sigmoid scores, top-k, weights normalised, no balancer),
-    and the weights stay differentiable functions of each model's own scores."""
-    chosen, flips = [], [0]
+    round-off. Both models route as LatentMoE does without a balancer (its own score helpers, top-k, weights
+    normalised), and the weights stay differentiable functions of each model's own scores."""
+    from moonep.layers.latent_moe import _project, _sigmoid
+
+    chosen = []
+    stats = {"tokens": 0, "flips": 0, "pending": chosen}
 
     def select(layer, x, replay):
-        scores = torch.sigmoid(layer.router(x))
+        scores = _sigmoid(_project(layer.router, x))
         w, idx = scores.topk(layer.topk, dim=1)
         if replay:
             want = chosen.pop(0)
-            flips[0] += int((idx.sort(1).values != want.sort(1).values).any(1).sum())
+            stats["tokens"] += idx.shape[0]
+            stats["flips"] += int((idx.sort(1).values != want.sort(1).values).any(1).sum())
             idx, w = want, scores.gather(1, want)
         else:
             chosen.append(idx)
@@ -165,4 +170,4 @@ def route_as(ref, mine) -> list:
         for layer in blocks(model):
             assert layer.balancer is None
             layer._select = lambda x, layer=layer, replay=replay: select(layer, x, replay)
-    return flips
+    return stats

@@ -209,55 +209,84 @@ def test_moonep_board_check():
     assert _board_verify(*raws) == want
 
 
-def test_the_kernel_build_takes_no_environment(monkeypatch):
-    """The shipped kernels' build reads nothing from the environment: a profiling build is asked for in code
-    (cuda_runtime.profile_build), and its switches are checked."""
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """cuda_runtime as in a process that has loaded no kernel and sized no planner workspace, restored after
+    (on a GPU machine earlier tests have loaded programs, and a build is fixed once they have)."""
+    import copy
+
     from moonep import cuda_runtime
     from moonep.planner import cuda as planner_cuda
 
+    monkeypatch.setattr(cuda_runtime, "_LOADED", {n: {} for n in cuda_runtime.PROGRAMS})
+    monkeypatch.setattr(cuda_runtime, "_PROFILE", copy.deepcopy(cuda_runtime._SHIPPED))
+    monkeypatch.setattr(cuda_runtime, "_CSRC", None)
+    monkeypatch.setattr(planner_cuda, "_GEO", {})
+    return cuda_runtime
+
+
+def test_the_kernel_build_takes_no_environment(monkeypatch, fresh_build):
+    """The shipped kernels' build reads nothing from the environment: a profiling build is asked for in code
+    (cuda_runtime.profile_build), and its switches are checked."""
+    from moonep.planner import cuda as planner_cuda
+
+    cuda_runtime = fresh_build
     for name in ("MOONEP_LINEINFO", "MOONEP_FP8_WORDS", "MOONEP_DISPATCH_THREADS", "MOONEP_PLAN_CLOCKS",
-                 "MOONEP_NVLINK_DIAG", "MOONEP_LAY_TILES"):
+                 "MOONEP_NVLINK_DIAG", "MOONEP_LAY_TILES", "MOONEP_QUANT_SOFT_CVT"):
         monkeypatch.setenv(name, "1")
     assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-DMOONEP_DISPATCH_THREADS=512")
     assert cuda_runtime.compile_options("plan") == ("-std=c++17",)
     assert cuda_runtime.dispatch_threads() == 512 and planner_cuda.lay_tiles() == planner_cuda.LAY_TILES == 48
-    try:
-        cuda_runtime.profile_build(lineinfo=True, MOONEP_PLAN_CLOCKS=1, MOONEP_FP8_WORDS=0,
-                                   MOONEP_DISPATCH_THREADS=768)
-        assert cuda_runtime.compile_options("plan") == ("-std=c++17", "-lineinfo", "-DMOONEP_PLAN_CLOCKS=1")
-        assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-lineinfo", "-DMOONEP_FP8_WORDS=0",
-                                                      "-DMOONEP_DISPATCH_THREADS=768")
-        assert cuda_runtime.dispatch_threads() == 768
-        for bad, what in ((dict(MOONEP_FP8_WORDS=9), "^MOONEP_FP8_WORDS: expected one of"),
-                          (dict(MOONEP_DISPATCH_THREADS=600), "^MOONEP_DISPATCH_THREADS: expected one of"),
-                          (dict(MOONEP_DIAG=1), "^switches: expected names from"),
-                          (dict(sources="/nonexistent"), "^sources: expected a directory")):
-            with pytest.raises(ValueError, match=what):
-                cuda_runtime.profile_build(**bad)
-    finally:
-        cuda_runtime.profile_build()
+    cuda_runtime.profile_build(lineinfo=True, MOONEP_PLAN_CLOCKS=1, MOONEP_FP8_WORDS=0, MOONEP_DISPATCH_THREADS=768,
+                               MOONEP_QUANT_SOFT_CVT=1)
+    assert cuda_runtime.compile_options("plan") == ("-std=c++17", "-lineinfo", "-DMOONEP_PLAN_CLOCKS=1")
+    assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-lineinfo", "-DMOONEP_FP8_WORDS=0",
+                                                  "-DMOONEP_DISPATCH_THREADS=768", "-DMOONEP_QUANT_SOFT_CVT=1")
+    assert cuda_runtime.dispatch_threads() == 768
+    for bad, what in ((dict(MOONEP_FP8_WORDS=9), "^MOONEP_FP8_WORDS: expected one of"),
+                      (dict(MOONEP_FP8_WORDS=True), "^MOONEP_FP8_WORDS: expected an int, got True"),
+                      (dict(MOONEP_DISPATCH_THREADS=544.0), "^MOONEP_DISPATCH_THREADS: expected an int"),
+                      (dict(MOONEP_DISPATCH_THREADS=600), "^MOONEP_DISPATCH_THREADS: expected one of"),
+                      (dict(MOONEP_DIAG=1), "^switches: expected names from"),
+                      (dict(sources="/nonexistent"), "^sources: expected a directory")):
+        with pytest.raises(ValueError, match=what):
+            cuda_runtime.profile_build(**bad)
+    cuda_runtime.profile_build()
     assert cuda_runtime.compile_options("ep") == ("-std=c++17", "-DMOONEP_DISPATCH_THREADS=512")
+    cuda_runtime._LOADED["plan"][0] = object()  # a program loaded: the build is fixed, the same one is a no-op
+    cuda_runtime.profile_build()
+    with pytest.raises(RuntimeError, match="already loaded"):
+        cuda_runtime.profile_build(lineinfo=True)
 
 
-def test_a_patched_build_compiles_other_sources(tmp_path):
-    """tools/diag_nvlink.patch applies to csrc/, and a build from the patched copy passes the patch's own
-    define to every program; the shipped sources hold none of its variants."""
+def test_every_program_declares_the_switches_its_sources_read(fresh_build):
+    cuda_runtime = fresh_build
+    for name, prog in cuda_runtime.PROGRAMS.items():
+        src = cuda_runtime.program_source(name)
+        read = {s for s in cuda_runtime.PROFILE_SWITCHES if s in src}
+        assert read == set(prog.switches), (name, sorted(read), prog.switches)
+
+
+def test_a_patched_build_compiles_other_sources(tmp_path, fresh_build):
+    """tools/diag_nvlink.patch applies to csrc/ exactly (no fuzz), and a build from the patched copy passes the
+    patch's own define to every program; the shipped sources hold none of its variants."""
     import shutil
     import subprocess
 
-    from moonep import cuda_runtime
-
+    if shutil.which("patch") is None:
+        pytest.skip("needs the patch program")
+    cuda_runtime = fresh_build
     root = Path(__file__).resolve().parents[2]
     assert not any("MOONEP_DIAG" in f.read_text() for f in (root / "csrc").iterdir())
     shutil.copytree(root / "csrc", tmp_path / "csrc")
-    subprocess.run(["patch", "-s", "-p1", "-d", str(tmp_path), "-i", str(root / "tools" / "diag_nvlink.patch")],
-                   check=True)
-    try:
-        cuda_runtime.profile_build(sources=str(tmp_path / "csrc"), MOONEP_DIAG=3)
-        assert "-DMOONEP_DIAG=3" in cuda_runtime.compile_options("ep")
-        assert "DIAG_FUSED_NO_EXPAND" in cuda_runtime.program_source("ep")
-    finally:
-        cuda_runtime.profile_build()
+    subprocess.run(["patch", "-s", "-p1", "--fuzz=0", "-d", str(tmp_path), "-i",
+                    str(root / "tools" / "diag_nvlink.patch")], check=True)
+    with pytest.raises(ValueError, match="^switches: expected names from"):
+        cuda_runtime.profile_build(sources=str(tmp_path / "csrc"), NO_SOURCE_READS_THIS=3)
+    cuda_runtime.profile_build(sources=str(tmp_path / "csrc"), MOONEP_DIAG=3)
+    assert "-DMOONEP_DIAG=3" in cuda_runtime.compile_options("ep")
+    assert "DIAG_FUSED_NO_EXPAND" in cuda_runtime.program_source("ep")
+    cuda_runtime.profile_build()
     assert "DIAG_FUSED_NO_EXPAND" not in cuda_runtime.program_source("ep")
 
 

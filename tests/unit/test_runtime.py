@@ -53,6 +53,22 @@ def test_existing_group_is_used():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
+def test_a_mesh_gives_the_device_type():
+    """moonep.init(mesh) runs on the mesh's device type; a device or backend of another type is refused,
+    naming the argument."""
+    code = ("import torch.distributed as dist, moonep, pytest;"
+            "from torch.distributed.device_mesh import init_device_mesh;"
+            "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1);"
+            "mesh = init_device_mesh('cpu', (1,), mesh_dim_names=('ep',));"
+            "assert moonep.init(mesh['ep']).device.type == 'cpu';"
+            "e1 = pytest.raises(ValueError, moonep.init, mesh['ep'], device='cuda');"
+            "e2 = pytest.raises(ValueError, moonep.init, mesh['ep'], backend='nccl');"
+            "assert str(e1.value).startswith('device: expected one that runs on the mesh'), e1.value;"
+            "assert str(e2.value).startswith('backend: expected'), e2.value; print('ok')")
+    r = _run([sys.executable, "-c", code])
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
 def test_bad_backend_is_rejected():
     import moonep
     with pytest.raises(ValueError, match="backend"):
