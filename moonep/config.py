@@ -139,7 +139,7 @@ MOONEP_TEST_DEVICE | cpu | tests | device of the multi-rank test cases
 MOONEP_TEST_DTYPES | float64 | tests | row dtypes of the replica pool cases (tests/mp/cases_pool.py), comma list
 MOONEP_TEST_TRANSPORT | mpi,torch | tests | host transports the multi-rank EP cases run over
 MOONEP_GPU_NRANKS | 2 4 | tests | world sizes of the GPU multi-rank tests
-MOONEP_TEST_FP8_WORDS | unset | tests | the fp8 send fanout tests/gpu/test_fp8_gpu.py builds (0..8; its child process runs 0)
+MOONEP_TEST_BUILD | unset | tests | a profiling build the tests run on: comma-separated NAME=INT switches of cuda_runtime.profile_build (tests/harness/mprun.py, tests/gpu/test_fp8_gpu.py)
 MOONEP_FUZZ_N | 10000 | tests | routings of the planner fuzz test
 MOONEP_FUZZ_GPU_N | 1000 | tests | routings of the GPU planner fuzz test
 MOONEP_TT_FULL | 0 | tests | 1 runs the torchtitan cases for every MoE debug model and EP size, not only DeepSeek-V3 at EP 2

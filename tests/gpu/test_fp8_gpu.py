@@ -6,7 +6,7 @@ without CUDA.
 The send kernels' fanout variant is compiled into the "ep" program once per process: the compile-time switch
 ``MOONEP_FP8_WORDS`` (csrc/common.cuh, ``cuda_runtime.profile_build``) selects it.  A plain run checks the
 default here and the narrow one (``0``) in a child process (``test_narrow_fanout_in_a_child``);
-``MOONEP_TEST_FP8_WORDS=N pytest tests/gpu/test_fp8_gpu.py`` runs everything on variant ``N``."""
+``MOONEP_TEST_BUILD=MOONEP_FP8_WORDS=N pytest tests/gpu/test_fp8_gpu.py`` runs everything on variant ``N``."""
 import os
 import subprocess
 import sys
@@ -20,11 +20,10 @@ if not torch.cuda.is_available():
 import moonep  # noqa: E402
 from moonep import cuda_runtime, fp8  # noqa: E402
 from tests.harness.cuda_graph import capture  # noqa: E402
+from tests.harness.mprun import apply_test_build  # noqa: E402
 from moonep.quant import _quantize_torch  # noqa: E402
 
-WORDS = os.environ.get("MOONEP_TEST_FP8_WORDS")
-if WORDS is not None:  # this process runs a chosen fanout: built before any kernel loads
-    cuda_runtime.profile_build(MOONEP_FP8_WORDS=int(WORDS))
+WORDS = apply_test_build().get("MOONEP_FP8_WORDS")  # MOONEP_TEST_BUILD: a chosen fanout (before any kernel)
 
 pytestmark = [pytest.mark.gpu]
 FP8 = torch.float8_e4m3fn
@@ -110,7 +109,7 @@ def test_fanout_variant_compiled():
 @pytest.mark.skipif(WORDS is not None, reason="this process runs a chosen fanout")
 def test_narrow_fanout_in_a_child():
     """The bitwise and non-finite checks again, in a process that compiles the narrow fanout."""
-    env = dict(os.environ, MOONEP_TEST_FP8_WORDS="0")
+    env = dict(os.environ, MOONEP_TEST_BUILD="MOONEP_FP8_WORDS=0")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
                         "dispatch_rows_bitwise or nonfinite or variant_compiled"],
                        env=env, capture_output=True, text=True, timeout=1200)

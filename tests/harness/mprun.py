@@ -47,6 +47,24 @@ def load_cases(path: str):
     return [(n, getattr(mod, n)) for n in vars(mod) if n.startswith("case_") and callable(getattr(mod, n))]
 
 
+def apply_test_build(spec: str | None = None) -> dict:
+    """Ask for the kernel build ``spec`` names (default ``MOONEP_TEST_BUILD``: comma-separated ``NAME=INT``
+    switches of ``moonep.cuda_runtime.profile_build``, e.g. ``MOONEP_DISPATCH_THREADS=768``), before any kernel
+    loads; the tests then run on that build.  Returns the switches (empty: the shipped build)."""
+    spec = os.environ.get("MOONEP_TEST_BUILD", "") if spec is None else spec
+    switches = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"MOONEP_TEST_BUILD: expected comma-separated NAME=INT, got {spec!r}")
+        switches[name.strip()] = int(value)
+    if switches:
+        from moonep import cuda_runtime
+
+        cuda_runtime.profile_build(**switches)
+    return switches
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("cases")
@@ -79,6 +97,7 @@ def main(argv=None) -> int:
     try:
         import moonep
 
+        apply_test_build()  # MOONEP_TEST_BUILD: every rank compiles that profiling build
         rt = moonep.init(device=args.device)
         # several files (comma-separated) share one launch: their cases run in file order
         cases = [c for path in args.cases.split(",") for c in load_cases(path)]

@@ -1,5 +1,4 @@
 """The multi-rank harness itself: failures surface fast, nothing is left running, launches don't collide."""
-import os
 import threading
 import uuid
 from pathlib import Path
@@ -55,6 +54,16 @@ def test_keep_going_runs_on_after_a_failure_on_every_rank():
     assert status == "failed" and "deliberate failure on rank 1" in msg, msg
     assert res.outcome("case_never_reached", 3)[0] == "failed"
     assert res.returncode != 0 and _stray_processes(tag) == []
+
+
+def test_every_rank_runs_on_the_test_build():
+    """MOONEP_TEST_BUILD: every rank compiles the profiling build it names; a malformed one fails the setup."""
+    build = "MOONEP_PLAN_CLOCKS=1, MOONEP_DISPATCH_THREADS=768"
+    res = launch("tests/mp/harness_build.py", 2, timeout=120, env={"MOONEP_TEST_BUILD": build})
+    assert res.outcome("case_the_test_build_is_in_force", 2) == ("passed", ""), res.stderr[-3000:]
+    res = launch("tests/mp/harness_build.py", 2, timeout=120, env={"MOONEP_TEST_BUILD": "MOONEP_PLAN_CLOCKS"})
+    assert res.returncode != 0 and "MOONEP_TEST_BUILD: expected comma-separated NAME=INT" in res.stderr, \
+        res.stderr[-3000:]
 
 
 def test_two_launches_at_once_do_not_interfere():
