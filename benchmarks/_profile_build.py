@@ -37,12 +37,7 @@ def add_args(ap, tuning: bool = True) -> None:
 
 def apply(args) -> dict:
     """Set the kernel build (before any kernel loads) and return the ``Tuning`` keywords the run asked for."""
-    switches = {}
-    for item in args.switch:
-        name, eq, value = item.partition("=")
-        if not eq or not value.strip().lstrip("-").isdigit():
-            raise SystemExit(f"--switch: expected NAME=INT, got {item!r}")
-        switches[name.strip()] = int(value)
+    switches = cuda_runtime.parse_switches(",".join(args.switch), "--switch")
     sources = None
     if args.patch:
         tmp = tempfile.mkdtemp(prefix="moonep_csrc_")

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from .config import env_flag
-from .errors import expect
+from .errors import expect, fail
 
 __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
            "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "launch_form", "STATIC_SMEM",
-           "PROFILE_SWITCHES", "profile_build", "profile_switch"]
+           "PROFILE_SWITCHES", "profile_build", "profile_switch", "parse_switches"]
 
 
 # Profiling builds: the -D switches a tool may set (tools/, benchmarks/): each one's kind ("flag": defined or
@@ -90,10 +90,20 @@ def profile_build(*, lineinfo: bool = False, sources: str | None = None, **switc
     if any(_LOADED.values()) or any(sized() for sized in BUILD_SIZED):
         raise RuntimeError("profile_build: a kernel program is already loaded (or a planner workspace sized) in "
                            "this process; call it before the first CUDA call of moonep")
-    global _CSRC
-    _CSRC = src
     _PROFILE.clear()
     _PROFILE.update(want)
+
+
+def parse_switches(spec: str, what: str) -> dict:
+    """``"NAME=INT,NAME=INT"`` (a tool's ``--switch`` values, a test's ``MOONEP_TEST_BUILD``) -> the keyword
+    arguments of :func:`profile_build`; a malformed item raises ``ValueError`` naming ``what``."""
+    switches = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not value.strip().lstrip("-").isdigit():
+            fail(what, "comma-separated NAME=INT", repr(spec))
+        switches[name.strip()] = int(value)
+    return switches
 
 
 def profile_switch(name: str):
@@ -227,8 +237,11 @@ def available_for(fallback: str) -> bool:
 
 
 def csrc_dir() -> Path:
-    """The kernel sources: ``csrc/`` beside the package in a checkout, or ``moonep/csrc`` (package data)."""
+    """The kernel sources: a profiling build's patched copy (:func:`profile_build`), else ``csrc/`` beside the
+    package in a checkout, or ``moonep/csrc`` (package data)."""
     global _CSRC
+    if _PROFILE["sources"] is not None:
+        return _PROFILE["sources"]
     if _CSRC is None:
         here = Path(__file__).resolve().parent
         for cand in (here.parent / "csrc", here / "csrc"):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import env_float
-from .errors import MoonepError, expect
+from .errors import MoonepError, expect, fail
 from .guard import BARRIER
 from .transport.host_group import HostGroup, register as register_host_group
 from .transport.mpi import _abandon, _nap, set_polling
@@ -331,7 +331,7 @@ def init(group=None, *, backend: str | None = None, device: str | torch.device |
         # a mesh names its device type: a "cpu" mesh on a GPU machine stays on the host
         if want_cuda is not None and want_cuda != (mesh.device_type == "cuda"):
             name, got = ("device", device) if device is not None else ("backend", backend)
-            expect(False, name, f"one that runs on the mesh's device type, {mesh.device_type} (or None)", got)
+            fail(name, f"one that runs on the mesh's device type, {mesh.device_type} (or None)", got)
         want_cuda = mesh.device_type == "cuda"
     if group is not None or dist.is_initialized():
         pg = group if group is not None else dist.group.WORLD

@@ -20,6 +20,14 @@ step() {  # name timeout cmd...
   echo "$name: exit $rc in $((SECONDS - t0))s" | tee -a "$o/summary.txt"
   tar czf "${OUT:-/tmp}/run.tgz" -C $o .  # after every step, so a run cut off by the call limit keeps what ran
 }
+host_profiles() {  # tree|old...: the nvlink host times of the library in the tree or of .old/moonep, in order
+  local lib pp lab
+  for lib in "$@"; do
+    pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
+    PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
+      --library "$lab" --out $o/host_${lib}_$SECONDS
+  done
+}
 # groups of steps
 set -- $(for s in "$@"; do case $s in fp8) echo fp8_np2 fp8_np4 fp8_single fp8_speed ;; *) echo "$s" ;; esac; done)
 for s in "$@"; do case $s in
@@ -134,15 +142,9 @@ for s in "$@"; do case $s in
                     benchmarks/bench_training.py --out $o/${pfx}_training_np$n.json; done ;;
   training_bench2) step training_bench_np2 200 mpirun --allow-run-as-root -n 2 python3 \
                     benchmarks/bench_training.py --out $o/${pfx}_training_np2.json ;;
-  host_before_after) for lib in tree old tree old; do  # nvlink host times, the tree and .old/moonep alternately
-                       pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
-                       PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
-                         --library "$lab" --out $o/host_${lib}_$SECONDS; done ;;
+  host_before_after) host_profiles tree old tree old ;;  # the tree and .old/moonep alternately
   fp8_quick) step fp8_quick 120 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py -k "bitwise and not child" ;;
-  host_pair) for lib in tree old; do  # host_before_after, once each
-               pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
-               PYTHONPATH=$pp step host_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 tools/host_profile_ep.py \
-                 --library "$lab" --out $o/host_${lib}_$SECONDS; done ;;
+  host_pair) host_profiles tree old ;;
   diag_build) step diag_build 120 python3 tools/profile_fp8_dispatch.py --patch tools/diag_nvlink.patch \
                 --switch MOONEP_DIAG=1 --calls 3 ;;  # a patched profiling build compiles and runs
   training_bench1) step training_bench_np1 200 mpirun --allow-run-as-root -n 1 python3 \

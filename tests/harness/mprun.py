@@ -51,16 +51,11 @@ def apply_test_build(spec: str | None = None) -> dict:
     """Ask for the kernel build ``spec`` names (default ``MOONEP_TEST_BUILD``: comma-separated ``NAME=INT``
     switches of ``moonep.cuda_runtime.profile_build``, e.g. ``MOONEP_DISPATCH_THREADS=768``), before any kernel
     loads; the tests then run on that build.  Returns the switches (empty: the shipped build)."""
-    spec = os.environ.get("MOONEP_TEST_BUILD", "") if spec is None else spec
-    switches = {}
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        name, eq, value = item.partition("=")
-        if not eq or not value.strip().lstrip("-").isdigit():
-            raise ValueError(f"MOONEP_TEST_BUILD: expected comma-separated NAME=INT, got {spec!r}")
-        switches[name.strip()] = int(value)
-    if switches:
-        from moonep import cuda_runtime
+    from moonep import cuda_runtime
 
+    spec = os.environ.get("MOONEP_TEST_BUILD", "") if spec is None else spec
+    switches = cuda_runtime.parse_switches(spec, "MOONEP_TEST_BUILD")
+    if switches:
         cuda_runtime.profile_build(**switches)
     return switches
 

@@ -80,7 +80,8 @@ def case_foreach_optimizers_step_expert_dtensors_with_plain_parameters(rt):
     loss_of(model, batch(0, rt.rank, device=rt.device)).backward()
     params = [p for p in model.parameters() if p.grad is not None]
     assert any(isinstance(p, DTensor) for p in params) and not all(isinstance(p, DTensor) for p in params)
-    local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).detach().clone()  # noqa: E731
+    plain = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731  (a shard's local tensor)
+    local = lambda t: plain(t).detach().clone()  # noqa: E731
     start = [(local(p), local(p.grad)) for p in params]
 
     def two_steps(ps, foreach):
@@ -94,7 +95,7 @@ def case_foreach_optimizers_step_expert_dtensors_with_plain_parameters(rt):
         copies = []
         with torch.no_grad():
             for p, (p0, g0) in zip(params, start):
-                (p.to_local() if isinstance(p, DTensor) else p).copy_(p0)
+                plain(p).copy_(p0)
                 p.grad = (DTensor.from_local(g0.clone(), p.device_mesh, p.placements, shape=p.shape,
                                              stride=p.stride()) if isinstance(p, DTensor) else g0.clone())
                 copies.append(torch.nn.Parameter(p0.clone()))
