@@ -6,8 +6,8 @@
 Times are the median of ``--iters`` steps after warm-up, measured with CUDA events on CUDA (wall clock on
 CPU).  Modes: ``default`` (inductor), ``reduce-overhead`` (inductor + CUDA graphs, CUDA only) and
 ``cudagraphs`` (AOTAutograd + CUDA graphs, no code generation); new routing every step (fresh inputs).  A mode
-with the suffix ``+fused`` compiles with ``moonep.eager_math.disabled()``: the layer's own math fused and
-rounded by inductor instead of kept at eager's bits, to measure what that costs.
+with the suffix ``+bitwise`` compiles inside ``moonep.eager_math.bitwise()``: the layer's own math kept at
+eager's bits instead of fused and rounded by inductor (the default), to measure what that costs.
 The JSON holds the command, the commit, the machine, the configuration and one time per mode.
 ``--profile DIR``: also a torch.profiler table per mode (DIR/<mode>.txt: the kernels and ops of 3 steps by
 device time, then host time), to see where a mode's time goes.
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     ap.add_argument("--d-expert", type=int, default=768)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--modes", default="default,default+fused,reduce-overhead,reduce-overhead+fused,cudagraphs")
+    ap.add_argument("--modes", default="default,default+bitwise,reduce-overhead,reduce-overhead+bitwise,cudagraphs")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--profile", default=None, help="directory for one torch.profiler table per mode")
     args = ap.parse_args(argv)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         _profile(m, xs[:3], cuda, os.path.join(args.profile, "eager.txt"))
     transport = m._ep.get(args.tokens, args.topk, args.d_latent, dt, dev).transport_name
     for mode in modes:
-        base, fused = mode.split("+")[0], mode.endswith("+fused")
+        base, exact = mode.split("+")[0], mode.endswith("+bitwise")
         torch._dynamo.reset()
         m = layer()
         _time_steps(m, xs[:1], cuda)  # builds the layer's ExpertParallel eagerly (fullgraph needs it)
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
             c = torch.compile(m, backend="cudagraphs", fullgraph=True)
         else:
             c = torch.compile(m, mode=None if base == "default" else base, fullgraph=cuda)
-        with eager_math.disabled() if fused else contextlib.nullcontext():
+        with eager_math.bitwise() if exact else contextlib.nullcontext():
             t0 = time.perf_counter()
             _time_steps(c, xs[:1], cuda)
             compile_s = time.perf_counter() - t0

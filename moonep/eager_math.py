@@ -1,19 +1,21 @@
-"""A layer's own math that ``torch.compile`` runs exactly as eager does: one opaque custom op per call site.
+"""A layer's own math under ``torch.compile``: fused by inductor by default, or bit for bit as eager runs it.
 
-Inductor regenerates a layer's elementwise code (sigmoid, tanh, norms, small reductions) in its own kernels,
-whose rounding differs from eager's by an ulp here and there, adds bf16 terms in float32 before one rounding,
-and on CPU lowers small GEMMs to its own loops (docs/design.md, "Bitwise under inductor").  Wrapping such a
-function with :func:`keep_eager` makes it one node, ``moonep::eager_math``, whose body calls the function
-eagerly, and whose backward, ``moonep::eager_math_backward``, recomputes it and takes ``torch.autograd.grad``
-of it: the same ATen kernels forward and backward, so the compiled layer matches eager bit for bit.  Outside
-compilation the wrapper is the plain function (no recomputation).
+By default, code traced by ``torch.compile`` calls a function wrapped with :func:`keep_eager` as plain code:
+inductor fuses it with its neighbours and rounds its own way (within the dtype's tolerance of eager, and
+faster: docs/performance.md, "torch.compile").  Inside :func:`bitwise` (an opt-in, for tests that compare
+compiled with eager bit for bit) each call is one opaque op instead, ``moonep::eager_math``, whose body calls
+the function eagerly, and whose backward, ``moonep::eager_math_backward``, recomputes it and takes
+``torch.autograd.grad`` of it: the same ATen kernels forward and backward, so the compiled layer matches
+eager bit for bit (docs/design.md, "Bitwise under inductor").  Inductor would otherwise regenerate the
+elementwise code, add bf16 terms in float32 before one rounding, and on CPU lower small GEMMs to its own
+loops.  Outside compilation the wrapper is the plain function (no recomputation).
 
-The price under compile: these ops are not fused with their neighbours, and the backward recomputes the
-wrapped function and runs autograd from Python (docs/performance.md, "torch.compile", measures it;
-:func:`disabled` turns it off).
+The price of :func:`bitwise`: the kept ops are not fused with their neighbours, and the backward recomputes
+the wrapped function and runs autograd from Python.
 
-Under autocast the wrapped functions are traced as plain code (an op's body runs without autocast, which
-would change their dtypes): compiled and eager then agree in dtype but not bit for bit.
+Under autocast the wrapped functions are traced as plain code also inside :func:`bitwise` (an op's body runs
+without autocast, which would change their dtypes): compiled and eager then agree in dtype but not bit for
+bit.
 
 A wrapped function's tensor inputs must have no other consumer whose gradient meets theirs (the sum of a
 tensor's gradient contributions would then be ordered differently eagerly and compiled); the call sites in
@@ -31,24 +33,25 @@ from torch import Tensor
 from .errors import expect
 from .op_state import fresh_output
 
-__all__ = ["keep_eager", "register", "call", "disabled"]
+__all__ = ["keep_eager", "register", "call", "bitwise"]
 
 _FNS: dict[int, Callable] = {}   # key -> f(*tensors, *consts) -> list of tensors
 _KEYS: dict[str, int] = {}
-_OFF = [False]  # disabled(): the wrapped functions traced as plain code
+_BITWISE = [False]  # bitwise(): the wrapped functions as moonep::eager_math ops when compiled
 
 
 @contextlib.contextmanager
-def disabled():
-    """Inside, code traced by ``torch.compile`` calls the wrapped functions as plain code, which inductor
-    fuses and rounds its own way: faster, not bitwise (``benchmarks/bench_compile.py`` measures both).
-    Dynamo guards on this switch: run the compiled calls inside it (outside, they are compiled again with
-    :func:`keep_eager` on)."""
-    _OFF[0] = True
+def bitwise():
+    """Inside, code traced by ``torch.compile`` runs each wrapped function as one opaque op with eager's
+    kernels, so that the compiled layer's outputs and gradients are eager's bit for bit (for tests: slower,
+    since nothing of it fuses).  Dynamo guards on this switch: run the compiled calls inside it (outside,
+    they are compiled again, fused)."""
+    prev = _BITWISE[0]
+    _BITWISE[0] = True
     try:
         yield
     finally:
-        _OFF[0] = False
+        _BITWISE[0] = prev
 
 
 def _outs(r) -> list:
@@ -128,32 +131,37 @@ def register(fn: Callable, name: str) -> int:
     return key
 
 
+# Device types whose autocast state moonep reads: a fixed set, since torch.amp.is_autocast_available is not
+# traceable by Dynamo on every supported torch (2.11 breaks the graph there).
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu")
+
+
 def autocast_on(device_type: str) -> bool:
     """Whether autocast is enabled for ``device_type`` (False for a device type without autocast, e.g. meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return device_type in _AUTOCAST_TYPES and torch.is_autocast_enabled(device_type)
 
 
 def call(key: int, *args):
-    """``fn(*args)`` of the function registered under ``key``, as one ``moonep::eager_math`` op (tensors
-    first, then float constants): a list of its outputs.  Under autocast ``fn`` is called directly: an op's
-    body runs without autocast, so it would compute in other dtypes than eager does."""
+    """``fn(*args)`` of the function registered under ``key`` (a list of its outputs); inside :func:`bitwise`,
+    as one ``moonep::eager_math`` op (tensors first, then float constants).  Under autocast ``fn`` is called
+    directly: an op's body runs without autocast, so it would compute in other dtypes than eager does."""
     tensors = [a for a in args if isinstance(a, Tensor)]
-    if _OFF[0] or (tensors and autocast_on(tensors[0].device.type)):
+    if not _BITWISE[0] or (tensors and autocast_on(tensors[0].device.type)):
         return _outs(_FNS[key](*args))
     consts = [float(a) for a in args if not isinstance(a, Tensor)]
     return _eager_math(tensors, key, consts)
 
 
 def keep_eager(fn: Callable, name: str) -> Callable:
-    """``fn(*tensors, *consts) -> Tensor``, run as eager runs it when compiled (``moonep::eager_math``).
+    """``fn(*tensors, *consts) -> Tensor``, run as eager runs it when compiled inside :func:`bitwise`.
 
     Args:
         fn: tensors (positional), then float constants -> one tensor; only torch ops, no host syncs, and
             deterministic (no random ops such as dropout: the backward recomputes it).
         name: a unique name of the call site (the key of ``fn`` in this process).
     Returns:
-        ``wrapper(*tensors, *consts)``: ``fn`` itself eagerly; under ``torch.compile`` one opaque op whose
-        forward and backward run ``fn``'s ATen kernels.
+        ``wrapper(*tensors, *consts)``: ``fn`` itself eagerly and (fused) under ``torch.compile``; compiled
+        inside :func:`bitwise`, one opaque op whose forward and backward run ``fn``'s ATen kernels.
     """
     key = register(fn, name)
 

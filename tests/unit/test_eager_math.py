@@ -1,9 +1,11 @@
-"""moonep/eager_math.py: a function wrapped with ``keep_eager`` gives, compiled with inductor, eager's output and
-gradients bit for bit (forward: the function's own ATen kernels; backward: ``autograd.grad`` of a recompute),
-for inputs of any layout; the two ops pass ``torch.library.opcheck``; a name is registered once."""
+"""moonep/eager_math.py: a function wrapped with ``keep_eager`` gives, compiled with inductor inside ``bitwise()``,
+eager's output and gradients bit for bit (forward: the function's own ATen kernels; backward: ``autograd.grad``
+of a recompute), for inputs of any layout; by default it is traced as plain code (fused, within tolerance);
+the two ops pass ``torch.library.opcheck``; a name is registered once."""
 import pytest
 import torch
 
+from moonep import eager_math
 from moonep.eager_math import _eager_math, _eager_math_backward, _KEYS, keep_eager
 
 
@@ -34,7 +36,8 @@ def test_compiled_equals_eager_bitwise(dtype):
         x0 = (3 * torch.randn(24, 16, generator=gen)).to(dtype)
         w0 = torch.randn(24, generator=gen).to(dtype)
         want = _step(lambda x, w, eps: _mix(x, w, eps) + 1.0, x0, w0, seed)
-        got = _step(compiled, x0, w0, seed)
+        with eager_math.bitwise():
+            got = _step(compiled, x0, w0, seed)
         for name, a, b in zip(("y", "dx", "dw"), got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             assert torch.equal(a, b), f"{name} ({dtype}, seed {seed}): max diff {(a.double() - b.double()).abs().max()}"
@@ -55,32 +58,46 @@ def test_name_used_twice_refused():
     assert keep_eager(torch.sigmoid, "test_eager_math.other")(torch.zeros(1)).item() == 0.5  # the next call works
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_by_default_is_fused_within_tolerance(dtype):
+    """Outside ``bitwise()`` the wrapped function is inductor's to fuse: within the dtype's tolerance of eager."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, eps: _kept(x, w, eps) + 1.0, backend="inductor", fullgraph=True)
+    gen = torch.Generator().manual_seed(7)
+    x0, w0 = (3 * torch.randn(24, 16, generator=gen)).to(dtype), torch.randn(24, generator=gen).to(dtype)
+    want = _step(lambda x, w, eps: _mix(x, w, eps) + 1.0, x0, w0, 7)
+    got = _step(compiled, x0, w0, 7)
+    for name, a, b in zip(("y", "dx", "dw"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        torch.testing.assert_close(a, b, msg=name, **({} if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)))
+
+
 def test_autocast_keeps_eager_dtypes():
-    """Under autocast the wrapped function is traced as plain code: the compiled result has eager's dtype
-    (an op's body would run without autocast, in float32)."""
+    """Under autocast the wrapped function is traced as plain code, inside ``bitwise()`` too: the compiled
+    result has eager's dtype (an op's body would run without autocast, in float32)."""
     lin = keep_eager(lambda x, w: torch.nn.functional.linear(x, w), "test_eager_math.linear")
     torch._dynamo.reset()
     f = torch.compile(lambda x, w: lin(x, w) * 2, backend="inductor", fullgraph=True)
     x, w = torch.randn(4, 8), torch.randn(3, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), eager_math.bitwise():
         want, got = lin(x, w) * 2, f(x, w)
     assert want.dtype == got.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
 
 
-def test_disabled_traces_plain_code_and_is_guarded():
-    """Inside ``disabled()`` the wrapped function is traced as plain code (no moonep op in the graph); Dynamo
-    guards on the switch, so a call outside compiles again, with the op."""
+def test_bitwise_is_opt_in_and_guarded():
+    """By default the wrapped function is traced as plain code (no moonep op in the graph); inside
+    ``bitwise()`` it is one ``moonep::eager_math`` op.  Dynamo guards on the switch: a call on the other side
+    of it compiles again; the switch is restored on exit."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from moonep import eager_math
-
-    f = keep_eager(torch.sigmoid, "test_eager_math.disabled")
+    f = keep_eager(torch.sigmoid, "test_eager_math.bitwise")
     torch._dynamo.reset()
     cnt = CompileCounterWithBackend("eager")
     g = torch.compile(lambda x: f(x) * 2, backend=cnt)
     x = torch.randn(4)
-    with eager_math.disabled():
+    g(x)
+    with eager_math.bitwise():
         g(x)
     g(x)
     ops = [["moonep.eager_math" in str(n.target) for n in gm.graph.nodes] for gm in cnt.graphs]
