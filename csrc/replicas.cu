@@ -60,7 +60,8 @@ extern "C" __global__ void moonep_reduce_stage(const Ctx* c, const char* rep_gra
 
 // Replica gradient reduce, finish: home[e] = home_grad[e] + sum over ranks u (ascending) whose replicas come
 // from here, of u's slot holding expert me*epn+e; each add rounded to the gradient dtype (as torch's
-// in-place add is).  out/home_grad: [epn, n] elements of dtype dt.
+// in-place add is).  out/home_grad: [epn, n] elements of dtype dt; out == home_grad sums in place, and an
+// expert that no rank replicated is then not touched (a one-rank group, or a step with few replicas).
 // Work items are (expert, part of its row), parts = grid / epn (at least 1) so that a few experts still fill
 // the grid.  Each item's block lists once, in shared memory and in the order of the sum (u, then j,
 // ascending), the slots holding its expert; its threads then add those slots for their elements (the table
@@ -116,6 +117,7 @@ extern "C" __global__ void moonep_reduce_finish(const Ctx* c, void* out, const v
     }
     __syncthreads();
     const int cnt = s_cnt;
+    if (cnt == 0 && out == home_grad) continue;  // in place, nothing to add (block-uniform)
     if (vec == 16 && cnt <= REDUCE_LIST) {  // block-uniform
       const i64 rw = n * esize / 16, x0 = rw * p / parts, x1 = rw * (p + 1) / parts;
       int4* o = (int4*)out + (i64)e * rw;

@@ -126,3 +126,63 @@ extern "C" __global__ void __launch_bounds__(256) moonep_slot_wgrad_f32(
   }
   sg_store(acc, out + (sg_i64)j * D * N, N, d0, D, n0, N, tx, ty);
 }
+
+// Row moves for the grouped GEMMs of bf16/fp16 expert layers (moonep/experts.py).  A grouped GEMM starts its
+// first group at row 0 and writes only its groups' rows: the replica slots' rows, cu[n_home] .. cu[G]-1, go to
+// the front of a scratch buffer (moonep_rows_front), and their products in behind the home rows' products
+// (moonep_rows_back, which also zeroes the padding rows).  Only those rows move, their count read on the device:
+// a step whose replica slots are empty moves nothing but the padding's zeros.  Each row is `words` words of type
+// W (16, 8, 4, 2 or 1 bytes: the largest that divides the row size, strides and addresses); strides in bytes.
+template <typename W>
+__device__ __forceinline__ void sg_move_rows(char* dst, sg_i64 ds, const char* src, sg_i64 ss, sg_i64 first,
+                                             sg_i64 n, sg_i64 words) {
+  for (sg_i64 r = blockIdx.x; r < n; r += gridDim.x) {
+    const W* s = (const W*)(src + (first + r) * ss);
+    W* d = (W*)(dst + r * ds);
+    for (sg_i64 x = threadIdx.x; x < words; x += blockDim.x) d[x] = s[x];
+  }
+}
+
+template <typename W>
+__device__ __forceinline__ void sg_fill_back(char* out, sg_i64 os, const char* rep, sg_i64 rs, sg_i64 first,
+                                             sg_i64 end, sg_i64 cap, sg_i64 words) {
+  const W zero{};
+  for (sg_i64 r = first + blockIdx.x; r < cap; r += gridDim.x) {
+    W* d = (W*)(out + r * os);
+    if (r < end) {
+      const W* s = (const W*)(rep + (r - first) * rs);
+      for (sg_i64 x = threadIdx.x; x < words; x += blockDim.x) d[x] = s[x];
+    } else {
+      for (sg_i64 x = threadIdx.x; x < words; x += blockDim.x) d[x] = zero;
+    }
+  }
+}
+
+// dst[i] = src[cu[n_home] + i] for i < cu[G] - cu[n_home] (dst's other rows are not written).
+extern "C" __global__ void moonep_rows_front(char* dst, sg_i64 ds, const char* src, sg_i64 ss, const int* cu,
+                                             int n_home, int G, sg_i64 row_bytes, int vec) {
+  const sg_i64 first = cu[n_home], n = (sg_i64)cu[G] - first;
+  const sg_i64 words = row_bytes / vec;
+  switch (vec) {
+    case 16: sg_move_rows<int4>(dst, ds, src, ss, first, n, words); break;
+    case 8: sg_move_rows<long long>(dst, ds, src, ss, first, n, words); break;
+    case 4: sg_move_rows<int>(dst, ds, src, ss, first, n, words); break;
+    case 2: sg_move_rows<short>(dst, ds, src, ss, first, n, words); break;
+    default: sg_move_rows<char>(dst, ds, src, ss, first, n, words); break;
+  }
+}
+
+// out[r] for cu[n_home] <= r < cap: rep[r - cu[n_home]] while r < cu[G], zero after (in place; out's rows before
+// cu[n_home] are not touched).  With n_home == G it only zeroes the padding rows.
+extern "C" __global__ void moonep_rows_back(char* out, sg_i64 os, const char* rep, sg_i64 rs, const int* cu,
+                                            int n_home, int G, sg_i64 cap, sg_i64 row_bytes, int vec) {
+  const sg_i64 first = cu[n_home], end = cu[G];
+  const sg_i64 words = row_bytes / vec;
+  switch (vec) {
+    case 16: sg_fill_back<int4>(out, os, rep, rs, first, end, cap, words); break;
+    case 8: sg_fill_back<long long>(out, os, rep, rs, first, end, cap, words); break;
+    case 4: sg_fill_back<int>(out, os, rep, rs, first, end, cap, words); break;
+    case 2: sg_fill_back<short>(out, os, rep, rs, first, end, cap, words); break;
+    default: sg_fill_back<char>(out, os, rep, rs, first, end, cap, words); break;
+  }
+}

@@ -161,8 +161,10 @@ PROGRAMS: dict[str, Program] = {
     "quant": Program(("common.cuh", "quant.cu"), ("moonep_quant_f32", "moonep_quant_bf16", "moonep_quant_f16",
                       "moonep_quant_wire_f32", "moonep_quant_wire_bf16", "moonep_quant_wire_f16"),
                      ("MOONEP_QUANT_SOFT_CVT", "MOONEP_FP8_WORDS")),
-    # float32 expert GEMMs with the slot offsets read on the device, launched by moonep/experts_cuda.py
-    "slot_gemm": Program(("slot_gemm.cu",), ("moonep_slot_gemm_f32", "moonep_slot_wgrad_f32")),
+    # float32 expert GEMMs with the slot offsets read on the device, and the row moves around torch's grouped
+    # GEMMs, launched by moonep/experts_cuda.py
+    "slot_gemm": Program(("slot_gemm.cu",), ("moonep_slot_gemm_f32", "moonep_slot_wgrad_f32", "moonep_rows_front",
+                                             "moonep_rows_back")),
 }
 
 # Dynamic shared memory a kernel may use without the opt-in is 48 KiB minus its static shared memory; the

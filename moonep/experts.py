@@ -69,12 +69,35 @@ def _live(out: torch.Tensor, end) -> torch.Tensor:
     return torch.where((rows < end)[:, None], out, out.new_zeros(()))
 
 
+# A grouped GEMM starts its first group at row 0 and writes only its groups' rows.  So the replica slots' rows
+# go to the front of a scratch copy and their products in behind the home rows', and the padding rows are
+# zeroed.  With CuPy, moonep's row kernels move only those rows (their count read on the device); else torch's
+# index and where ops, which pass over every row.
+def _front(x: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
+    """Rows ``cu[n_home]:`` of ``x [cap, D]`` moved to the front (rows past ``cu[-1] - cu[n_home]`` unspecified)."""
+    if experts_cuda.loadable(x):
+        return experts_cuda.rows_front(x, cu, n_home)
+    return _shift(x, cu[n_home])
+
+
+def _back(out: torch.Tensor, rep: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
+    """``out``'s rows ``r >= cu[n_home]`` replaced by ``rep[r - cu[n_home]]`` up to ``cu[-1]``, zero after (in
+    place with CuPy).  ``rep is None``: ``n_home`` is the last slot, only the padding is zeroed."""
+    if experts_cuda.loadable(out):
+        return experts_cuda.rows_back(out, out if rep is None else rep, cu, n_home)
+    if rep is not None:
+        rows = torch.arange(out.shape[0], device=out.device)
+        back = rep.index_select(0, (rows - cu[n_home]).clamp_(min=0))
+        out = torch.where((rows < cu[n_home])[:, None], out, back)
+    return _live(out, cu[-1])
+
+
 # Grouped (CUDA, device offsets) and loop versions of: the product of every slot's rows (``rows``), the same
 # with the home weights and the replicas apart (``two``), and the weight gradient of ``two`` (``wgrad``).
 def _rows_grouped(a, cu, w):
     if experts_cuda.usable(a):
         return experts_cuda.slot_gemm(a, cu, w)
-    return _live(_GMM(a, w, offs=cu[1:].to(torch.int32)), cu[-1])
+    return _back(_GMM(a, w, offs=cu[1:].to(torch.int32)), None, cu, w.shape[0])
 
 
 def _rows_loop(a, cu, w):
@@ -94,11 +117,8 @@ def _two_grouped(a, cu, w_home, w_rep):
         return experts_cuda.slot_gemm(a, cu, w_home, w_rep)
     epn, offs = w_home.shape[0], cu[1:].to(torch.int32)
     home = _GMM(a, w_home, offs=offs[:epn])          # rows past cu[epn] are not written
-    # a grouped GEMM's first group starts at row 0: the replica rows go to the front of a scratch copy
-    rep = _GMM(_shift(a, cu[epn]), w_rep, offs=offs[epn:] - offs[epn - 1])
-    rows = torch.arange(a.shape[0], device=a.device)
-    back = rep.index_select(0, (rows - cu[epn]).clamp_(min=0))
-    return _live(torch.where((rows < cu[epn])[:, None], home, back), cu[-1])
+    rep = _GMM(_front(a, cu, epn), w_rep, offs=offs[epn:] - offs[epn - 1])
+    return _back(home, rep, cu, epn)
 
 
 def _two_loop(a, cu, w_home, w_rep):
@@ -131,7 +151,7 @@ def _wgrad_grouped(a, g, cu, epn, unoccupied=()):
         return gw[:epn], gw[epn:]
     offs = cu[1:].to(torch.int32)
     gh = _GMM(a.t(), g, offs=offs[:epn])
-    gr = _GMM(_shift(a, cu[epn]).t(), _shift(g, cu[epn]), offs=offs[epn:] - offs[epn - 1])
+    gr = _GMM(_front(a, cu, epn).t(), _front(g, cu, epn), offs=offs[epn:] - offs[epn - 1])
     return gh, gr
 
 

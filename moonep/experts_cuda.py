@@ -34,9 +34,9 @@ def _check(name: str, w: torch.Tensor, a: torch.Tensor, D: int) -> None:
     expect(w.dim() == 3 and w.shape[1] == D, name, f"shape [slots, D={D}, N]", list(w.shape))
 
 
-def _launch(name: str, grid: tuple, args: tuple, device_index: int) -> None:
+def _launch(name: str, grid: tuple, args: tuple, device_index: int, block: tuple = (256, 1, 1)) -> None:
     try:
-        cuda_runtime.kernels("slot_gemm", device_index).launch(name, grid, (256, 1, 1), args, any_device=True)
+        cuda_runtime.kernels("slot_gemm", device_index).launch(name, grid, block, args, any_device=True)
     except (ImportError, RuntimeError):
         raise
     except Exception as exc:  # CuPy's compile and driver errors: the caller falls back on RuntimeError
@@ -109,3 +109,59 @@ def slot_sums(g: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     precision: :class:`moonep.experts._ExpertBias` sums those with a GEMM)."""
     g = g.float()
     return slot_wgrad(g.new_ones(g.shape[0], 1), g, cu)[:, 0]
+
+
+# Row moves around torch's grouped GEMM (bf16/fp16 expert layers, moonep/experts.py): only the replica slots'
+# rows and the padding move, however many rows the step has (their counts read on the device).
+_MOVE_BLOCKS, _MOVE_THREADS = 1024, 128
+
+
+def _word(row_bytes: int, *strides_and_ptrs: int) -> int:
+    """The largest word (16, 8, 4, 2 or 1 bytes) that divides the row size, the strides and the addresses."""
+    v = 16
+    while v > 1 and any(x % v for x in (row_bytes, *strides_and_ptrs)):
+        v //= 2
+    return v
+
+
+def rows_front(x: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
+    """``[cap, D]`` with rows ``cu[n_home] .. cu[G]-1`` of ``x`` moved to rows ``0 ..`` (the other rows unset).
+
+    Args:
+        x: ``[cap, D]`` rows grouped by slot, on CUDA, any dtype, unit stride along ``D``.
+        cu: int ``[G + 1]`` slot offsets, on ``x``'s device (read there: no host sync).
+        n_home: the slots before the moved ones.
+    """
+    x, cu = _rows(x), cu.to(x.device, torch.int32).contiguous()
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.numel() == 0:
+        return out
+    rb, es = x.shape[1] * x.element_size(), x.element_size()
+    vec = _word(rb, x.stride(0) * es, out.stride(0) * es, x.data_ptr(), out.data_ptr())
+    p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
+    _launch("moonep_rows_front", (min(x.shape[0], _MOVE_BLOCKS), 1, 1),
+            (p(out), i64(out.stride(0) * es), p(x), i64(x.stride(0) * es), p(cu), i32(n_home), i32(cu.shape[0] - 1),
+             i64(rb), i32(vec)), x.device.index, (_MOVE_THREADS, 1, 1))
+    return out
+
+
+def rows_back(out: torch.Tensor, rep: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
+    """In place: rows ``r >= cu[n_home]`` of ``out`` become ``rep[r - cu[n_home]]`` while ``r < cu[G]``, and zero
+    after (``n_home = G``: the padding rows zeroed only).  Returns ``out``.
+
+    Args:
+        out: ``[cap, N]`` on CUDA, contiguous rows (a grouped GEMM's output over the home slots).
+        rep: ``[cap', N]`` like ``out`` (the replica slots' products, from row 0), unit stride along ``N``.
+        cu: int ``[G + 1]`` slot offsets, on the device.
+    """
+    cu = cu.to(out.device, torch.int32).contiguous()
+    rep = _rows(rep)
+    if out.numel() == 0:
+        return out
+    rb, es = out.shape[1] * out.element_size(), out.element_size()
+    vec = _word(rb, out.stride(0) * es, rep.stride(0) * es, out.data_ptr(), rep.data_ptr())
+    p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
+    _launch("moonep_rows_back", (min(out.shape[0], _MOVE_BLOCKS), 1, 1),
+            (p(out), i64(out.stride(0) * es), p(rep), i64(rep.stride(0) * es), p(cu), i32(n_home), i32(cu.shape[0] - 1),
+             i64(out.shape[0]), i64(rb), i32(vec)), out.device.index, (_MOVE_THREADS, 1, 1))
+    return out

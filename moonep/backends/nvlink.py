@@ -711,7 +711,8 @@ class NVLinkBackend(Backend):
 
     def reduce_replicas(self, plan, home_grad, replica_grad, scratch: bool = False):
         """``home_grad [epn, *D]`` plus the replica gradients (``replica_grad [epn, *D]`` of every rank) of
-        this rank's experts, added at home in rank order -> ``[epn, *D]``."""
+        this rank's experts, added at home in rank order -> ``[epn, *D]``.  ``scratch``: ``home_grad`` is the
+        caller's own (a backward's), summed in place: experts that no rank replicated are not copied."""
         self.check(inputs=False)
         hg, rg = home_grad.contiguous(), replica_grad.contiguous()
         expect(hg.dtype in _DT, "grad_view", "float32, bfloat16 or float16 for the NVLink transport", hg.dtype)
@@ -721,7 +722,7 @@ class NVLinkBackend(Backend):
         if self.pool is None or self.pool.nbytes < epn * rb:
             self._grow("pool", max(epn * rb, 256))
         rep, src = self._replica_tables(plan)
-        out = torch.empty_like(hg)
+        out = hg if scratch else torch.empty_like(hg)
         self._launch("moonep_reduce_stage", self.num_sms,
                      (_p(rg), np.int64(rb), np.int32(_vec(rb, rg.data_ptr())), np.int32(epn), _p(rep)))
         self._launch("moonep_reduce_finish", self.sm_count,

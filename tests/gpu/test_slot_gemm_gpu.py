@@ -1,6 +1,7 @@
 """moonep's float32 slot GEMMs (moonep/experts_cuda.py, csrc/slot_gemm.cu) against a float64 loop: products and
 weight gradients, home/replica weights with transposed views, empty slots, padding rows zero; the same bits on
-every call; no host sync; CUDA-graph capture with new offsets at every replay.  Skipped without CUDA."""
+every call; no host sync; CUDA-graph capture with new offsets at every replay.  The row moves around torch's
+grouped GEMM (bf16/fp16) give the bits of the torch index/where ops they replace.  Skipped without CUDA."""
 import pytest
 import torch
 
@@ -8,6 +9,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from moonep import cuda_runtime, experts_cuda  # noqa: E402
+from moonep import experts  # noqa: E402
 from moonep.experts import _two_loop  # noqa: E402
 from tests.harness.cuda_graph import capture  # noqa: E402
 
@@ -115,3 +117,33 @@ def test_slot_sums_fixed_order_and_bad_operands_refused():
     for bad, name in ((w.bfloat16(), "w_home"), (w[:, :8], "w_home"), (w[:3], "w_home, w_rep")):
         with pytest.raises(ValueError, match=name):
             experts_cuda.slot_gemm(a, cu, bad)
+
+
+@pytest.mark.skipif(experts._GMM is None, reason="no grouped GEMM in this torch")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("counts,cap", [([5, 9, 0, 11, 0, 20], 64), ([7, 3, 0, 0, 0, 0], 16), ([0, 0, 0, 4, 0, 9], 13),
+                                        ([0] * 6, 8)])
+def test_row_moves_equal_the_torch_ops(monkeypatch, dtype, counts, cap):
+    """Home/replica products (``_two_grouped``), their weight gradients (``_wgrad_grouped``) and one-tensor slot
+    products (``_rows_grouped``) with moonep's row kernels equal, bit for bit, the same GEMMs with torch's
+    index_select/where moves (empty replica slots, all-empty steps and padding rows included); padding rows
+    are zero."""
+    g = torch.Generator().manual_seed(len(counts) + cap)
+    epn, D, N = 3, 32, 48
+    cu = _offsets(counts)
+    a = torch.randn(cap, D, generator=g).to(dtype).cuda()
+    gy = torch.randn(cap, N, generator=g).to(dtype).cuda()
+    home = torch.randn(epn, D, N, generator=g).to(dtype).cuda()
+    rep = torch.randn(epn, D, N, generator=g).to(dtype).cuda()
+
+    def run():
+        return [experts._two_grouped(a, cu, home, rep), *experts._wgrad_grouped(a, gy, cu, epn),
+                experts._rows_grouped(a, cu, torch.cat([home, rep]))]
+
+    got = run()
+    with monkeypatch.context() as m:
+        m.setattr(experts_cuda, "loadable", lambda t: False)
+        want = run()
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert torch.equal(x, y), i
+    assert not got[0][sum(counts):].any() and not got[3][sum(counts):].any()
