@@ -78,6 +78,7 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="default,default+bitwise,reduce-overhead,reduce-overhead+bitwise,cudagraphs")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--profile", default=None, help="directory for one torch.profiler table per mode")
+    ap.add_argument("--library", default="the tree", help="which moonep this run imported (recorded in the JSON)")
     args = ap.parse_args(argv)
 
     if args.dtype is None:  # CPU: float32, whose matmuls the CPU runs fast (bf16 ones are emulated there)
@@ -134,7 +135,8 @@ def main(argv=None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump({"command": command(launcher="mpirun -n 1" if launched else ""), "commit": git_commit(),
-                           "machine": machine(), "config": vars(args) | {"transport": transport},
+                           "machine": machine(), "library": args.library,
+                           "config": vars(args) | {"transport": transport},
                            "ms_per_step": results,
                            "speedup_vs_eager": {k: r for k, r in speedup.items() if k != "eager"}}, f, indent=1)
     if rt is not None:

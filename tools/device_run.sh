@@ -121,9 +121,11 @@ for s in "$@"; do case $s in
                   --modes default,default+bitwise,reduce-overhead,reduce-overhead+bitwise --profile $o/compile_prof \
                   --out $o/${pfx}_compile_prof.json ;;
   compile_ab) for lib in tree old tree old; do  # the tree and .old/moonep alternately, one process each
-                pp=$PYTHONPATH; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH
+                # (.old/.git_commit, written by the caller, names the old library's commit in its JSON)
+                pp=$PYTHONPATH lab="the tree"; [ $lib = old ] && pp=$PWD/.old:$PYTHONPATH lab="moonep at $(cat .old/COMMIT)"
                 PYTHONPATH=$pp step compile_${lib}_$SECONDS 150 mpirun --allow-run-as-root -n 1 python3 \
-                  benchmarks/bench_compile.py --modes default,reduce-overhead --out $o/${pfx}_compile_${lib}_$SECONDS.json
+                  benchmarks/bench_compile.py --modes default,reduce-overhead --library "$lab" \
+                  --out $o/${pfx}_compile_${lib}_$SECONDS.json
               done ;;
   slot_gemm) step slot_gemm 120 python3 -m pytest -q -rA tests/gpu/test_slot_gemm_gpu.py ;;
   compile_gpu) step compile_gpu 400 python3 -m pytest -q -rA tests/gpu/test_compile_gpu.py ;;
