@@ -2,13 +2,12 @@
 
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32)
     h = ep.dispatch(x, topk_idx, topk_weights)      # collective
-    w = ep.prefetch(h, local_weight)                 # [epn, ...] -> [2*epn, ...]
-                                                     # (or ep.prefetch(h, pool[:epn], out=pool): no copies)
-    out = moonep.slot_matmul(h.tokens, h.cu_seqlens, w)   # grouped over the 2*epn slots
+    rep = pool.fetch(ep, h, w, "w")                  # moonep.ReplicaPool: this step's replicas (collective)
+    out = moonep.expert_matmul(h.tokens, h.cu_seqlens, w, rep)   # home rows x w in place, replica rows x pool
     y = ep.combine(out, h)                           # [s, H]
 
 Everything is differentiable: the backward of dispatch is a combine, the backward of combine is a
-dispatch over the same plan, and the backward of prefetch is ``reduce_grad``.
+dispatch over the same plan, and the replica rows' weight gradients go home (``reduce_replicas``).
 
 This module holds what every backend shares: argument checks, the cross-rank configuration check, the
 call-order guard and the one set of autograd Functions.  Rows move in a backend
@@ -16,6 +15,7 @@ call-order guard and the one set of autograd Functions.  Rows move in a backend
 """
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -612,9 +612,12 @@ class ExpertParallel:
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
 
+        A copy of the home weights each step: :class:`moonep.ReplicaPool` with :func:`moonep.expert_matmul`
+        reads them in place instead (the way to bring replica weights).
+
         Args:
             local_weight: ``[epn, *D]`` this rank's home expert weights (one projection).
-            out: optional persistent ``[2*epn, *D]`` pool (contiguous, ``local_weight``'s dtype and device,
+            out: deprecated (``DeprecationWarning``); optional persistent ``[2*epn, *D]`` pool (contiguous, ``local_weight``'s dtype and device,
                 not requiring grad) that the caller keeps across steps.  Only the replica slots
                 ``out[epn:]`` are written (empty ones zeroed); the home half is copied only when
                 ``local_weight`` is not ``out[:epn]`` itself.  Recommended layout, so nothing is copied for
@@ -645,6 +648,9 @@ class ExpertParallel:
             of ops that saved the first result makes that backward raise torch's in-place error instead of
             using overwritten weights.
         """
+        if out is not None:
+            warnings.warn("ExpertParallel.prefetch(out=...) is deprecated: use moonep.ReplicaPool().fetch(ep, h, "
+                          "home_weight, name) with moonep.expert_matmul", DeprecationWarning, stacklevel=2)
         err = _local_error(self._check_prefetch, h, local_weight, out)
         sig, describe, tracked = (), None, False
         if err is None:
@@ -662,27 +668,47 @@ class ExpertParallel:
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch_replicas(self, h: Dispatched, local_weight: torch.Tensor, out: torch.Tensor, *,
                           in_backward: bool = False) -> torch.Tensor:
-        """Only the replica slots of this step: the home weights stay where they are (no copy).
+        """Deprecated: use :class:`moonep.ReplicaPool` (``pool.fetch(ep, h, local_weight, name)``), which
+        owns the buffers.  Fetches this step's replica slots of ``local_weight [epn, *D]`` into ``out [epn,
+        *D]`` (contiguous, not requiring grad); returns ``out``. Collective."""
+        warnings.warn("ExpertParallel.prefetch_replicas is deprecated: use moonep.ReplicaPool().fetch(ep, h, "
+                      "home_weight, name)", DeprecationWarning, stacklevel=2)
+        return self._fetch_replicas(h, [local_weight], [out], in_backward=in_backward)[0]
 
-        The building block of :class:`moonep.ReplicaPool` (which most code should use instead): the home
-        rows of a slot GEMM multiply ``local_weight`` itself and the replica rows multiply ``out``.
+    def _fetch_replicas(self, h: Dispatched, local_weights: list, outs: list, *, in_backward: bool = False,
+                        fresh: bool = False) -> list:
+        """This step's replica slots of several projections, in one collective: the building block of
+        :class:`moonep.ReplicaPool` and ``moonep.ops``.
 
         Args:
             h: the :class:`Dispatched` of the step.
-            local_weight: ``[epn, *D]`` this rank's home expert weights (one projection); only read.
-            out: ``[epn, *D]`` persistent buffer, ``local_weight``'s dtype and device, contiguous, not
-                requiring grad: slot ``j`` receives the weights of expert ``h.slot_experts[epn + j]``
-                (zero where that is ``-1``).
+            local_weights: ``[epn, *D_i]`` this rank's home expert weights of each projection; only read (the
+                home rows of a slot GEMM multiply them in place).
+            outs: ``[epn, *D_i]`` buffers like them (contiguous, not requiring grad): slot ``j`` receives the
+                weights of expert ``h.slot_experts[epn + j]`` (zero where that is ``-1``).
             in_backward: the call runs inside an autograd backward (checked with the peers only where the
                 backend checks backward passes).
+            fresh: ``outs`` are new tensors that no later call passes again (``moonep.ops``): every empty
+                slot is zeroed and the backend keeps nothing of them; else persistent pool buffers, whose
+                slots that stayed empty are not zeroed again.
         Returns:
-            ``out``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
+            ``outs``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
-        err = _local_error(self._check_replicas, h, local_weight, out, "out")
-        sig, describe = _weights_signature("local_weight", local_weight, h) if err is None else ((), None)
+        err = None
+        for w, out in zip(local_weights, outs):
+            err = err or _local_error(self._check_replicas, h, w, out, "out")
+        sig, describe = (), None
+        if err is None:
+            step = h.routing.step
+            shapes = tuple((_dt(w), _shape_key(w.shape)) for w in local_weights)
+            sig = (len(local_weights), _shape_key(shapes), step)
+            describe = lambda: [("local_weights", f"{len(local_weights)} projections"),  # noqa: E731
+                                ("local_weights", "dtypes and shapes " + ", ".join(
+                                    f"{w.dtype} {list(w.shape)}" for w in local_weights)),
+                                ("h", f"dispatch #{step}")]
         op = "prefetch.backward" if in_backward else "prefetch"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
-            return self._backend.prefetch_replicas(h.plan, local_weight, out)
+            return self._backend.prefetch_replicas(h.plan, list(local_weights), list(outs), fresh=fresh)
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def reduce_replicas(self, h: Dispatched, home_grad: torch.Tensor, replica_grad: torch.Tensor, *,

@@ -515,7 +515,7 @@ class Replicas:
         if self.index == -1 or self.pool.generation(self.key, self.index) == self.generation:
             return self.weights()  # kept in its own buffer, or still in the pool
         self.generation = self.pool._bump(self.key, self.index)
-        self.ep.prefetch_replicas(self.h, self.home.detach(), self.buffer, in_backward=True)
+        self.ep._fetch_replicas(self.h, [self.home.detach()], [self.buffer], in_backward=True)
         return self.buffer
 
     def reduce(self, home_grad: torch.Tensor, replica_grad: torch.Tensor) -> torch.Tensor:
@@ -586,43 +586,60 @@ class ReplicaPool:
         return i, bufs[i]
 
     @torch.compiler.disable  # a collective: one graph break under torch.compile (moonep.ops: none)
-    def fetch(self, ep, h, home_weight: torch.Tensor, name: str) -> Replicas:
-        """Fetch this step's replicas of one projection into the pool. Collective.
+    def fetch(self, ep, h, home_weight, name):
+        """Fetch this step's replicas of one projection, or of several in one collective, into the pool.
 
         Args:
             ep: the :class:`moonep.ExpertParallel` of ``h``.
             h: the step's :class:`moonep.Dispatched` (its plan says which replicas land here).
-            home_weight: ``[epn, *D]`` this rank's home experts of the projection (read, never copied).
-            name: the projection's name within the layer (``"w_in"``): projections of one layer must not
-                share slots, projections of the same name and shape in different layers do.
+            home_weight: ``[epn, *D]`` this rank's home experts of the projection (read, never copied); or a
+                list/tuple of such tensors, one per projection, fetched together (one collective: fewer
+                rounds of messages than one call each).
+            name: the projection's name within the layer (``"w_in"``), or a list/tuple of names, one per
+                tensor: projections of one layer must not share slots, projections of the same name and
+                shape in different layers do.
         Returns:
-            :class:`Replicas` for :func:`expert_matmul`.
+            :class:`Replicas` for :func:`expert_matmul` (and :func:`expert_bias`); a list of them, in order,
+            for a list of tensors.
         """
-        expect(isinstance(name, str), "name", "a str naming the projection", type(name).__name__)
-        expect(isinstance(home_weight, torch.Tensor), "home_weight", "a torch.Tensor", type(home_weight).__name__)
-        key = (name, tuple(home_weight.shape), home_weight.dtype, home_weight.device)
+        many = isinstance(home_weight, (list, tuple))
+        weights, names = (list(home_weight), name) if many else ([home_weight], [name])
+        expect(isinstance(names, (list, tuple)) and len(names) == len(weights) and all(isinstance(n, str)
+                                                                                          for n in names),
+               "name", f"a str naming the projection ({len(weights)} of them for a list of home weights)",
+               repr(name))
+        expect(len(set(names)) == len(names), "name", "distinct names (one per projection)", repr(name))
+        for w in weights:
+            expect(isinstance(w, torch.Tensor), "home_weight", "a torch.Tensor", type(w).__name__)
+        if not weights:  # a module without parameters, on every rank alike: nothing to fetch
+            return []
         # whether home_weight itself requires grad does not matter: module_slots differentiates the experts'
         # parameters, views of a stacked home_weight that requires none
         keep = self.backward == "keep" and torch.is_grad_enabled()
-        if keep:  # this layer's own buffer (index -1), alive until its backward
-            index, buf = -1, track_zero_slots(torch.zeros(home_weight.shape, dtype=home_weight.dtype,
-                                                          device=home_weight.device))
-        else:
-            index, buf = self._buffer(key, home_weight)
-        gen = self._bump(key, index)
-        side = self._side_stream(ep, home_weight)
+        slots = []
+        for w, n in zip(weights, names):
+            key = (n, tuple(w.shape), w.dtype, w.device)
+            if keep:  # this layer's own buffer (index -1), alive until its backward
+                index, buf = -1, track_zero_slots(torch.zeros(w.shape, dtype=w.dtype, device=w.device))
+            else:
+                index, buf = self._buffer(key, w)
+            slots.append((key, index, buf, self._bump(key, index)))
+        homes, bufs = [w.detach() for w in weights], [buf for _, _, buf, _ in slots]
+        side = self._side_stream(ep, weights[0])
         event = None
         if side is None:
-            ep.prefetch_replicas(h, home_weight.detach(), buf)
+            ep._fetch_replicas(h, homes, bufs)
         else:
-            # The plan (made on the current stream) must exist, and earlier readers of `buf` be done.
-            side.wait_stream(torch.cuda.current_stream(home_weight.device))
+            # The plan (made on the current stream) must exist, and earlier readers of the buffers be done.
+            side.wait_stream(torch.cuda.current_stream(weights[0].device))
             with torch.cuda.stream(side):
-                ep.prefetch_replicas(h, home_weight.detach(), buf)
+                ep._fetch_replicas(h, homes, bufs)
             event = torch.cuda.Event()
             event.record(side)
             ep.queued_on(side)  # the next collective of ep waits for this fetch, whether or not it is used
-        return Replicas(self, key, index, ep, h, home_weight, buf, gen, event)
+        out = [Replicas(self, key, index, ep, h, w, buf, gen, event)
+               for w, (key, index, buf, gen) in zip(weights, slots)]
+        return out if many else out[0]
 
     def _side_stream(self, ep, w: torch.Tensor):
         if not (self.overlap and w.device.type == "cuda" and getattr(ep, "transport_name", "") == "nvlink"):

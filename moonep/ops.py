@@ -443,20 +443,11 @@ def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
 
 @_collective("moonep::prefetch_replicas")
 def _prefetch_replicas(local_weights: list[Tensor], token: Tensor, op_id: int) -> list[Tensor]:
-    """``ExpertParallel.prefetch_replicas`` of each weight ``[epn, *D]`` in order, into fresh zeroed
-    ``[epn, *D]`` tensors. One collective per weight."""
+    """The replica slots of each weight ``[epn, *D]``, into fresh ``[epn, *D]`` tensors, in one collective
+    (every empty slot zeroed: zero whatever the memory held, also at a CUDA graph replay)."""
     ep, h = _lookup(token, op_id)
-    outs = []
-    for w in local_weights:
-        # zeroed here: a slot the plan leaves empty is zero whatever the memory held (CUDA graph replays)
-        out = torch.zeros(w.shape, dtype=w.dtype, device=w.device)
-        outs.append(ep.prefetch_replicas(h, w, out))
-        # NVLink keeps a per-pool replica table (a device tensor) for an `out` it may see again; this `out`
-        # is fresh each time, and the backend must hold no device tensor past the op (CUDA graph pools)
-        pool_prev = getattr(ep._backend, "_pool_prev", None)
-        if pool_prev is not None:
-            pool_prev.pop(out.data_ptr(), None)
-    return outs
+    outs = [torch.empty(w.shape, dtype=w.dtype, device=w.device) for w in local_weights]
+    return ep._fetch_replicas(h, local_weights, outs, fresh=True)
 
 
 @_prefetch_replicas.register_fake
@@ -465,9 +456,9 @@ def _(local_weights, token, op_id):
 
 
 def prefetch_replicas(h: Routed, *local_weights: Tensor) -> list:
-    """The replica slots of each ``local_weight [epn, *D]`` (one collective each, in order; one op, so that a
-    compiler cannot reorder them) -> a list of ``[epn, *D]`` (slot ``j``: expert ``h.slot_experts[epn+j]``,
-    zero if ``-1``).  Not differentiable: :func:`expert_matmul` sends the replica rows' gradient home."""
+    """The replica slots of each ``local_weight [epn, *D]`` (one collective for all) -> a list of ``[epn, *D]``
+    (slot ``j``: expert ``h.slot_experts[epn+j]``, zero if ``-1``).  Not differentiable:
+    :func:`expert_matmul` sends the replica rows' gradient home."""
     return _prefetch_replicas([w.detach() for w in local_weights], h.step, h.op_id)
 
 

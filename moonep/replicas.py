@@ -35,15 +35,16 @@ def _replica_lists(plan, R: int):
     return rep, src, slots
 
 
-def _fetch_replicas(plan, rank: int, flat: torch.Tensor, transport: Transport):
-    """Send the home rows peers replicate, receive this rank's replicas.
+def _fetch_replicas(plan, rank: int, flats: list, transport: Transport):
+    """Send the home rows peers replicate, receive this rank's replicas, of every projection in one all-to-all.
 
     Args:
-        flat: ``[epn, D]`` this rank's home weights, one row per expert.
+        flats: ``[epn, n_i]`` this rank's home weights of each projection, one row per expert.
     Returns:
-        ``(got [n, D], slots)``: the received rows and the replica slot index of each (ascending).
+        ``(gots, slots)``: per projection the received rows ``[n, n_i]``, and the replica slot index of each
+        row (ascending).  Several projections travel as the bytes of their rows side by side.
     """
-    R, epn = transport.world_size, flat.shape[0]
+    R, epn = transport.world_size, flats[0].shape[0]
     rep, src, slots = _replica_lists(plan, R)
     send_rows, send_splits = [], []
     for u in range(R):
@@ -51,8 +52,19 @@ def _fetch_replicas(plan, rank: int, flat: torch.Tensor, transport: Transport):
         send_rows += mine
         send_splits.append(len(mine))
     recv_splits = [len(slots[rank]) if r == src[rank] else 0 for r in range(R)]
-    idx = torch.tensor(send_rows, dtype=torch.int64, device=flat.device)
-    return transport.all_to_all(flat[idx], send_splits, recv_splits), slots[rank]
+    idx = torch.tensor(send_rows, dtype=torch.int64, device=flats[0].device)
+    if len(flats) == 1:
+        return [transport.all_to_all(flats[0][idx], send_splits, recv_splits)], slots[rank]
+    parts = [f[idx].view(torch.uint8) for f in flats]  # only the sent rows are gathered
+    got = transport.all_to_all(torch.cat(parts, 1), send_splits, recv_splits)
+    gots, at = [], 0
+    for f, part in zip(flats, parts):
+        nb = part.shape[1]
+        block = got.new_empty((got.shape[0], nb))  # fresh: a dtype view needs aligned offset and strides
+        block.copy_(got[:, at:at + nb])
+        gots.append(block.view(f.dtype))
+        at += nb
+    return gots, slots[rank]
 
 
 def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Transport) -> torch.Tensor:
@@ -84,22 +96,25 @@ def home_is_view(local_weight: torch.Tensor, out: torch.Tensor) -> bool:
                      f"(contiguous={local_weight.is_contiguous()})")
 
 
-def prefetch_replicas_into(plan, rank: int, local_weight: torch.Tensor, transport: Transport,
-                           replicas: torch.Tensor) -> torch.Tensor:
-    """This rank's replica slots into ``replicas [epn, *D]`` (filled slots written, the others zeroed); the
-    home weights ``local_weight [epn, *D]`` are only read.  Returns ``replicas``."""
-    epn = local_weight.shape[0]
-    got, mine = _fetch_replicas(plan, rank, local_weight.reshape(epn, -1), transport)
-    flat = replicas.view(epn, -1)
+def prefetch_replicas_into(plan, rank: int, local_weights: list, transport: Transport, replicas: list) -> list:
+    """This rank's replica slots of every projection into ``replicas[i] [epn, *D_i]`` (filled slots written,
+    the others zeroed), in one all-to-all; the home weights ``local_weights[i] [epn, *D_i]`` are only read.
+    Returns ``replicas``."""
+    if not local_weights:
+        return replicas
+    epn = local_weights[0].shape[0]
+    gots, mine = _fetch_replicas(plan, rank, [w.reshape(epn, -1) for w in local_weights], transport)
     filled = set(mine)
-    zero = getattr(replicas, _ZERO, None)
-    empty = [j for j in range(epn) if j not in filled and (zero is None or j not in zero)]
-    if zero is not None:
-        setattr(replicas, _ZERO, set(range(epn)) - filled)
-    if empty:
-        flat.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
-    if mine:
-        flat.index_copy_(0, torch.tensor(mine, dtype=torch.int64, device=flat.device), got)
+    for got, buf in zip(gots, replicas):
+        flat = buf.view(epn, -1)
+        zero = getattr(buf, _ZERO, None)
+        empty = [j for j in range(epn) if j not in filled and (zero is None or j not in zero)]
+        if zero is not None:
+            setattr(buf, _ZERO, set(range(epn)) - filled)
+        if empty:
+            flat.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
+        if mine:
+            flat.index_copy_(0, torch.tensor(mine, dtype=torch.int64, device=flat.device), got)
     return replicas
 
 
@@ -113,7 +128,7 @@ def prefetch_weights_into(plan, rank: int, local_weight: torch.Tensor, transport
     epn = local_weight.shape[0]
     if not home_is_view(local_weight, out):
         out[:epn].copy_(local_weight)
-    prefetch_replicas_into(plan, rank, local_weight, transport, out[epn:])
+    prefetch_replicas_into(plan, rank, [local_weight], transport, [out[epn:]])
     return out
 
 

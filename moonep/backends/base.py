@@ -86,9 +86,11 @@ class Backend:
         ``out``: a checked persistent ``[2*epn, *D]`` pool, written in place and returned."""
         raise NotImplementedError
 
-    def prefetch_replicas(self, plan, local_weight, replicas):
-        """Only the replica slots: ``local_weight [epn, *D]`` is read in place, this rank's replicas are
-        written into the persistent ``replicas [epn, *D]`` (empty slots zero).  Returns ``replicas``."""
+    def prefetch_replicas(self, plan, local_weights, replicas, fresh: bool = False):
+        """Only the replica slots, of several projections in one call: each ``local_weights[i] [epn, *D_i]``
+        is read in place, this rank's replicas are written into ``replicas[i] [epn, *D_i]`` (empty slots
+        zero).  ``fresh``: the buffers are new and never passed again (every empty slot is zeroed, nothing
+        of them is kept); else persistent pool buffers.  Returns ``replicas``."""
         raise NotImplementedError
 
     def reduce_grad(self, plan, grad):

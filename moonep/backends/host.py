@@ -123,8 +123,9 @@ class HostBackend(Backend):
             return prefetch_weights_into(plan, self.rank, local_weight, self.transport, out)
         return prefetch_weights(plan, self.rank, local_weight.contiguous(), self.transport)
 
-    def prefetch_replicas(self, plan, local_weight, replicas):
-        return prefetch_replicas_into(plan, self.rank, local_weight, self.transport, replicas)
+    def prefetch_replicas(self, plan, local_weights, replicas, fresh: bool = False):
+        # a buffer without the pool's zero-slot set (a fresh one) gets every empty slot zeroed
+        return prefetch_replicas_into(plan, self.rank, local_weights, self.transport, replicas)
 
     def reduce_grad(self, plan, grad):
         return reduce_replica_grads(plan, self.rank, grad.contiguous(), self.transport)

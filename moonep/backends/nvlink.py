@@ -660,11 +660,14 @@ class NVLinkBackend(Backend):
         self._prefetch(plan, lw, None if shared else out[:self.epn], out[self.epn:], self._prev_replicas(out))
         return out
 
-    def prefetch_replicas(self, plan, local_weight, replicas):
-        """This rank's replica slots into ``replicas [epn, *D]`` (a persistent buffer); the home weights are
-        read where they are.  Returns ``replicas``."""
-        self._prefetch(plan, local_weight.contiguous(), None, replicas, self._prev_replicas(replicas))
-        forget_zero_slots(replicas)  # a host-path fetch into this pool buffer later zeroes every empty slot
+    def prefetch_replicas(self, plan, local_weights, replicas, fresh: bool = False):
+        """This rank's replica slots of each projection into ``replicas[i] [epn, *D_i]``; the home weights are
+        read where they are.  ``fresh``: new buffers, every empty slot zeroed and no replica table kept for
+        them (a CUDA graph pool must not see a device tensor outlive the op); else persistent buffers, whose
+        slots that stayed empty since the last call into them are not zeroed again.  Returns ``replicas``."""
+        for w, buf in zip(local_weights, replicas):  # one push and one finish kernel per projection
+            self._prefetch(plan, w.contiguous(), None, buf, None if fresh else self._prev_replicas(buf))
+            forget_zero_slots(buf)  # a host-path fetch into this pool buffer later zeroes every empty slot
         return replicas
 
     def _prefetch(self, plan, lw, home_out, rep_out, prev):

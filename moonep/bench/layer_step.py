@@ -52,7 +52,7 @@ def swiglu_experts(a, cu_seqlens, wg, wu, wd):
 
 def fetch_replicas(pool, ep, h, projections):
     """This step's replicas of the three projections ``(w_gate, w_up, w_down)`` from ``pool`` (collective)."""
-    return [pool.fetch(ep, h, w, name) for w, name in zip(projections, NAMES)]
+    return pool.fetch(ep, h, list(projections), list(NAMES))  # one collective
 
 
 def moonep_experts(h, projections, reps):

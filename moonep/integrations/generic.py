@@ -78,7 +78,8 @@ def _experts_apply(provider, experts: list, x, idx, w, cache=None, pool=None):
     h = ep.dispatch(x, idx, w)
     pool = pool or default_pool()
     # the one place weights move: this step's replicas into the shared pool; home experts run in place
-    replicas = {n: pool.fetch(ep, h, t, n) for n, t in _stacked(experts, cache).items()}
+    stacked = _stacked(experts, cache)
+    replicas = dict(zip(stacked, pool.fetch(ep, h, list(stacked.values()), list(stacked))))  # one collective
     scale = 1.0 / provider.world_size  # expert gradients: the mean over the ranks (moonep.training)
     return ep.combine(module_slots(experts[0], h.tokens, h.cu_seqlens, experts, replicas, x.shape[1], scale), h)
 

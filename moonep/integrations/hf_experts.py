@@ -134,7 +134,7 @@ class EPExperts(ShardedExperts, nn.Module):
         model's replica pool, here, the one place of this adapter that moves weights."""
         pool = getattr(self, "moonep_pool", None) or default_pool()
         home = {n: self._home(n, dtype) for n in self.sharded_params}
-        replicas = {n: pool.fetch(ep, h, w, n) for n, w in home.items()}
+        replicas = dict(zip(home, pool.fetch(ep, h, list(home.values()), list(home))))  # one collective
         with torch.autocast(h.tokens.device.type, enabled=False):  # the dtype is decided: no second cast
             return fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas)
 

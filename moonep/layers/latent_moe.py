@@ -113,7 +113,7 @@ class LatentExperts(ShardedExperts, nn.Module):
         h = ep.dispatch(z, topk_idx, topk_weights)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = pool or default_pool()
-        r_in, r_out = pool.fetch(ep, h, w_in, "w_in"), pool.fetch(ep, h, w_out, "w_out")
+        r_in, r_out = pool.fetch(ep, h, [w_in, w_out], ["w_in", "w_out"])  # one collective
         cu = h.cu_seqlens
         with torch.autocast(z.device.type, enabled=False):  # the experts' dtype is decided: z's
             a = situ_glu_fused(expert_matmul(h.tokens, cu, w_in, r_in, impl=matmul))   # [cap, F]

@@ -116,6 +116,46 @@ class _HomeAccess(TorchDispatchMode):
 _COPIES = ("clone", "copy", "cat", "stack", "_to_copy", "contiguous")
 
 
+def case_fetch_of_several_projections_equals_one_by_one(rt):
+    """``pool.fetch`` of a list of projections (one collective; on the host path their rows travel side by side
+    as bytes) fills the slots bitwise as one call per projection does: different shapes, a float16 bias of
+    odd row bytes, skewed routing with replicas; a persistent pool reused over steps; the deprecated
+    ``prefetch_replicas`` and ``prefetch(out=)`` warn and still give the same slots."""
+    import warnings
+
+    R, E, K, H, F, S = rt.world_size, 4 * rt.world_size, 2, 32, 24, 12
+    dev, dtype = rt.device, DTYPES[0]
+    sizes = _sizes(R, S)
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
+    epn = E // R
+    g = torch.Generator().manual_seed(40 + rt.rank)
+    homes = [torch.randn(epn, H, F, generator=g).to(dev, dtype), torch.randn(epn, F, H, generator=g).to(dev, dtype),
+             torch.randn(epn, 7, generator=g).to(dev, torch.float16)]
+    names = ["w1", "w2", "b1"]
+    together, apart = ReplicaPool(), ReplicaPool()
+    for step, kind in enumerate(("hot", "uniform", "hot")):
+        x, idx, w, *_ = make_problem(step, R, E, K, H, F, sizes, kind)
+        sl = my_slice(rt, sizes)
+        h = ep.dispatch(x[sl].to(dev, dtype), idx[sl].to(dev), w[sl].to(dev, dtype))
+        got = together.fetch(ep, h, homes, names)
+        want = [apart.fetch(ep, h, t, n) for t, n in zip(homes, names)]
+        for n, a, b in zip(names, got, want):
+            assert torch.equal(a.weights(), b.weights()), f"rank {rt.rank} step {step} {n}"
+        if kind == "hot" and R > 1:
+            assert int(h.plan.num_replicas().max()) > 0
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            old = ep.prefetch_replicas(h, homes[0], torch.zeros_like(homes[0]))
+            pool = torch.zeros(2 * epn, H, F, dtype=dtype, device=dev)
+            slots = ep.prefetch(h, homes[0], out=pool)
+        assert [w.category for w in seen] == [DeprecationWarning] * 2, [str(w.message) for w in seen]
+        assert torch.equal(old, want[0].weights()) and torch.equal(slots[epn:], want[0].weights())
+    assert together.fetch(ep, h, [], []) == []
+    expect_error(lambda: together.fetch(ep, h, homes[:2], ["w1"]), "name")
+    expect_error(lambda: together.fetch(ep, h, homes[:2], ["w1", "w1"]), "name")
+    ep.close()
+
+
 def case_no_home_copy(rt):
     """No op copies the whole home weight tensor, and none writes it, in a forward and backward."""
     R, E, K, H, S = rt.world_size, 4 * rt.world_size, 2, 32, 12

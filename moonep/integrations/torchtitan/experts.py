@@ -82,7 +82,7 @@ class MoonepRoutedExperts(RoutedExperts):
         inner, pool = self.inner_experts, default_pool()
         names = [n for n, _ in inner.named_parameters(recurse=False)]
         homes = [_local(getattr(inner, n)) for n in names]
-        reps = [pool.fetch(meta.ep, meta.h, w, f"torchtitan.{type(inner).__name__}.{n}") for n, w in zip(names, homes)]
+        reps = pool.fetch(meta.ep, meta.h, list(homes), [f"torchtitan.{type(inner).__name__}.{n}" for n in names])
 
         def fn(params, x, counts):
             return torch.func.functional_call(inner, params, (x, counts), strict=True)
