@@ -141,8 +141,9 @@ def test_preset_and_flags_parse():
 
 
 def test_bench_compile_cpu_json(tmp_path):
-    """benchmarks/bench_compile.py on one CPU process, tiny: eager and inductor (the layer's math kept eager,
-    and fused) timed, the JSON's provenance, the dtype it ran in and the ratios to eager."""
+    """benchmarks/bench_compile.py on one CPU process, tiny: eager and inductor (the layer's math fused, the
+    default, and kept at eager's bits) timed, the JSON's provenance, library, the dtype it ran in and the
+    ratios to eager."""
     out = tmp_path / "compile.json"
     _run([sys.executable, "benchmarks/bench_compile.py", "--device", "cpu", "--tokens", "16", "--d-model", "32",
           "--d-latent", "16", "--experts", "4", "--topk", "2", "--d-expert", "16", "--iters", "2", "--warmup", "1",
@@ -151,6 +152,6 @@ def test_bench_compile_cpu_json(tmp_path):
     assert {"command", "commit", "machine"} <= got.keys() and "bench_compile.py" in got["command"]
     assert got["config"]["dtype"] == "fp32" and got["config"]["transport"] == "local", got["config"]
     ms, ratio = got["ms_per_step"], got["speedup_vs_eager"]
-    assert set(ratio) == {"default", "default+fused"} and ms["eager"] > 0
+    assert set(ratio) == {"default", "default+bitwise"} and ms["eager"] > 0 and got["library"] == "the tree"
     for mode in ratio:
         assert ms[mode] > 0 and abs(ratio[mode] - ms["eager"] / ms[mode]) < 1e-12, mode
