@@ -28,6 +28,33 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def product_grads(g_rows: torch.Tensor, expert_out: torch.Tensor, weights, want_out: bool, want_w: bool):
+    """Gradients of combine's products ``weights[i] * expert_out[i]`` from the rows' gradient.
+
+    Args:
+        g_rows: ``[cap, H]`` in ``expert_out``'s dtype: each row's gradient (combine's backward dispatch).
+        expert_out: ``[cap, H]``; weights: ``[cap]`` or ``None`` (an unweighted sum).
+    Returns:
+        ``(g_out [cap, H] in expert_out's dtype or None, g_w [cap] in weights' dtype or None)``: both
+        products in the accumulation dtype, each rounded once.  The casts ride in the products (the weights'
+        dtype promotes the rows'), so the rows pass through memory once per product.
+    """
+    adt = acc_dtype(expert_out.dtype)
+    g_out = g_w = None
+    if want_out:
+        if weights is None:
+            g_out = g_rows.to(expert_out.dtype, copy=True)
+        elif g_rows.dtype == expert_out.dtype:
+            g_out = torch.mul(g_rows, weights.to(adt).unsqueeze(-1),
+                              out=torch.empty(g_rows.shape, dtype=expert_out.dtype, device=g_rows.device))
+        else:
+            g_out = (g_rows.to(adt) * weights.to(adt).unsqueeze(-1)).to(expert_out.dtype)
+    if want_w and weights is not None:
+        g_w = torch.mul(g_rows.to(adt) if g_rows.dtype != expert_out.dtype else g_rows,
+                        expert_out.to(adt)).sum(-1).to(weights.dtype)
+    return g_out, g_w
+
+
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of the partial rows combine sends back: the token dtype for bf16/fp16, else the acc dtype."""
     return dtype if dtype in (torch.bfloat16, torch.float16) else acc_dtype(dtype)

@@ -24,7 +24,7 @@ import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 
 from . import fp8, layout
 from .backends import choose_backend, make_backend
-from .combine import acc_dtype
+from .combine import acc_dtype, product_grads
 from .config import Tuning
 from .errors import (MoonepError, RefusedEverywhere, expect, expect_device, expect_int, expect_same, expect_slack,
                      expect_tensor, fail, raise_together, valid_timeout)
@@ -137,14 +137,7 @@ class _CombineFn(torch.autograd.Function):
         expert_out, weights = ctx.saved_tensors
         with ep._collective("combine.backward", backward=True):
             g_rows = ep._backend.combine_backward(gy, ctx.st)
-        adt = acc_dtype(expert_out.dtype)
-        g_rows = g_rows.to(adt)
-        g_out = g_w = None
-        if ctx.needs_input_grad[0]:
-            g_out = ((g_rows * weights.to(adt).unsqueeze(-1)).to(expert_out.dtype) if weights is not None
-                     else g_rows.to(expert_out.dtype, copy=True))
-        if ctx.needs_input_grad[1] and weights is not None:
-            g_w = (g_rows * expert_out.to(adt)).sum(-1).to(weights.dtype)
+        g_out, g_w = product_grads(g_rows, expert_out, weights, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return g_out, g_w, None, None, None
 
 
