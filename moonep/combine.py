@@ -36,15 +36,16 @@ def product_grads(g_rows: torch.Tensor, expert_out: torch.Tensor, weights, want_
         expert_out: ``[cap, H]``; weights: ``[cap]`` or ``None`` (an unweighted sum).
     Returns:
         ``(g_out [cap, H] in expert_out's dtype or None, g_w [cap] in weights' dtype or None)``: both
-        products in the accumulation dtype, each rounded once.  The casts ride in the products (the weights'
-        dtype promotes the rows'), so the rows pass through memory once per product.
+        products in the accumulation dtype, each rounded once, bitwise as if the rows were cast first.  The
+        rows' cast rides in the products (the accumulation dtype of the other factor promotes them), and
+        ``g_out`` is written in its dtype directly: no cast copy of the rows.
     """
     adt = acc_dtype(expert_out.dtype)
     g_out = g_w = None
     if want_out:
         if weights is None:
             g_out = g_rows.to(expert_out.dtype, copy=True)
-        elif g_rows.dtype == expert_out.dtype:
+        elif g_rows.dtype == expert_out.dtype and not torch.is_grad_enabled():  # out= records no graph
             g_out = torch.mul(g_rows, weights.to(adt).unsqueeze(-1),
                               out=torch.empty(g_rows.shape, dtype=expert_out.dtype, device=g_rows.device))
         else:

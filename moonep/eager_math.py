@@ -33,7 +33,7 @@ from torch import Tensor
 from .errors import expect
 from .op_state import fresh_output
 
-__all__ = ["keep_eager", "register", "call", "bitwise"]
+__all__ = ["keep_eager", "register", "call", "bitwise", "is_bitwise"]
 
 _FNS: dict[int, Callable] = {}   # key -> f(*tensors, *consts) -> list of tensors
 _KEYS: dict[str, int] = {}
@@ -52,6 +52,11 @@ def bitwise():
         yield
     finally:
         _BITWISE[0] = prev
+
+
+def is_bitwise() -> bool:
+    """Whether code compiled now keeps the wrapped functions at eager's bits (inside :func:`bitwise`)."""
+    return _BITWISE[0]
 
 
 def _outs(r) -> list:
@@ -131,9 +136,9 @@ def register(fn: Callable, name: str) -> int:
     return key
 
 
-# Device types whose autocast state moonep reads: a fixed set, since torch.amp.is_autocast_available is not
-# traceable by Dynamo on every supported torch (2.11 breaks the graph there).
-_AUTOCAST_TYPES = ("cpu", "cuda", "xpu")
+# Device types whose autocast state moonep reads: a fixed set (torch's autocast device types), since
+# torch.amp.is_autocast_available is not traceable by Dynamo on every supported torch (2.11 breaks the graph).
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu", "xla", torch._C._get_privateuse1_backend_name())
 
 
 def autocast_on(device_type: str) -> bool:

@@ -1,6 +1,7 @@
 """``ExpertParallel``: balanced dispatch, combine, replica weight prefetch and gradient reduce.
 
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32)
+    pool = moonep.ReplicaPool()                      # once per model
     h = ep.dispatch(x, topk_idx, topk_weights)      # collective
     rep = pool.fetch(ep, h, w, "w")                  # moonep.ReplicaPool: this step's replicas (collective)
     out = moonep.expert_matmul(h.tokens, h.cu_seqlens, w, rep)   # home rows x w in place, replica rows x pool
@@ -15,7 +16,10 @@ call-order guard and the one set of autograd Functions.  Rows move in a backend
 """
 from __future__ import annotations
 
+import os
+import sys
 import warnings
+import zlib
 from contextlib import contextmanager
 
 import torch
@@ -60,6 +64,16 @@ def _weights_signature(name: str, t, h):
     describe = lambda: [(name, f"dtype {t.dtype}"), (name, f"shape {list(t.shape)}"),  # noqa: E731
                         ("h", f"dispatch #{step}")]
     return (_dt(t), _shape_key(t.shape), step), describe
+
+
+def _deprecated(message: str) -> None:
+    """A ``DeprecationWarning`` attributed to the caller's line: the first frame outside this file and torch
+    (the methods are wrapped by ``torch.compiler.disable``), so that Python's filters show it there."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and (frame.f_code.co_filename == __file__ or
+                                 os.sep + "torch" + os.sep in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
 
 
 def _local_error(check, *args):
@@ -642,8 +656,9 @@ class ExpertParallel:
             using overwritten weights.
         """
         if out is not None:
-            warnings.warn("ExpertParallel.prefetch(out=...) is deprecated: use moonep.ReplicaPool().fetch(ep, h, "
-                          "home_weight, name) with moonep.expert_matmul", DeprecationWarning, stacklevel=2)
+            _deprecated("ExpertParallel.prefetch(out=...) is deprecated: fetch through a moonep.ReplicaPool "
+                        "(pool.fetch(ep, h, home_weight, name), the pool made once per model) and multiply with "
+                        "moonep.expert_matmul")
         err = _local_error(self._check_prefetch, h, local_weight, out)
         sig, describe, tracked = (), None, False
         if err is None:
@@ -664,12 +679,13 @@ class ExpertParallel:
         """Deprecated: use :class:`moonep.ReplicaPool` (``pool.fetch(ep, h, local_weight, name)``), which
         owns the buffers.  Fetches this step's replica slots of ``local_weight [epn, *D]`` into ``out [epn,
         *D]`` (contiguous, not requiring grad); returns ``out``. Collective."""
-        warnings.warn("ExpertParallel.prefetch_replicas is deprecated: use moonep.ReplicaPool().fetch(ep, h, "
-                      "home_weight, name)", DeprecationWarning, stacklevel=2)
+        _deprecated("ExpertParallel.prefetch_replicas is deprecated: fetch through a moonep.ReplicaPool "
+                    "(pool.fetch(ep, h, home_weight, name), the pool made once per model)")
         return self._fetch_replicas(h, [local_weight], [out], in_backward=in_backward)[0]
 
+    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def _fetch_replicas(self, h: Dispatched, local_weights: list, outs: list, *, in_backward: bool = False,
-                        fresh: bool = False) -> list:
+                        fresh: bool = False, names=None) -> list:
         """This step's replica slots of several projections, in one collective: the building block of
         :class:`moonep.ReplicaPool` and ``moonep.ops``.
 
@@ -684,6 +700,8 @@ class ExpertParallel:
             fresh: ``outs`` are new tensors that no later call passes again (``moonep.ops``): every empty
                 slot is zeroed and the backend keeps nothing of them; else persistent pool buffers, whose
                 slots that stayed empty are not zeroed again.
+            names: the projections' names (:class:`moonep.ReplicaPool`'s), checked with the peers: two ranks
+                passing equal-shaped projections in another order are refused.
         Returns:
             ``outs``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
@@ -694,11 +712,11 @@ class ExpertParallel:
         if err is None:
             step = h.routing.step
             shapes = tuple((_dt(w), _shape_key(w.shape)) for w in local_weights)
-            sig = (len(local_weights), _shape_key(shapes), step)
+            sig = (len(local_weights), _shape_key(shapes), step, zlib.crc32("\0".join(names or ()).encode()))
             describe = lambda: [("local_weights", f"{len(local_weights)} projections"),  # noqa: E731
                                 ("local_weights", "dtypes and shapes " + ", ".join(
                                     f"{w.dtype} {list(w.shape)}" for w in local_weights)),
-                                ("h", f"dispatch #{step}")]
+                                ("h", f"dispatch #{step}"), ("name", f"projections {list(names or ())}")]
         op = "prefetch.backward" if in_backward else "prefetch"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
             return self._backend.prefetch_replicas(h.plan, list(local_weights), list(outs), fresh=fresh)

@@ -23,7 +23,8 @@ layer, no second fetch).
 The GEMM is ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``) with device offsets on CUDA (no
 host sync; float32: moonep's own kernels in :mod:`moonep.experts_cuda`), a loop over slots elsewhere.  A
 grouped GEMM starts its first group at row 0, so the replica rows are moved to the front of a scratch
-buffer (and their results back) by index ops: activations of ``cap`` rows, never weights.  Padding rows are zero in the output and in the gradients.
+buffer (and their results back): activations, never weights, and with CuPy only the replica rows (moonep's
+row kernels read their count on the device).  Padding rows are zero in the output and in the gradients.
 """
 from __future__ import annotations
 
@@ -73,18 +74,27 @@ def _live(out: torch.Tensor, end) -> torch.Tensor:
 # go to the front of a scratch copy and their products in behind the home rows', and the padding rows are
 # zeroed.  With CuPy, moonep's row kernels move only those rows (their count read on the device); else torch's
 # index and where ops, which pass over every row.
+_ROW_KERNELS = [True]  # False once the row kernels failed to build or launch here: torch's ops from then on
+
+
 def _front(x: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
     """Rows ``cu[n_home]:`` of ``x [cap, D]`` moved to the front (rows past ``cu[-1] - cu[n_home]`` unspecified)."""
-    if experts_cuda.loadable(x):
-        return experts_cuda.rows_front(x, cu, n_home)
+    if _ROW_KERNELS[0] and experts_cuda.loadable(x):
+        try:
+            return experts_cuda.rows_front(x, cu, n_home)
+        except RuntimeError:  # the grouped GEMM itself still runs (its fallback, the loop, syncs)
+            _ROW_KERNELS[0] = False
     return _shift(x, cu[n_home])
 
 
 def _back(out: torch.Tensor, rep: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
     """``out``'s rows ``r >= cu[n_home]`` replaced by ``rep[r - cu[n_home]]`` up to ``cu[-1]``, zero after (in
     place with CuPy).  ``rep is None``: ``n_home`` is the last slot, only the padding is zeroed."""
-    if experts_cuda.loadable(out):
-        return experts_cuda.rows_back(out, out if rep is None else rep, cu, n_home)
+    if _ROW_KERNELS[0] and experts_cuda.loadable(out):
+        try:
+            return experts_cuda.rows_back(out, out if rep is None else rep, cu, n_home)
+        except RuntimeError:
+            _ROW_KERNELS[0] = False
     if rep is not None:
         rows = torch.arange(out.shape[0], device=out.device)
         back = rep.index_select(0, (rows - cu[n_home]).clamp_(min=0))
@@ -515,12 +525,13 @@ class Replicas:
         if self.index == -1 or self.pool.generation(self.key, self.index) == self.generation:
             return self.weights()  # kept in its own buffer, or still in the pool
         self.generation = self.pool._bump(self.key, self.index)
-        self.ep._fetch_replicas(self.h, [self.home.detach()], [self.buffer], in_backward=True)
+        self.ep._fetch_replicas(self.h, [self.home.detach()], [self.buffer], in_backward=True, names=[self.key[0]])
         return self.buffer
 
     def reduce(self, home_grad: torch.Tensor, replica_grad: torch.Tensor) -> torch.Tensor:
         """``[epn, *D]`` gradient of the home weights: ``home_grad`` plus every rank's replica gradients of
-        this rank's experts (collective)."""
+        this rank's experts (collective).  For a backward's own gradients: ``home_grad`` is consumed (the sum
+        may be made in it)."""
         return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
 
 
@@ -626,19 +637,20 @@ class ReplicaPool:
             slots.append((key, index, buf, self._bump(key, index)))
         homes, bufs = [w.detach() for w in weights], [buf for _, _, buf, _ in slots]
         side = self._side_stream(ep, weights[0])
-        event = None
+        events = [None] * len(weights)
         if side is None:
-            ep._fetch_replicas(h, homes, bufs)
+            ep._fetch_replicas(h, homes, bufs, names=names)
         else:
             # The plan (made on the current stream) must exist, and earlier readers of the buffers be done.
             side.wait_stream(torch.cuda.current_stream(weights[0].device))
-            with torch.cuda.stream(side):
-                ep._fetch_replicas(h, homes, bufs)
-            event = torch.cuda.Event()
-            event.record(side)
+            for i in range(len(weights)):  # one call and event each: a projection's GEMM waits for its own
+                with torch.cuda.stream(side):
+                    ep._fetch_replicas(h, homes[i:i + 1], bufs[i:i + 1], names=names[i:i + 1])
+                events[i] = torch.cuda.Event()
+                events[i].record(side)
             ep.queued_on(side)  # the next collective of ep waits for this fetch, whether or not it is used
         out = [Replicas(self, key, index, ep, h, w, buf, gen, event)
-               for w, (key, index, buf, gen) in zip(weights, slots)]
+               for w, (key, index, buf, gen), event in zip(weights, slots, events)]
         return out if many else out[0]
 
     def _side_stream(self, ep, w: torch.Tensor):

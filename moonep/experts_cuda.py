@@ -1,4 +1,5 @@
-"""Float32 slot GEMMs on CUDA (``csrc/slot_gemm.cu``): the slot offsets are read on the device.
+"""Float32 slot GEMMs on CUDA, and the row moves around torch's bf16/fp16 grouped GEMM (``csrc/slot_gemm.cu``):
+the slot offsets are read on the device.
 
 torch's grouped GEMM takes bf16/fp16 only on the GPUs moonep targets; for float32 the alternative is one
 cuBLAS GEMM per slot, whose row ranges are read on the host (a sync, and nothing a CUDA graph can capture).
@@ -124,6 +125,17 @@ def _word(row_bytes: int, *strides_and_ptrs: int) -> int:
     return v
 
 
+def _move_rows(name: str, dst: torch.Tensor, src: torch.Tensor, cu: torch.Tensor, n_home: int, *tail) -> None:
+    """Launch row-move kernel ``name`` (``moonep_rows_front``/``_back``): ``dst`` and ``src`` rows by the widest
+    word their row size, strides and addresses allow; ``tail``: the kernel's arguments after ``G``."""
+    rb, es = dst.shape[1] * dst.element_size(), dst.element_size()
+    vec = _word(rb, dst.stride(0) * es, src.stride(0) * es, dst.data_ptr(), src.data_ptr())
+    p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
+    _launch(name, (min(dst.shape[0], _MOVE_BLOCKS), 1, 1),
+            (p(dst), i64(dst.stride(0) * es), p(src), i64(src.stride(0) * es), p(cu), i32(n_home),
+             i32(cu.shape[0] - 1), *tail, i64(rb), i32(vec)), dst.device.index, (_MOVE_THREADS, 1, 1))
+
+
 def rows_front(x: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
     """``[cap, D]`` with rows ``cu[n_home] .. cu[G]-1`` of ``x`` moved to rows ``0 ..`` (the other rows unset).
 
@@ -134,14 +146,8 @@ def rows_front(x: torch.Tensor, cu: torch.Tensor, n_home: int) -> torch.Tensor:
     """
     x, cu = _rows(x), cu.to(x.device, torch.int32).contiguous()
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if x.numel() == 0:
-        return out
-    rb, es = x.shape[1] * x.element_size(), x.element_size()
-    vec = _word(rb, x.stride(0) * es, out.stride(0) * es, x.data_ptr(), out.data_ptr())
-    p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
-    _launch("moonep_rows_front", (min(x.shape[0], _MOVE_BLOCKS), 1, 1),
-            (p(out), i64(out.stride(0) * es), p(x), i64(x.stride(0) * es), p(cu), i32(n_home), i32(cu.shape[0] - 1),
-             i64(rb), i32(vec)), x.device.index, (_MOVE_THREADS, 1, 1))
+    if x.numel():
+        _move_rows("moonep_rows_front", out, x, cu, n_home)
     return out
 
 
@@ -154,14 +160,8 @@ def rows_back(out: torch.Tensor, rep: torch.Tensor, cu: torch.Tensor, n_home: in
         rep: ``[cap', N]`` like ``out`` (the replica slots' products, from row 0), unit stride along ``N``.
         cu: int ``[G + 1]`` slot offsets, on the device.
     """
-    cu = cu.to(out.device, torch.int32).contiguous()
-    rep = _rows(rep)
-    if out.numel() == 0:
-        return out
-    rb, es = out.shape[1] * out.element_size(), out.element_size()
-    vec = _word(rb, out.stride(0) * es, rep.stride(0) * es, out.data_ptr(), rep.data_ptr())
-    p, i32, i64 = cuda_runtime.ptr, np.int32, np.int64
-    _launch("moonep_rows_back", (min(out.shape[0], _MOVE_BLOCKS), 1, 1),
-            (p(out), i64(out.stride(0) * es), p(rep), i64(rep.stride(0) * es), p(cu), i32(n_home), i32(cu.shape[0] - 1),
-             i64(out.shape[0]), i64(rb), i32(vec)), out.device.index, (_MOVE_THREADS, 1, 1))
+    cu, rep = cu.to(out.device, torch.int32).contiguous(), _rows(rep)
+    expect(out.stride(-1) == 1, "out", "rows of unit stride (written in place)", f"strides {tuple(out.stride())}")
+    if out.numel():
+        _move_rows("moonep_rows_back", out, rep, cu, n_home, np.int64(out.shape[0]))
     return out

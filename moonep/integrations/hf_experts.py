@@ -66,9 +66,10 @@ def _act(ex, h):
 
 
 def _act_key(ex: nn.Module) -> int:
-    """The module's activation as a :mod:`moonep.eager_math` function, so that compiled it rounds as eager:
-    called on a shallow copy without parameters, buffers or moonep's state (``_apply_gate`` and ``act_fn``
-    read only plain attributes and the activation sub-module), which the registry may keep for good."""
+    """The module's activation as a :mod:`moonep.eager_math` function, so that compiled inside
+    ``eager_math.bitwise()`` it rounds as eager: called on a shallow copy without parameters, buffers or
+    moonep's state (``_apply_gate`` and ``act_fn`` read only plain attributes and the activation sub-module),
+    which the registry may keep for good."""
     shell = copy.copy(ex)
     shell.__dict__ = {k: v for k, v in ex.__dict__.items() if not k.startswith("moonep_") and k != "_rt"}
     shell.__dict__.update(_parameters={}, _buffers={}, moonep_gated=ex.moonep_gated)

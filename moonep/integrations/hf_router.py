@@ -1,12 +1,13 @@
-"""A patched block's router under ``torch.compile``: the model's own router code, run as eager runs it.
+"""A patched block's router under ``torch.compile`` inside :func:`moonep.eager_math.bitwise`: the model's own
+router code, run as eager runs it.
 
-:func:`patch_hf_moe` leaves the router's maths untouched, but inductor would regenerate it when the model is
-compiled (softmax in float32, top-k, renormalisation: other roundings than eager's).  :func:`keep_router_eager`
-gives the router a subclass of its own class whose ``forward`` is the original one outside compilation, and
-when compiled one ``moonep::eager_math`` op (:mod:`moonep.eager_math`) that calls the original ``forward``
-through ``torch.func.functional_call`` on a meta-device copy of the router (its non-tensor attributes), with
-the router's live parameters and buffers as the op's inputs (the meta copy holds no tensor data).  The
-router computes exactly what it computed before, eagerly and compiled.
+:func:`patch_hf_moe` leaves the router's maths untouched; compiled, inductor regenerates it (softmax in
+float32, top-k, renormalisation: other roundings than eager's), which is the default.  For bit-equality with
+eager, :func:`keep_router_eager` gives the router a subclass of its own class whose ``forward`` is the
+original one, except when compiled inside ``bitwise()``: then it is one ``moonep::eager_math`` op that calls
+the original ``forward`` through ``torch.func.functional_call`` on a meta-device copy of the router (its
+non-tensor attributes), with the router's live parameters and buffers as the op's inputs (the meta copy
+holds no tensor data).
 """
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def _router_fn(template: nn.Module, names: list):
 def _router_class(base: type) -> type:
     if base not in _CLASSES:
         def forward(self, *args, **kwargs):
-            if kwargs or not torch.compiler.is_compiling() or not all(isinstance(a, Tensor) for a in args):
+            if (kwargs or not torch.compiler.is_compiling() or not eager_math.is_bitwise()
+                    or not all(isinstance(a, Tensor) for a in args)):
                 return base.forward(self, *args, **kwargs)
             state = dict(self.named_parameters())
             state.update(self.named_buffers())
@@ -50,7 +52,8 @@ def _router_class(base: type) -> type:
 
 def keep_router_eager(block: nn.Module) -> None:
     """Make ``block``'s router (its ``gate`` or ``router`` child module) run its own code eagerly when
-    compiled (see the module docstring); a block without one is left as it is.  Idempotent."""
+    compiled inside ``eager_math.bitwise()`` (see the module docstring); a block without one is left as it
+    is.  Idempotent."""
     for attr in ("gate", "router"):
         r = getattr(block, attr, None)
         if not isinstance(r, nn.Module) or r is getattr(block, "experts", None):

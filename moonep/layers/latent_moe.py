@@ -49,9 +49,9 @@ def _add(*ts: torch.Tensor) -> torch.Tensor:
     return total
 
 
-# The layer's own math as torch.compile runs it: as eager does (moonep/eager_math.py), so that a compiled
-# layer's outputs and gradients are eager's bit for bit.  Inductor would otherwise regenerate the elementwise
-# code, add bf16 terms in float32 before one rounding, and on CPU lower small GEMMs to its own loops.
+# The layer's own math: fused by inductor when compiled, or, inside moonep.eager_math.bitwise() (tests), run as
+# eager runs it, so that a compiled layer's outputs and gradients are eager's bit for bit (inductor regenerates
+# the elementwise code, adds bf16 terms in float32 before one rounding, and on CPU lowers small GEMMs itself).
 _sigmoid = keep_eager(torch.sigmoid, "latent_moe.sigmoid")
 _situ_glu = keep_eager(situ_glu_fused, "latent_moe.situ_glu")
 _rms_norm = keep_eager(lambda u, w, eps: nn.functional.rms_norm(u, (u.shape[-1],), w, eps), "latent_moe.rms_norm")
@@ -67,7 +67,7 @@ def _plain(m: nn.Module, kind: type) -> bool:
 
 
 def _project(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``m(x)`` for the layer's bias-free projections, as eager computes it also when compiled."""
+    """``m(x)`` for the layer's bias-free projections (as eager computes it when compiled inside ``bitwise()``)."""
     return _linear(x, m.weight) if _plain(m, nn.Linear) and m.bias is None else m(x)
 
 
@@ -237,8 +237,8 @@ class LatentMoE(nn.Module):
         return _FanOut.apply(x, 3) if x.requires_grad else (x, x, x)
 
     def _norm(self, u: torch.Tensor) -> torch.Tensor:
-        """``self.norm(u)`` for ``u [s, l]``, as eager computes it also when compiled; under autocast in
-        float32, as autocast runs a layer norm (the ``up`` projection then casts it back)."""
+        """``self.norm(u)`` for ``u [s, l]`` (as eager computes it when compiled inside ``bitwise()``); under
+        autocast in float32, as autocast runs a layer norm (the ``up`` projection then casts it back)."""
         if u.dtype != self.norm.weight.dtype and autocast_on(u.device.type):
             u = u.float()
         if not _plain(self.norm, nn.RMSNorm) or self.norm.eps is None or self.norm.weight is None:

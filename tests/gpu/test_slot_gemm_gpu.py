@@ -123,15 +123,16 @@ def test_slot_sums_fixed_order_and_bad_operands_refused():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("counts,cap", [([5, 9, 0, 11, 0, 20], 64), ([7, 3, 0, 0, 0, 0], 16), ([0, 0, 0, 4, 0, 9], 13),
                                         ([0] * 6, 8)])
-def test_row_moves_equal_the_torch_ops(monkeypatch, dtype, counts, cap):
+@pytest.mark.parametrize("D,N,sliced", [(32, 48, False), (24, 40, True)])
+def test_row_moves_equal_the_torch_ops(monkeypatch, dtype, counts, cap, D, N, sliced):
     """Home/replica products (``_two_grouped``), their weight gradients (``_wgrad_grouped``) and one-tensor slot
     products (``_rows_grouped``) with moonep's row kernels equal, bit for bit, the same GEMMs with torch's
-    index_select/where moves (empty replica slots, all-empty steps and padding rows included); padding rows
-    are zero."""
+    index_select/where moves (empty replica slots, all-empty steps and padding rows included; rows read
+    through a column slice: a row stride other than D and a storage offset); padding rows are zero."""
     g = torch.Generator().manual_seed(len(counts) + cap)
-    epn, D, N = 3, 32, 48
+    epn = 3
     cu = _offsets(counts)
-    a = torch.randn(cap, D, generator=g).to(dtype).cuda()
+    a = torch.randn(cap, D + 8 * sliced, generator=g).to(dtype).cuda()[:, 8 * sliced:]  # (16-byte aligned)
     gy = torch.randn(cap, N, generator=g).to(dtype).cuda()
     home = torch.randn(epn, D, N, generator=g).to(dtype).cuda()
     rep = torch.randn(epn, D, N, generator=g).to(dtype).cuda()

@@ -271,16 +271,17 @@ def _block_step(rt, m, s, seed):
     return [y.detach(), x.grad] + [p.grad for _, p in m.named_parameters()], {}
 
 
-def _compare_block(rt, compile_fn, tag: str, steps=3, graphs=False):
+def _compare_block(rt, compile_fn, tag: str, steps=3, graphs=False, exact=True):
     """Eager patched Mixtral block vs a compiled copy; returns the compiled module."""
-    return _compare_modules(rt, _mixtral_blocks(rt), _block_step, compile_fn, tag, steps, True, graphs)
+    return _compare_modules(rt, _mixtral_blocks(rt), _block_step, compile_fn, tag, steps, True, graphs, exact)
 
 
 def case_hf_mixtral_block(rt):
     """A patched transformers Mixtral sparse MoE block compiled with fullgraph=True: bitwise output, ``dx`` and
-    parameter gradients under aot_eager, no graph break; under inductor too (CPU at 2 ranks; the router and
-    the experts' activation run as eager runs them: moonep/integrations/hf_router.py, hf_experts.py); on
-    CUDA also CUDA graphs (cudagraphs backend and reduce-overhead, bitwise)."""
+    parameter gradients under aot_eager, no graph break; under inductor too (CPU at 2 ranks; inside
+    ``eager_math.bitwise()`` the router and the experts' activation run as eager runs them:
+    moonep/integrations/hf_router.py, hf_experts.py), and by default (fused) within tolerance; on CUDA also
+    CUDA graphs (cudagraphs backend and reduce-overhead, bitwise)."""
     if importlib.util.find_spec("transformers") is None:
         raise SkipCase("transformers is not installed (pip install -e .[hf])")
     torch._dynamo.reset()
@@ -292,6 +293,8 @@ def case_hf_mixtral_block(rt):
         return  # CPU: inductor's compile time is paid at 2 ranks only
     torch._dynamo.reset()
     _compare_block(rt, lambda m: torch.compile(m, fullgraph=True), "inductor", steps=2)
+    torch._dynamo.reset()  # the default: the router and activation fused by inductor, within tolerance
+    _compare_block(rt, lambda m: torch.compile(m, fullgraph=True), "inductor fused", steps=2, exact=False)
     if not _cuda(rt):
         return
     torch._dynamo.reset()

@@ -149,8 +149,14 @@ def case_fetch_of_several_projections_equals_one_by_one(rt):
             pool = torch.zeros(2 * epn, H, F, dtype=dtype, device=dev)
             slots = ep.prefetch(h, homes[0], out=pool)
         assert [w.category for w in seen] == [DeprecationWarning] * 2, [str(w.message) for w in seen]
+        assert all(w.filename == __file__ for w in seen), [w.filename for w in seen]  # the caller's line
         assert torch.equal(old, want[0].weights()) and torch.equal(slots[epn:], want[0].weights())
     assert together.fetch(ep, h, [], []) == []
+    # equal-shaped projections in another order on one rank: refused on every rank, named
+    order = names[:2] if rt.rank == 0 or R == 1 else names[1::-1]
+    if R > 1:
+        expect_error(lambda: together.fetch(ep, h, [homes[0], homes[0]], order), "name")
+    assert torch.equal(together.fetch(ep, h, homes[:1], names[:1])[0].weights(), want[0].weights())  # usable
     expect_error(lambda: together.fetch(ep, h, homes[:2], ["w1"]), "name")
     expect_error(lambda: together.fetch(ep, h, homes[:2], ["w1", "w1"]), "name")
     ep.close()

@@ -1,6 +1,6 @@
 """moonep.combine.product_grads (combine's backward products): the casts ride in the products, and the result
 is bitwise that of casting the rows to the accumulation dtype first (every row dtype, weighted and unweighted,
-on CPU and CUDA)."""
+on CPU and CUDA, in a backward's no-grad mode and with grad mode on, as under ``create_graph=True``)."""
 import pytest
 import torch
 
@@ -20,13 +20,15 @@ def _reference(g_rows, expert_out, weights):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_product_grads_equal_the_cast_first_form(device, dtype, weighted):
+@pytest.mark.parametrize("grad_mode", [False, True])
+def test_product_grads_equal_the_cast_first_form(device, dtype, weighted, grad_mode):
     g = torch.Generator().manual_seed(3)
     cap, H = 257, 72
     g_rows = (4 * torch.randn(cap, H, generator=g)).to(device, dtype)
     expert_out = torch.randn(cap, H, generator=g).to(device, dtype)
     weights = torch.rand(cap, generator=g).to(device) if weighted else None
-    got = product_grads(g_rows, expert_out, weights, True, True)
+    with torch.set_grad_enabled(grad_mode):
+        got = product_grads(g_rows, expert_out, weights, True, True)
     want = _reference(g_rows, expert_out, weights)
     for name, a, b in zip(("g_out", "g_w"), got, want):
         assert (a is None) == (b is None), name

@@ -102,3 +102,8 @@ def test_bitwise_is_opt_in_and_guarded():
     g(x)
     ops = [["moonep.eager_math" in str(n.target) for n in gm.graph.nodes] for gm in cnt.graphs]
     assert cnt.frame_count == 2 and not any(ops[0]) and any(ops[1]), ops
+    with eager_math.bitwise():
+        with eager_math.bitwise():
+            assert eager_math.is_bitwise()
+        assert eager_math.is_bitwise()  # a nested exit restores the outer state
+    assert not eager_math.is_bitwise()
