@@ -624,10 +624,10 @@ class ExpertParallel:
 
         Args:
             local_weight: ``[epn, *D]`` this rank's home expert weights (one projection).
-            out: deprecated (``DeprecationWarning``); optional persistent ``[2*epn, *D]`` pool (contiguous, ``local_weight``'s dtype and device,
-                not requiring grad) that the caller keeps across steps.  Only the replica slots
-                ``out[epn:]`` are written (empty ones zeroed); the home half is copied only when
-                ``local_weight`` is not ``out[:epn]`` itself.  Recommended layout, so nothing is copied for
+            out: deprecated (``DeprecationWarning``); optional persistent ``[2*epn, *D]`` pool (contiguous,
+                ``local_weight``'s dtype and device, not requiring grad) that the caller keeps across steps.
+                Only the replica slots ``out[epn:]`` are written (empty ones zeroed); the home half is copied
+                only when ``local_weight`` is not ``out[:epn]`` itself.  Recommended layout, so nothing is copied for
                 the home experts::
 
                     pool = torch.empty(2 * epn, *D, dtype=dtype, device=device)     # once
