@@ -278,6 +278,14 @@ class QuantileBalancer(torch.nn.Module):
     def _record_cuda(self, raw: torch.Tensor, values: torch.Tensor, check: bool) -> None:
         """One fused kernel: r = alpha - s, its bin, the counts (+ the range on the first micro-batch, + the
         deferred score check). ``values``: the top-(K+1) biased scores ``[s, K+1]`` (alpha = column K)."""
+        self.record_kernel(raw, values, check, self.bias, self._lo, self._width, self._counts, self._work,
+                           not self._recording)
+        self._recording = True
+
+    def record_kernel(self, raw, values, check: bool, bias, lo, width, counts, work, first: bool) -> None:
+        """The kernel of :meth:`_record_cuda` on the buffers given (``moonep::qb_record`` passes the ones of
+        its compiled graph, which functionalisation may have copied): ``bias`` float32 ``[E]``, ``lo`` and
+        ``width`` 0-d (set from ``bias`` when ``first``), ``counts`` int32 ``[E*B+1+31]``, ``work`` (flags)."""
         import numpy as np
         E, B, K = self.num_experts, self.bins, self.topk
         if raw.stride(1) != 1:
@@ -294,13 +302,12 @@ class QuantileBalancer(torch.nn.Module):
         k = cuda_runtime.kernels("balance", dev.index)
         i32, p = np.int32, cuda_runtime.ptr
         alpha = np.uint64(values.data_ptr() + K * values.element_size())
-        flags = np.uint64(self._work.data_ptr() + (E + 1) * 8)
+        flags = np.uint64(work.data_ptr() + (E + 1) * 8)
         k.need_smem(name, smem)
         k.launch(name, (tiles, grid_y), (self._RECORD_THREADS,),
                  (p(raw), np.int64(raw.stride(0)), alpha, np.int64(values.stride(0)), i32(n), i32(E), i32(B),
-                  i32(et), i32(tpb), p(self.bias), p(self._lo), p(self._width), i32(not self._recording),
-                  p(self._counts), i32(bool(check) and n > 0), flags, i32(priv)), smem, True)
-        self._recording = True
+                  i32(et), i32(tpb), p(bias), p(lo), p(width), i32(bool(first)),
+                  p(counts), i32(bool(check) and n > 0), flags, i32(priv)), smem, True)
 
     def _step_cuda(self) -> None:
         """Two kernels: per-expert quantiles (zeroing rows 1..E-1), then centring/EMA/update/reset."""

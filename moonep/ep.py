@@ -103,11 +103,17 @@ class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_tokens, g_weights):
-        ep = ctx.ep
-        with ep._collective("dispatch.backward", backward=True):
-            gx, gw = ep._backend.dispatch_backward(g_tokens, g_weights, ctx.st, ctx.needs_input_grad[0],
-                                                   ctx.needs_input_grad[1], ctx.x_dtype, ctx.w_dtype)
+        gx, gw = dispatch_grads(ctx.ep, ctx.st, g_tokens, g_weights, *ctx.needs_input_grad[:2], ctx.x_dtype,
+                                ctx.w_dtype)
         return gx, gw, None, None
+
+
+def dispatch_grads(ep, st, g_tokens, g_weights, want_x: bool, want_w: bool, x_dtype, w_dtype):
+    """The backward of a dispatch (eager and ``moonep::dispatch``), a combine of the rows' gradients over step
+    ``st``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> ``(gx [s, H] in x_dtype or None, gw [s, K] in w_dtype
+    or None)``. Collective."""
+    with ep._collective("dispatch.backward", backward=True):
+        return ep._backend.dispatch_backward(g_tokens, g_weights, st, want_x, want_w, x_dtype, w_dtype)
 
 
 class _DispatchFp8Fn(torch.autograd.Function):
@@ -128,10 +134,8 @@ class _DispatchFp8Fn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_q, g_scales, g_weights, g_rows):
-        ep = ctx.ep
-        with ep._collective("dispatch.backward", backward=True):
-            gx, gw = ep._backend.dispatch_backward(g_rows, g_weights, ctx.st, ctx.needs_input_grad[0],
-                                                   ctx.needs_input_grad[1], ctx.x_dtype, ctx.w_dtype)
+        gx, gw = dispatch_grads(ctx.ep, ctx.st, g_rows, g_weights, *ctx.needs_input_grad[:2], ctx.x_dtype,
+                                ctx.w_dtype)
         return gx, gw, None, None, None
 
 
@@ -147,12 +151,18 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy):
-        ep = ctx.ep
         expert_out, weights = ctx.saved_tensors
-        with ep._collective("combine.backward", backward=True):
-            g_rows = ep._backend.combine_backward(gy, ctx.st)
-        g_out, g_w = product_grads(g_rows, expert_out, weights, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        g_out, g_w = combine_grads(ctx.ep, ctx.st, gy, expert_out, weights, *ctx.needs_input_grad[:2])
         return g_out, g_w, None, None, None
+
+
+def combine_grads(ep, st, gy, expert_out, weights, want_out: bool, want_w: bool):
+    """The backward of a combine (eager and ``moonep::combine``): ``gy [s, H]`` dispatched over step ``st``,
+    then the product rule -> ``(g_out like expert_out or None, g_w like weights or None)`` (``weights [cap]``,
+    or ``None`` for the plain sum). Collective."""
+    with ep._collective("combine.backward", backward=True):
+        g_rows = ep._backend.combine_backward(gy, st)
+    return product_grads(g_rows, expert_out, weights, want_out, want_w)
 
 
 class _PrefetchFn(torch.autograd.Function):
@@ -168,9 +178,14 @@ class _PrefetchFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        ep = ctx.ep
-        with ep._collective("prefetch.backward", backward=True):
-            return ep._backend.reduce_grad(ctx.plan, g.contiguous()), None, None, None
+        return prefetch_grad(ctx.ep, ctx.plan, g), None, None, None
+
+
+def prefetch_grad(ep, plan, g):
+    """The backward of a prefetch (eager and ``moonep::prefetch``): ``g [2*epn, *D]`` slot gradients ->
+    ``[epn, *D]``, the replica slots' parts added at home. Collective."""
+    with ep._collective("prefetch.backward", backward=True):
+        return ep._backend.reduce_grad(plan, g.contiguous())
 
 
 def _runtime(group, transport, device):

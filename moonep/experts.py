@@ -212,10 +212,16 @@ class _SlotMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a, w, cu = ctx.saved_tensors
-        g = g.contiguous()
-        ga = _run(ctx.impl, _rows_grouped, _rows_loop, g, cu, w.mT) if ctx.needs_input_grad[0] else None
-        gw = _run(ctx.impl, _wgrad_rows_grouped, _wgrad_rows_loop, a, g, cu) if ctx.needs_input_grad[1] else None
-        return ga, gw, None, None
+        return (*slot_matmul_grads(g, a, w, cu, ctx.impl, *ctx.needs_input_grad[:2]), None, None)
+
+
+def slot_matmul_grads(g, a, w, cu, impl: str, want_a: bool, want_w: bool):
+    """The backward of :func:`slot_matmul` (eager and ``moonep::slot_matmul``): ``g [cap, N]`` ->
+    ``(ga [cap, D] or None, gw [G, D, N] or None)``."""
+    g = g.contiguous()
+    ga = _run(impl, _rows_grouped, _rows_loop, g, cu, w.mT) if want_a else None
+    gw = _run(impl, _wgrad_rows_grouped, _wgrad_rows_loop, a, g, cu) if want_w else None
+    return ga, gw
 
 
 def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -254,18 +260,27 @@ class _ExpertMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         a, w_home, cu = ctx.saved_tensors
-        rep, g = ctx.rep, g.contiguous()
-        wh, wr = _operands(w_home, rep.weights_for_backward(), ctx.transpose)
-        ga = _run(ctx.impl, _two_grouped, _two_loop, g, cu, wh.mT, wr.mT) if ctx.needs_input_grad[0] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            epn = w_home.shape[0]
-            unoccupied = _unoccupied(rep.h, epn) if a.device.type == "cpu" else ()
-            gh, gr = _run(ctx.impl, _wgrad_grouped, _wgrad_loop, a, g, cu, epn, unoccupied)
-            if ctx.transpose:
-                gh, gr = gh.mT, gr.mT
-            gw = rep.reduce(gh.to(w_home.dtype), gr.to(w_home.dtype))
+        ga, gw = expert_matmul_grads(g, a, w_home, cu, ctx.rep, ctx.transpose, ctx.impl, *ctx.needs_input_grad[:2])
         return ga, gw, None, None, None, None
+
+
+def expert_matmul_grads(g, a, w_home, cu, rep, transpose: bool, impl: str, want_a: bool, want_w: bool):
+    """The backward of :func:`expert_matmul` (eager and ``moonep::expert_matmul``): ``g [cap, N]`` ->
+    ``(ga [cap, D] or None, gw like w_home or None)``.  ``rep``: the step's :class:`Replicas` (or what gives
+    the same ``weights_for_backward()``, ``reduce(home, replica)`` and ``h``); the replica slots' weight
+    gradient is added at home through its ``reduce`` (collective)."""
+    g = g.contiguous()
+    wh, wr = _operands(w_home, rep.weights_for_backward(), transpose)
+    ga = _run(impl, _two_grouped, _two_loop, g, cu, wh.mT, wr.mT) if want_a else None
+    gw = None
+    if want_w:
+        epn = w_home.shape[0]
+        unoccupied = _unoccupied(rep.h, epn) if a.device.type == "cpu" else ()
+        gh, gr = _run(impl, _wgrad_grouped, _wgrad_loop, a, g, cu, epn, unoccupied)
+        if transpose:
+            gh, gr = gh.mT, gr.mT
+        gw = rep.reduce(gh.to(w_home.dtype), gr.to(w_home.dtype))
+    return ga, gw
 
 
 def _operands(w_home, w_rep, transpose: bool):
@@ -321,21 +336,25 @@ class _ExpertBias(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        epn = ctx.rep.home.shape[0]
-        gb = None
-        if ctx.needs_input_grad[1]:
-            dt = ctx.rep.home.dtype
-            if g.dtype == torch.float64 and g.device.type == "cuda":
-                # fixed-order float64 sums: a one-hot GEMM (index_add_ uses atomics; the kernel sums in float32)
-                onehot = ctx.slot[:, None] == torch.arange(2 * epn + 1, device=g.device)
-                acc = onehot.to(g.dtype).t() @ g
-            elif experts_cuda.loadable(g):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
-                acc = experts_cuda.slot_sums(g, ctx.cu)
-            else:
-                acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)
-                acc.index_add_(0, ctx.slot, g)  # padding rows land in the extra row, dropped
-            gb = ctx.rep.reduce(acc[:epn].to(dt), acc[epn:2 * epn].to(dt))
+        gb = expert_bias_grad(g, ctx.slot, ctx.cu, ctx.rep) if ctx.needs_input_grad[1] else None
         return g, gb, None, None
+
+
+def expert_bias_grad(g, slot, cu, rep):
+    """The home bias gradient of :func:`expert_bias` (eager and ``moonep::expert_matmul``): ``g [cap, N]``,
+    ``slot`` int64 ``[cap]`` (:func:`_row_slots`) -> like ``rep.home`` ``[epn, N]``, the replica slots' part
+    added at home through ``rep.reduce`` (collective)."""
+    epn, dt = rep.home.shape[0], rep.home.dtype
+    if g.dtype == torch.float64 and g.device.type == "cuda":
+        # fixed-order float64 sums: a one-hot GEMM (index_add_ uses atomics; the kernel sums in float32)
+        onehot = slot[:, None] == torch.arange(2 * epn + 1, device=g.device)
+        acc = onehot.to(g.dtype).t() @ g
+    elif experts_cuda.loadable(g):  # CUDA: fixed-order float32 sums (index_add_ uses atomics)
+        acc = experts_cuda.slot_sums(g, cu)
+    else:
+        acc = torch.zeros((2 * epn + 1, g.shape[1]), dtype=g.dtype, device=g.device)
+        acc.index_add_(0, slot, g)  # padding rows land in the extra row, dropped
+    return rep.reduce(acc[:epn].to(dt), acc[epn:2 * epn].to(dt))
 
 
 def _gather_slots(slot, b_home, b_rep):

@@ -9,9 +9,10 @@ Each op runs the eager code of :class:`moonep.ExpertParallel` (argument checks, 
 peers, the backend) inside its body, so Dynamo never traces host work, host syncs or kernel launches: the
 op is one node of the graph, whatever the backend.  Its fake implementation gives the static output shapes
 (``cap = moonep.layout.capacity(max_tokens, topk, R, E, align, slack)`` rows).  Autograd is registered
-with ``register_autograd``, and each backward is a custom op too whose body calls the backward of the
-eager autograd Function (``_DispatchFn``, ``_CombineFn``, ``_PrefetchFn``, ``_ExpertMatmul`` and ``_ExpertBias``,
-``_SlotMatmul``): one set of rules for eager and compiled code, the same bits.  The ops that make a
+with ``register_autograd``, and each backward is a custom op too whose body calls the backward rule that the
+eager autograd Functions call (``moonep.ep.dispatch_grads``, ``combine_grads``, ``prefetch_grad``;
+``moonep.experts.expert_matmul_grads``, ``expert_bias_grad``, ``slot_matmul_grads``): one set of rules for eager
+and compiled code, the same bits.  The ops that make a
 collective are side-effecting (:func:`_collective`): a compiler never drops one whose output nothing reads
 (a rank with no tokens), which would leave its peers waiting.
 
@@ -19,7 +20,8 @@ State (see docs/design.md, "moonep under torch.compile"): the instance is the in
 (plan and backend state of one dispatch) is the *step token* ``h.step``, an int64 tensor that
 ``moonep::dispatch`` returns and the later ops take (:mod:`moonep.op_state` finds the step's host state by
 it).  On the NVLink backend the token *is* the step's device state (destinations, row lists, replica
-tables: :func:`_pack_step`), which the later ops read from it (:func:`_lookup`): every device tensor that
+tables: ``Backend.pack_step``, :mod:`moonep.backends.nvlink_token`), which the later ops read from it
+(:func:`_lookup`): every device tensor that
 outlives an op is an output of the op that made it and an input of the ops that read it, as CUDA graph
 trees require; nothing on the host holds one.
 
@@ -32,9 +34,7 @@ wire only (no fp8 dispatch).
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-from types import SimpleNamespace
 from typing import NamedTuple, Optional
 
 import torch
@@ -42,11 +42,11 @@ from torch import Tensor
 
 from . import op_state
 from .op_state import fresh_output as _fresh
-from .ep import _CombineFn, _DispatchFn, _PrefetchFn
+from .ep import combine_grads, dispatch_grads, prefetch_grad
 from .errors import expect
 from .handles import reissue
-from .experts import (_ExpertBias, _ExpertMatmul, _SlotMatmul, _gather_slots, _operands, _row_slots, _rows_grouped,
-                      _rows_loop, _run, _two_grouped, _two_loop)
+from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
+                      expert_bias_grad, expert_matmul_grads, slot_matmul_grads)
 
 __all__ = ["Routed", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
            "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "get_ep", "latent_experts",
@@ -63,8 +63,8 @@ class Routed(NamedTuple):
         slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: empty replica slot).
         assignment: int64 ``[E, R]`` of the plan; replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]``.
         step: int64, the step token the other ops take: ``[1]`` (its value means nothing) on the host
-            backends; on NVLink the step's device state, ``[_state_words(ep) + 2*s*K]`` (see
-            :func:`_pack_step`).
+            backends; on NVLink the step's device state, ``[token_state_words + 2*s*K]`` (see
+            ``Backend.pack_step``).
         op_id: the ExpertParallel's ``op_id``.
         num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
     """
@@ -128,109 +128,16 @@ def _backward_only():
         meta["partitioner_tag"] = saved
 
 
-class _Rows:
-    """The NVLink backend returns copies, not views of its receive buffer, while the op runs (a compiled
-    graph keeps the rows past the next dispatch; eager training does the same)."""
-
-    def __init__(self, backend):
-        self.backend = backend
-        self.saved = getattr(backend, "zero_copy", None)
-
-    def __enter__(self):
-        if self.saved == "auto":
-            self.backend.zero_copy = False
-
-    def __exit__(self, *exc):
-        if self.saved == "auto":
-            self.backend.zero_copy = self.saved
-        return False
-
-
-# --------------------------------------------------------------------------------------------- step state
-# The NVLink step's device state travels in the step token (int64, one allocation, so that it is one output
-# of moonep::dispatch: a custom op's outputs may not alias each other):
-#   words [0, L)                  int32 lists: row_first [cap], rec [cap, K], src [cap], tokfirst [R*S]
-#                                 (the layout of NVLinkBackend._step_lists; tokfirst unused when the
-#                                 dispatch ran the two-kernel path), L = that size in words, 256-byte aligned
-#   then                          replica_experts [R, epn], replica_source [R] (the plan's, int64)
-#   then                          dst_rank [s, K], dst_row [s, K] (int64)
-# The host part (step number, generation, s, whether tokfirst is set) stays in op_state's registry.
-class _Packed(NamedTuple):
-    handle: object     # the Dispatched without tensors (routing: an NVLinkStep without tensors; plan None)
-    tokfirst: bool     # whether the step has a tokfirst list
-
-
-def _lists_words(cap: int, K: int, R: int, S: int) -> int:
-    return -(-4 * (cap * (K + 2) + R * S) // 256) * 32
-
-
 def _state_words(ep) -> int:
-    """Words of the NVLink step token besides its ``2*s*K`` destination words; 0 for the other backends
-    (their token is int64 ``[1]``)."""
-    if getattr(ep._backend, "name", None) != "nvlink":
-        return 0
-    R = ep.world_size
-    return _lists_words(ep.capacity, ep.topk, R, ep.max_tokens) + R * (ep.num_experts // R) + R
-
-
-def _pack_step(ep, h, device) -> Tensor:
-    """The NVLink step token of ``h`` (a Dispatched): a copy of its device state, laid out as above."""
-    st, plan = h.routing, h.plan
-    cap, K, R, S, s = ep.capacity, ep.topk, ep.world_size, ep.max_tokens, st.num_tokens
-    epn, L = ep.num_experts // R, _lists_words(ep.capacity, ep.topk, R, ep.max_tokens)
-    token = torch.empty(_state_words(ep) + 2 * s * K, dtype=torch.int64, device=device)
-    lists = token[:L].view(torch.int32)
-    lists[:cap].copy_(st.row_first)
-    lists[cap:cap * (K + 1)].copy_(st.rec.reshape(-1))
-    lists[cap * (K + 1):cap * (K + 2)].copy_(st.src)
-    if st.tokfirst is not None:
-        lists[cap * (K + 2):cap * (K + 2) + R * S].copy_(st.tokfirst.reshape(-1))
-    o = L
-    token[o:o + R * epn].copy_(plan.replica_experts.reshape(-1))
-    token[o + R * epn:o + R * epn + R].copy_(plan.replica_source.reshape(-1))
-    o += R * epn + R
-    token[o:o + s * K].copy_(st.dst_rank.reshape(-1))
-    token[o + s * K:o + 2 * s * K].copy_(st.dst_row.reshape(-1))
-    return token
-
-
-def _host_part(h) -> _Packed:
-    """What the registry keeps of an NVLink step: no tensor."""
-    st = copy.copy(h.routing)  # keeps the step number and instance (plain attributes of StepState)
-    has_tokfirst = st.tokfirst is not None
-    st.dst_rank = st.dst_row = st.row_first = st.rec = st.src = st.tokfirst = st.w32 = st.cu = None
-    st.issued = None  # it names the plan (device tensors): _unpack_step issues the handle again
-    return _Packed(dataclasses.replace(h, tokens=None, weights=None, cu_seqlens=None, slot_experts=None,
-                                       num_rows=None, plan=None, routing=st), has_tokfirst)
-
-
-def _unpack_step(ep, packed: _Packed, token: Tensor):
-    """The Dispatched of an NVLink step, its tensors views of ``token`` (what ``_pack_step`` wrote); its
-    ``plan`` has the replica tables only (all that combine, prefetch and reduce read on NVLink)."""
-    h = packed.handle
-    st = copy.copy(h.routing)
-    cap, K, R, S, s = ep.capacity, ep.topk, ep.world_size, ep.max_tokens, st.num_tokens
-    epn, L = ep.num_experts // R, _lists_words(cap, K, R, S)
-    expect(token.dtype == torch.int64 and token.dim() == 1 and token.numel() == _state_words(ep) + 2 * s * K,
-           "step token", f"int64 [{_state_words(ep) + 2 * s * K}]", f"{token.dtype} {list(token.shape)}")
-    token = token.contiguous()
-    lists = token[:L].view(torch.int32)
-    st.row_first, st.rec = lists[:cap], lists[cap:cap * (K + 1)].view(cap, K)
-    st.src = lists[cap * (K + 1):cap * (K + 2)]
-    st.tokfirst = lists[cap * (K + 2):cap * (K + 2) + R * S] if packed.tokfirst else None
-    o = L + R * epn + R
-    st.dst_rank, st.dst_row = token[o:o + s * K].view(s, K), token[o + s * K:o + 2 * s * K].view(s, K)
-    plan = SimpleNamespace(replica_experts=token[L:L + R * epn].view(R, epn),
-                           replica_source=token[L + R * epn:L + R * epn + R])
-    return reissue(h, plan=plan, routing=st)
+    """Words of ``ep``'s step token besides its ``2*s*K`` destination words; 0: the token is int64 ``[1]``
+    (the layout is the backend's: ``Backend.pack_step``)."""
+    return ep._backend.token_state_words
 
 
 def _lookup(token: Tensor, op_id: int):
     """``(ep, h)``: the instance and the step's Dispatched (without rows) of ``token``."""
-    ep, h = op_state.instance(op_id), op_state.step(token, op_id)
-    if isinstance(h, _Packed):
-        h = _unpack_step(ep, h, token)
-    return ep, h
+    ep = op_state.instance(op_id)
+    return ep, ep._backend.unpack_step(op_state.step(token, op_id), token)
 
 
 # --------------------------------------------------------------------------------------------- dispatch
@@ -250,15 +157,11 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, cap
     expect((ep.capacity, ep.num_experts, ep.world_size, _state_words(ep)) == sizes, "moonep::dispatch",
            f"the sizes of ExpertParallel op id {op_id}", sizes)
     _check_ep(ep)
-    with _Rows(ep._backend):
+    with ep._backend.copied_rows():  # the graph keeps the rows past the next dispatch
         h = ep.dispatch(x, topk_idx, topk_weights)
     dev = x.device
-    if state_words:  # NVLink: the token carries the step's device state; the registry none of it
-        token = _pack_step(ep, h, dev)
-        op_state.put_step(token, op_id, _host_part(h))
-    else:
-        token = torch.zeros(1, dtype=torch.int64, device=dev)
-        op_state.put_step(token, op_id, reissue(h, tokens=None, weights=None))
+    token, kept = ep._backend.pack_step(h, dev)
+    op_state.put_step(token, op_id, kept)
     plan = h.plan
     return (_fresh(h.tokens, x), _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
             h.slot_experts.to(dev, torch.int64, copy=True), plan.assignment.to(dev, torch.int64, copy=True),
@@ -299,7 +202,7 @@ _dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
 def _dispatch_backward(g_tokens: Optional[Tensor], g_weights: Optional[Tensor], token: Tensor, op_id: int,
                        num_tokens: int, hidden: int, topk: int, capacity: int, x_dtype: torch.dtype,
                        w_dtype: torch.dtype, want_x: bool, want_w: bool) -> tuple[Tensor, Tensor]:
-    """``_DispatchFn.backward``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> (``gx [s, H]``, ``gw [s, K]``);
+    """``dispatch_grads``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> (``gx [s, H]``, ``gw [s, K]``);
     an unwanted gradient is an empty placeholder. Collective."""
     ep, h = _lookup(token, op_id)
     dev = token.device
@@ -307,8 +210,7 @@ def _dispatch_backward(g_tokens: Optional[Tensor], g_weights: Optional[Tensor], 
         g_tokens = torch.zeros(capacity, hidden, dtype=x_dtype, device=dev)
     if g_weights is None:
         g_weights = torch.zeros(capacity, dtype=w_dtype, device=dev)
-    ctx = SimpleNamespace(ep=ep, st=h.routing, needs_input_grad=(want_x, want_w), x_dtype=x_dtype, w_dtype=w_dtype)
-    gx, gw, _, _ = _DispatchFn.backward(ctx, g_tokens, g_weights)
+    gx, gw = dispatch_grads(ep, h.routing, g_tokens, g_weights, want_x, want_w, x_dtype, w_dtype)
     empty = torch.empty(0, dtype=x_dtype, device=dev)
     return (_fresh(gx, g_tokens) if want_x else empty,
             _fresh(gw, g_weights) if want_w else torch.empty(0, dtype=w_dtype, device=dev))
@@ -373,12 +275,10 @@ _combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
 @_collective("moonep::combine_backward")
 def _combine_backward(gy: Tensor, expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, want_out: bool,
                       want_w: bool) -> tuple[Tensor, Tensor]:
-    """``_CombineFn.backward``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
+    """``combine_grads``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
     empty placeholder. Collective."""
     ep, h = _lookup(token, op_id)
-    ctx = SimpleNamespace(ep=ep, st=h.routing, saved_tensors=(expert_out, weights),
-                          needs_input_grad=(want_out, want_w))
-    g_out, g_w, *_ = _CombineFn.backward(ctx, gy)
+    g_out, g_w = combine_grads(ep, h.routing, gy, expert_out, weights, want_out, want_w)
     return (_fresh(g_out, gy, expert_out) if want_out else expert_out.new_empty(0),
             _fresh(g_w, weights) if want_w else weights.new_empty(0))
 
@@ -424,9 +324,9 @@ _prefetch.register_autograd(_prefetch_bwd, setup_context=_prefetch_setup)
 
 @_collective("moonep::prefetch_backward")
 def _prefetch_backward(g: Tensor, token: Tensor, op_id: int) -> Tensor:
-    """``_PrefetchFn.backward``: ``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` at home. Collective."""
+    """``prefetch_grad``: ``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` at home. Collective."""
     ep, h = _lookup(token, op_id)
-    return _fresh(_PrefetchFn.backward(SimpleNamespace(ep=ep, plan=h.plan), g)[0], g)
+    return _fresh(prefetch_grad(ep, h.plan, g), g)
 
 
 @_prefetch_backward.register_fake
@@ -537,8 +437,9 @@ _expert_matmul.register_autograd(_expert_matmul_bwd, setup_context=_expert_matmu
 
 
 class _Kept:
-    """What ``_ExpertMatmul.backward`` (and ``_ExpertBias.backward``) ask of their :class:`moonep.Replicas`: the
-    forward's replica weights (kept, so no refetch) and the collective reduce of the replica gradients."""
+    """What :func:`moonep.experts.expert_matmul_grads` (and ``expert_bias_grad``) ask of a
+    :class:`moonep.Replicas`: the forward's replica weights (kept, so no refetch) and the collective reduce of
+    the replica gradients."""
 
     def __init__(self, rep, ep, h, home=None):
         self.rep, self.ep, self.h, self.home = rep, ep, h, home
@@ -555,19 +456,17 @@ def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weigh
                             home_bias: Optional[Tensor], bias_replicas: Optional[Tensor], token: Tensor, op_id: int,
                             transpose: bool, impl: str, want_a: bool, want_w: bool,
                             want_b: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``_ExpertMatmul.backward``, then ``_ExpertBias.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like
+    """``expert_matmul_grads``, then ``expert_bias_grad``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like
     ``home_weight``, ``gb`` like ``home_bias``), the replica slots' parts added at home (collective: the
     weights', then the biases', in one op so that no compiler can order them differently on two ranks); an
     unwanted gradient is an empty placeholder."""
     ep, h = _lookup(token, op_id)
-    ctx = SimpleNamespace(saved_tensors=(a, home_weight, cu_seqlens), rep=_Kept(replicas, ep, h), transpose=transpose,
-                          impl=impl, needs_input_grad=(want_a, want_w))
-    ga, gw, *_ = _ExpertMatmul.backward(ctx, g)
+    ga, gw = expert_matmul_grads(g, a, home_weight, cu_seqlens, _Kept(replicas, ep, h), transpose, impl, want_a,
+                                 want_w)
     gb = None
     if want_b:
-        bctx = SimpleNamespace(rep=_Kept(bias_replicas, ep, h, home_bias), slot=_row_slots(cu_seqlens, g.shape[0]),
-                               cu=cu_seqlens, needs_input_grad=(True, True))
-        gb = _ExpertBias.backward(bctx, g)[1]
+        gb = expert_bias_grad(g, _row_slots(cu_seqlens, g.shape[0]), cu_seqlens,
+                              _Kept(bias_replicas, ep, h, home_bias))
     return (_fresh(ga, g, a) if want_a else a.new_empty(0),
             _fresh(gw, home_weight, replicas) if want_w else home_weight.new_empty(0),
             _fresh(gb, home_bias, bias_replicas) if want_b else a.new_empty(0))
@@ -634,9 +533,8 @@ _slot_matmul.register_autograd(_slot_matmul_bwd, setup_context=_slot_matmul_setu
 @torch.library.custom_op("moonep::slot_matmul_backward", mutates_args=())
 def _slot_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str, want_a: bool,
                           want_w: bool) -> tuple[Tensor, Tensor]:
-    """``_SlotMatmul.backward``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw [G, D, N]``), empty when unwanted."""
-    ctx = SimpleNamespace(saved_tensors=(a, w, cu_seqlens), impl=impl, needs_input_grad=(want_a, want_w))
-    ga, gw, *_ = _SlotMatmul.backward(ctx, g)
+    """``slot_matmul_grads``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw [G, D, N]``), empty when unwanted."""
+    ga, gw = slot_matmul_grads(g, a, w, cu_seqlens, impl, want_a, want_w)
     return (_fresh(ga, g, a) if want_a else a.new_empty(0), _fresh(gw, w) if want_w else w.new_empty(0))
 
 
@@ -720,11 +618,8 @@ def _get_ep_eager(provider, s, topk, width, dtype, device):
 def get_ep(provider, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
     """``provider.get(...)`` (a :class:`moonep.layers.parallel.EPProvider`) for compiled layers: traced when
     ``max_tokens`` is fixed and the instance exists (a dict lookup, guarded), else run outside the graph."""
-    if provider.max_tokens is not None:
-        ep = provider._cache.get((topk, width, dtype, device if provider.rt is None else None))
-        if ep is not None and ep.max_tokens >= provider.max_tokens:
-            return ep
-    return _get_ep_eager(provider, s, topk, width, dtype, device)
+    ep = provider.built(topk, width, dtype, device)
+    return ep if ep is not None else _get_ep_eager(provider, s, topk, width, dtype, device)
 
 
 def latent_experts(ep, z: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_in: Tensor, w_out: Tensor, act,
@@ -754,12 +649,8 @@ def _qb_record(raw: Tensor, values: Tensor, bias: Tensor, lo: Tensor, width: Ten
     """``QuantileBalancer._record_cuda`` (one kernel, CUDA): required biases of ``raw [s, E]`` (cutoffs in
     column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1+31]``; ``first``: this micro-batch sets the
     range ``lo``/``width`` (0-d) from ``bias [E]``; ``check``: count bad scores (flags in ``work``)."""
-    bal = op_state.instance(balancer_id)
-    # the balancer with the tensors the compiled graph passed (functionalisation may pass copies)
-    shadow = copy.copy(bal)
-    shadow.__dict__["_buffers"] = dict(bal._buffers, bias=bias, _lo=lo, _width=width, _counts=counts, _work=work)
-    shadow.__dict__["_recording"] = not first
-    type(bal)._record_cuda(shadow, raw, values, check)
+    # the tensors the compiled graph passed (functionalisation may pass copies of the balancer's buffers)
+    op_state.instance(balancer_id).record_kernel(raw, values, check, bias, lo, width, counts, work, first)
 
 
 @_qb_record.register_fake

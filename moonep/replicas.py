@@ -105,6 +105,13 @@ def prefetch_replicas_into(plan, rank: int, local_weights: list, transport: Tran
     epn = local_weights[0].shape[0]
     gots, mine = _fetch_replicas(plan, rank, [w.reshape(epn, -1) for w in local_weights], transport)
     filled = set(mine)
+    idx = {}  # the index tensors, built once per device (every projection shares them)
+
+    def index(name, rows, device):
+        if (name, device) not in idx:
+            idx[name, device] = torch.tensor(rows, dtype=torch.int64, device=device)
+        return idx[name, device]
+
     for got, buf in zip(gots, replicas):
         flat = buf.view(epn, -1)
         zero = getattr(buf, _ZERO, None)
@@ -114,7 +121,7 @@ def prefetch_replicas_into(plan, rank: int, local_weights: list, transport: Tran
         if empty:
             flat.index_fill_(0, torch.tensor(empty, dtype=torch.int64, device=flat.device), 0)
         if mine:
-            flat.index_copy_(0, torch.tensor(mine, dtype=torch.int64, device=flat.device), got)
+            flat.index_copy_(0, index("mine", mine, flat.device), got)
     return replicas
 
 

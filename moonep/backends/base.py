@@ -11,6 +11,8 @@ Shapes: ``s`` tokens here, ``K`` top-k, ``H`` hidden, ``cap`` receive rows, ``ep
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..errors import expect
@@ -102,6 +104,28 @@ class Backend:
         gradients of every rank (``replica_grad [epn, *D]`` here) -> ``[epn, *D]``.  ``scratch``: the caller
         no longer needs ``home_grad`` (a backward's own): the sum may be made in it."""
         raise NotImplementedError
+
+    # -- the step as a custom op's token (moonep.ops): its layout is the backend's own ------------------
+    # int64 words of the step token besides its 2*s*K destination words; 0: the token is int64 [1] and the
+    # registry keeps the whole step (it holds no device tensor that a compiled graph must see)
+    token_state_words = 0
+
+    def pack_step(self, h, device):
+        """``(token, kept)`` for the step of ``h`` (a :class:`moonep.Dispatched`): ``token`` an int64 tensor on
+        ``device`` (``[1]``, or ``[token_state_words + 2*s*K]`` when the step's device state travels in it),
+        ``kept`` what ``moonep.op_state`` keeps for :meth:`unpack_step`."""
+        from ..handles import reissue
+
+        return torch.zeros(1, dtype=torch.int64, device=device), reissue(h, tokens=None, weights=None)
+
+    def unpack_step(self, kept, token):
+        """The Dispatched (without rows) of a step, from what :meth:`pack_step` returned."""
+        return kept
+
+    def copied_rows(self):
+        """A context in which :meth:`dispatch` returns rows of its own, never views of a buffer that the next
+        dispatch reuses (a compiled graph keeps the rows past it)."""
+        return contextlib.nullcontext()
 
     def abandon_call(self, why: str) -> None:
         """A call ended part way on this rank (see :meth:`moonep.transport.Transport.abandon_call`): what

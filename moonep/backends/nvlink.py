@@ -75,6 +75,7 @@ layers may share one ``ExpertParallel``).  Both modes give bitwise identical res
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import numpy as np
@@ -90,6 +91,7 @@ from ..transport.ipc import HostWords, SymmetricBuffer
 from ..transport.order_board import OrderBoard
 from . import nvlink_abi as abi
 from .base import Backend
+from .nvlink_token import StepToken
 
 _DT = {torch.float32: abi.DT_F32, torch.bfloat16: abi.DT_BF16, torch.float16: abi.DT_F16}
 _MAXR = abi.MAXR
@@ -190,6 +192,8 @@ class NVLinkBackend(Backend):
         comb = tuning.combine_sms or 2 * self.num_sms
         self.nnv_combine = max(1, min(comb, self.grid_fused - 1)) if R > 1 else 0
         self.generation = 0
+        self._token = StepToken(self.cap, K, R, self.S, self.epn)
+        self.token_state_words = self._token.state_words
         self._closed = False
         self._gather_obj = ep.transport.all_gather_object
         self._barrier = lambda: self._gather_obj(None)
@@ -444,6 +448,23 @@ class NVLinkBackend(Backend):
         tokens, weights = self._dispatch_rows(x, w32, st, zero_copy)
         return tokens, weights.to(topk_weights.dtype)
 
+    def pack_step(self, h, device):
+        """The step's device state travels in the token (:mod:`moonep.backends.nvlink_token`)."""
+        return self._token.pack(h, device), self._token.host_part(h)
+
+    def unpack_step(self, kept, token):
+        return self._token.unpack(kept, token)
+
+    @contextlib.contextmanager
+    def copied_rows(self):
+        saved = self.zero_copy
+        if saved == "auto":  # explicit zero_copy=True stays the user's choice
+            self.zero_copy = False
+        try:
+            yield
+        finally:
+            self.zero_copy = saved
+
     def wire_rows(self, x, pow2_scales: bool):
         """fp8 dispatch.  A float ``x`` is quantised by the dispatch kernels as they send it (``_QuantInSend``);
         a non-finite group there is recorded as ERR_NONFINITE_X on every rank (csrc/dispatch.cu, xbad), no host
@@ -665,20 +686,22 @@ class NVLinkBackend(Backend):
         read where they are.  ``fresh``: new buffers, every empty slot zeroed and no replica table kept for
         them (a CUDA graph pool must not see a device tensor outlive the op); else persistent buffers, whose
         slots that stayed empty since the last call into them are not zeroed again.  Returns ``replicas``."""
+        tables = self._replica_tables(plan)  # once for every projection
         for w, buf in zip(local_weights, replicas):  # one push and one finish kernel per projection
-            self._prefetch(plan, w.contiguous(), None, buf, None if fresh else self._prev_replicas(buf))
+            self._prefetch(plan, w.contiguous(), None, buf, None if fresh else self._prev_replicas(buf), tables)
             forget_zero_slots(buf)  # a host-path fetch into this pool buffer later zeroes every empty slot
         return replicas
 
-    def _prefetch(self, plan, lw, home_out, rep_out, prev):
+    def _prefetch(self, plan, lw, home_out, rep_out, prev, tables=None):
         """Push the replicated home rows to the ranks they serve; fill ``rep_out`` (and ``home_out`` unless
-        ``None``).  ``prev``: the replica table at the last call into ``rep_out``'s pool, or ``None``."""
+        ``None``).  ``prev``: the replica table at the last call into ``rep_out``'s pool, or ``None``;
+        ``tables``: :meth:`_replica_tables` of ``plan`` when the caller has them."""
         self.check(inputs=False)
         epn = self.epn
         rb = rep_out[0].numel() * rep_out.element_size() if rep_out.numel() else 0
         if self.pool is None or self.pool.nbytes < epn * rb:
             self._grow("pool", max(epn * rb, 256))
-        rep, src = self._replica_tables(plan)
+        rep, src = self._replica_tables(plan) if tables is None else tables
         vec = _vec(rb, lw.data_ptr(), rep_out.data_ptr(), *(() if home_out is None else (home_out.data_ptr(),)))
         self._launch("moonep_prefetch_push", self.num_sms,
                      (_p(lw), np.int64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))

@@ -53,6 +53,14 @@ class EPProvider:
         never shares the original's buffers or its place in the collectives' call order."""
         return EPProvider(self.rt, self.num_experts, max_tokens=self.max_tokens, **self.ep_kwargs)
 
+    def built(self, topk: int, width: int, dtype: torch.dtype, device: torch.device):
+        """The ExpertParallel that :meth:`get` would return without host work or a collective (fixed
+        ``max_tokens``, instance already built), else ``None``.  A dict lookup: compiled code traces it."""
+        if self.max_tokens is None:
+            return None
+        ep = self._cache.get((topk, width, dtype, device if self.rt is None else None))
+        return ep if ep is not None and ep.max_tokens >= self.max_tokens else None
+
     def get(self, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
         """The ExpertParallel for ``s`` tokens of ``width`` in ``dtype`` on ``device`` (collective when it
         must be built or grown).  Without a runtime (a plain process) it is the local backend's."""

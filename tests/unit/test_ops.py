@@ -65,8 +65,7 @@ def _nvlink_like(s, tokfirst, seed):
     from moonep.handles import Dispatched, NVLinkStep
 
     cap, Kn, R, Sn, En = 37, 3, 2, 11, 6
-    ep = SimpleNamespace(capacity=cap, topk=Kn, world_size=R, max_tokens=Sn, num_experts=En,
-                         _backend=SimpleNamespace(name="nvlink"))
+    ep = SimpleNamespace(capacity=cap, topk=Kn, world_size=R, max_tokens=Sn, num_experts=En)
     g = torch.Generator().manual_seed(seed)
     i32 = lambda *shape: torch.randint(-1, 1000, shape, generator=g, dtype=torch.int32)  # noqa: E731
     i64 = lambda *shape: torch.randint(-1, 1000, shape, generator=g, dtype=torch.int64)  # noqa: E731
@@ -84,14 +83,17 @@ def test_nvlink_step_state_travels_in_the_token():
     is an op output: CUDA graph pools); the registry keeps no tensor; the token has the fake's size."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from moonep.backends.nvlink_token import StepToken
+
     for s, tokfirst in ((5, True), (5, False), (0, True)):
         ep, h = _nvlink_like(s, tokfirst, s)
-        token = ops._pack_step(ep, h, torch.device("cpu"))
-        packed = ops._host_part(h)
+        tok = StepToken(ep.capacity, ep.topk, ep.world_size, ep.max_tokens, ep.num_experts // ep.world_size)
+        token = tok.pack(h, torch.device("cpu"))
+        packed = tok.host_part(h)
         held = [v for v in vars(packed.handle).values() if isinstance(v, torch.Tensor)]
         held += [v for v in vars(packed.handle.routing).values() if isinstance(v, torch.Tensor)]
         assert not held and packed.handle.plan is None and packed.tokfirst == tokfirst
-        got = ops._unpack_step(ep, packed, token)
+        got = tok.unpack(packed, token)
         st, want = got.routing, h.routing
         assert (st.step, st.instance, st.generation, st.zero_copy, st.num_tokens) == (7, 3, 5, False, s)
         for name in ("dst_rank", "dst_row", "row_first", "rec", "src"):
@@ -104,7 +106,7 @@ def test_nvlink_step_state_travels_in_the_token():
         assert st.w32 is None and st.cu is None
         for name in ("replica_experts", "replica_source"):
             assert torch.equal(getattr(got.plan, name), getattr(h.plan, name)), name
-        words = ops._state_words(ep)
+        words = tok.state_words
         assert token.numel() == words + 2 * s * ep.topk
         with FakeTensorMode():
             x = torch.empty(s, 4)
@@ -207,9 +209,9 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch, request, d
     W = torch.randn(E, H, H, dtype=torch.float64, device=device, requires_grad=True)
     calls, combine = [], ep.combine
     monkeypatch.setattr(ep, "combine", lambda *a, **kw: (calls.append("combine"), combine(*a, **kw))[1])
-    for fn in (ops._DispatchFn, ops._CombineFn):
-        monkeypatch.setattr(fn, "backward", staticmethod(
-            lambda ctx, *g, _bwd=fn.backward, _name=fn.__name__: (calls.append(_name), _bwd(ctx, *g))[1]))
+    for name in ("dispatch_grads", "combine_grads"):  # the backward rules the ops call
+        monkeypatch.setattr(ops, name, lambda *a, _bwd=getattr(ops, name), _name=name: (calls.append(_name),
+                                                                                          _bwd(*a))[1])
 
     step = _through_ops(ep, W)
     compiled = torch.compile(lambda x, idx, w: step(x, idx, w) * 2, fullgraph=True)  # inductor
@@ -219,5 +221,5 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch, request, d
     assert y.shape == (0, H) and calls == ["combine"], (y.shape, calls)
     calls.clear()
     compiled(x, idx, w).sum().backward()
-    assert sorted(calls) == ["_CombineFn", "_DispatchFn", "combine"], calls
+    assert sorted(calls) == ["combine", "combine_grads", "dispatch_grads"], calls
     ep.close()
