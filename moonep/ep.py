@@ -108,6 +108,13 @@ class _DispatchFn(torch.autograd.Function):
         return gx, gw, None, None
 
 
+def scale_rows(tokens, weights):
+    """``apply_weights="dispatch"``: each row ``tokens [cap, H]`` times its weight ``weights [cap]``, in the
+    accumulation dtype, rounded once to the tokens' dtype (eager dispatch and ``moonep.ops.dispatch``)."""
+    adt = acc_dtype(tokens.dtype)
+    return (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
+
+
 def dispatch_grads(ep, st, g_tokens, g_weights, want_x: bool, want_w: bool, x_dtype, w_dtype):
     """The backward of a dispatch (eager and ``moonep::dispatch``), a combine of the rows' gradients over step
     ``st``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> ``(gx [s, H] in x_dtype or None, gw [s, K] in w_dtype
@@ -327,6 +334,7 @@ class ExpertParallel:
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
         # the int by which moonep.ops' custom ops (torch.compile) find this instance: see moonep/op_state.py
         self.op_id = register_instance(self)
+        self._in_op = False  # inside a moonep.ops custom op's body (see _op_body)
 
     @contextmanager
     def _collective(self, op: str, *, error=None, sig=(), describe=None, backward: bool = False):
@@ -559,9 +567,8 @@ class ExpertParallel:
             tokens, weights = _DispatchFn.apply(x, topk_weights, self, st)
         else:
             tokens, weights = backend.dispatch(x, topk_weights, st, False)
-        if self.apply_weights == "dispatch":
-            adt = acc_dtype(tokens.dtype)
-            tokens = (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
+        if self.apply_weights == "dispatch" and not self._in_op:  # the op's caller scales (moonep.ops.dispatch)
+            tokens = scale_rows(tokens, weights)
         cu, slot_experts, num_rows = backend.slots(plan, st)
         return issue(Dispatched(tokens, weights, cu, slot_experts, num_rows, plan, st))
 
@@ -581,6 +588,18 @@ class ExpertParallel:
             q, scales = fp8.split_wire(rows, self.hidden)
         cu, slot_experts, num_rows = backend.slots(plan, st)
         return issue(Dispatched(q, weights, cu, slot_experts, num_rows, plan, st, scales=scales, grad_rows=anchor))
+
+    @contextmanager
+    def _op_body(self):
+        """A dispatch as the body of ``moonep::dispatch``: rows of its own (the graph keeps them past the next
+        dispatch), and unscaled with ``apply_weights="dispatch"`` (the op's caller scales them in the graph,
+        so that autograd sees the product)."""
+        self._in_op = True
+        try:
+            with self._backend.copied_rows():
+                yield
+        finally:
+            self._in_op = False
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:

@@ -28,8 +28,9 @@ trees require; nothing on the host holds one.
 Differences from the eager API, all for the compiler's sake: no ``out=`` pools (``prefetch`` and
 ``prefetch_replicas`` return fresh tensors, and :func:`expert_matmul` keeps the step's replicas until its
 backward instead of refetching them: the same values, so the same bits); the NVLink backend copies the rows
-out of its receive buffer (as eager training does); ``apply_weights="combine"`` and the token dtype on the
-wire only (no fp8 dispatch).
+out of its receive buffer (as eager training does); the token dtype on the wire only (no fp8 dispatch).
+With ``apply_weights="dispatch"`` the op moves the rows unscaled and :func:`dispatch` scales them in the
+graph (``moonep.ep.scale_rows``, as eager dispatch does outside its autograd Function).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from torch import Tensor
 
 from . import op_state
 from .op_state import fresh_output as _fresh
-from .ep import combine_grads, dispatch_grads, prefetch_grad
+from .ep import combine_grads, dispatch_grads, prefetch_grad, scale_rows
 from .errors import expect
 from .handles import reissue
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
@@ -67,6 +68,8 @@ class Routed(NamedTuple):
             ``Backend.pack_step``).
         op_id: the ExpertParallel's ``op_id``.
         num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
+        scaled: ``apply_weights="dispatch"``: every row of ``tokens`` is already multiplied by its weight, and
+            :func:`combine` sums them plainly.
     """
 
     tokens: Tensor
@@ -79,6 +82,7 @@ class Routed(NamedTuple):
     step: Tensor
     op_id: int
     num_tokens: int
+    scaled: bool = False
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -97,9 +101,7 @@ def _collective(name: str):
 
 
 def _check_ep(ep) -> None:
-    """The op path's restrictions (raises ``ValueError``)."""
-    expect(ep.apply_weights == "combine", "apply_weights", '"combine" for moonep.ops (torch.compile)',
-           repr(ep.apply_weights))
+    """The op path's restriction (raises ``ValueError``)."""
     expect(not ep.fp8, "dispatch_dtype", "the token dtype for moonep.ops (torch.compile)", ep.dispatch_dtype)
 
 
@@ -157,7 +159,7 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, cap
     expect((ep.capacity, ep.num_experts, ep.world_size, _state_words(ep)) == sizes, "moonep::dispatch",
            f"the sizes of ExpertParallel op id {op_id}", sizes)
     _check_ep(ep)
-    with ep._backend.copied_rows():  # the graph keeps the rows past the next dispatch
+    with ep._op_body():  # rows of its own, unscaled
         h = ep.dispatch(x, topk_idx, topk_weights)
     dev = x.device
     token, kept = ep._backend.pack_step(h, dev)
@@ -226,7 +228,7 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
     """:meth:`moonep.ExpertParallel.dispatch` as the op ``moonep::dispatch``. Collective.
 
     Args:
-        ep: the :class:`moonep.ExpertParallel` (``apply_weights="combine"``, no fp8 dispatch).
+        ep: the :class:`moonep.ExpertParallel` (no fp8 dispatch).
         x: ``[s, H]`` in ``ep.dtype``; topk_idx: int32/int64 ``[s, K]``; topk_weights: float ``[s, K]``.
     Returns:
         :class:`Routed`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
@@ -234,7 +236,9 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
     """
     out = _dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts, ep.world_size,
                     _state_words(ep))
-    return Routed(*out, ep.op_id, x.shape[0])
+    if ep.apply_weights == "dispatch":  # in the graph, as eager does it outside its autograd Function
+        out = (scale_rows(out[0], out[1]),) + tuple(out[1:])
+    return Routed(*out, ep.op_id, x.shape[0], ep.apply_weights == "dispatch")
 
 
 # --------------------------------------------------------------------------------------------- combine
@@ -278,7 +282,9 @@ def _combine_backward(gy: Tensor, expert_out: Tensor, weights: Tensor, token: Te
     """``combine_grads``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
     empty placeholder. Collective."""
     ep, h = _lookup(token, op_id)
-    g_out, g_w = combine_grads(ep, h.routing, gy, expert_out, weights, want_out, want_w)
+    # apply_weights="dispatch": a plain sum (combine's weights are not an input then: want_w is False)
+    g_out, g_w = combine_grads(ep, h.routing, gy, expert_out, weights if ep.apply_weights == "combine" else None,
+                               want_out, want_w)
     return (_fresh(g_out, gy, expert_out) if want_out else expert_out.new_empty(0),
             _fresh(g_w, weights) if want_w else weights.new_empty(0))
 
@@ -291,8 +297,12 @@ def _(gy, expert_out, weights, token, op_id, want_out, want_w):
 
 def combine(expert_out: Tensor, h: Routed) -> Tensor:
     """:meth:`moonep.ExpertParallel.combine` as ``moonep::combine``: ``expert_out [cap, H]`` -> ``[s, H]`` in
-    its dtype, ``sum_k w_k out_k``.  Differentiable with respect to ``expert_out`` and ``h.weights``. Collective."""
-    return _combine(expert_out, h.weights, h.step, h.op_id, h.num_tokens)
+    its dtype, ``sum_k w_k out_k`` (the plain sum when ``h.scaled``).  Differentiable with respect to
+    ``expert_out`` and ``h.weights`` (unless ``h.scaled``: their gradient then comes through the dispatched rows).
+    Collective."""
+    # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
+    weights = h.weights.detach() if h.scaled else h.weights
+    return _combine(expert_out, weights, h.step, h.op_id, h.num_tokens)
 
 
 # --------------------------------------------------------------------------------------------- weights

@@ -92,11 +92,12 @@ def _breaks(fn, *args):
 
 
 # --------------------------------------------------------------------------------------------- plain MoE
-def _moe(rt):
+def _moe(rt, apply_weights="combine"):
     """``y = combine(slot_matmul(dispatch(x), prefetch(W)))``, eagerly and through the ops."""
     R, dt = rt.world_size, _dtype(rt)
     E = 2 * R
-    ep = moonep.ExpertParallel(rt, num_experts=E, topk=2, hidden=H, max_tokens=20, dtype=dt)
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=2, hidden=H, max_tokens=20, dtype=dt,
+                               apply_weights=apply_weights)
     g = torch.Generator().manual_seed(5)
     W = torch.randn(E, H, H, generator=g, dtype=dt)[rt.rank * 2:rt.rank * 2 + 2].to(rt.device).requires_grad_()
 
@@ -122,8 +123,8 @@ def _moe_step(rt, fn, W, s, seed):
     return y.detach(), x.grad, w.grad, W.grad
 
 
-def _compare_moe(rt, compiled, tag, graphs=False):
-    _, W, eager, through_ops = _moe(rt)
+def _compare_moe(rt, compiled, tag, graphs=False, apply_weights="combine"):
+    _, W, eager, through_ops = _moe(rt, apply_weights)
     fn = compiled(through_ops)
     for step in range(5 if graphs else 3):
         s = _sizes(rt.world_size, step, graphs)[rt.rank]
@@ -146,6 +147,14 @@ def case_moe_function_compiled_matches_eager(rt):
     idx, w = _routing(rt, s, 2 * rt.world_size, 0)
     n = _breaks(through_ops, torch.randn(s, H, dtype=_dtype(rt), device=rt.device), idx, w)
     assert n == 0, f"graph breaks: {n}"
+
+
+def case_moe_function_scaled_at_dispatch(rt):
+    """apply_weights="dispatch" through the ops, fullgraph under aot_eager: the op moves the rows unscaled and
+    the graph scales them, so output and gradients (the weights' through the product) are eager's, bitwise."""
+    torch._dynamo.reset()
+    _compare_moe(rt, lambda f: torch.compile(f, backend="aot_eager", fullgraph=True), "aot_eager, scaled",
+                 apply_weights="dispatch")
 
 
 def case_moe_function_cuda_graphs(rt):

@@ -29,9 +29,13 @@ def _through_ops(ep, W):
     return step
 
 
-def test_ops_match_eager_and_release_steps():
+@pytest.mark.parametrize("apply_weights", ["combine", "dispatch"])
+def test_ops_match_eager_and_release_steps(apply_weights):
+    """Outputs and gradients through the ops, eagerly and compiled, bitwise those of the eager API; with
+    apply_weights="dispatch" the rows are scaled in the graph and the weights' gradient comes through them."""
     torch._dynamo.reset()
-    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu",
+                               apply_weights=apply_weights)
     W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
 
     def eager(x, idx, w):
@@ -40,17 +44,22 @@ def test_ops_match_eager_and_release_steps():
 
     through_ops = _through_ops(ep, W)
     compiled = torch.compile(through_ops, backend="aot_eager", fullgraph=True)
+    fns = (eager, through_ops, compiled)
+    if apply_weights == "dispatch":  # the scaling is graph code: inductor fuses it (the weights' gradient, a sum
+        fns += (torch.compile(through_ops, fullgraph=True),)  # over H, within float64 rounding; the rest bitwise)
     for s in (9, 14, 0):
         got = []
-        for fn in (eager, through_ops, compiled):
+        for fn in fns:
             x, idx, w = _problem(s, s)
             W.grad = None
             y = fn(x, idx, w)
             y.square().sum().backward()
             got.append((y.detach(), x.grad, w.grad, W.grad))
-        for other in got[1:]:
+        for other in got[1:3]:
             for a, b in zip(got[0], other):
                 assert torch.equal(a, b), s
+        for a, b in zip(got[0], got[3] if len(got) > 3 else ()):  # inductor
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     del got, y
     gc.collect()
     ops.dispatch(ep, *_problem(3, 0))  # storing a step drops the released ones
