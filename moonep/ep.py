@@ -512,7 +512,6 @@ class ExpertParallel:
             return str(exc)
         return None
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None) -> Dispatched:
         """Send every token to the ranks of its experts, into its final slot rows there. Collective.
 
@@ -528,7 +527,18 @@ class ExpertParallel:
             :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.  fp8 dispatch:
             ``h.tokens`` float8_e4m3fn ``[cap, H]`` and ``h.scales`` float32 ``[cap, H/128]``; the gradient
             reaches ``x`` through :func:`moonep.fp8.dequantize_rows` (straight through).
+
+        Under ``torch.compile`` this is one node of the graph, ``moonep::dispatch``, and returns the handle as
+        a :class:`moonep.ops.Routed` (what :meth:`combine`, :meth:`prefetch`, :meth:`ReplicaPool.fetch
+        <moonep.ReplicaPool.fetch>` and :func:`moonep.expert_matmul` take in compiled code); fp8 dispatch and
+        ``num_global_tokens`` run eagerly there (one graph break).
         """
+        if torch.compiler.is_compiling() and not self.fp8 and num_global_tokens is None:
+            return ops.dispatch(self, x, topk_idx, topk_weights)
+        return self._dispatch(x, topk_idx, topk_weights, num_global_tokens)
+
+    @torch.compiler.disable  # eager: one graph break in compiled code
+    def _dispatch(self, x, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
         err = self._routing_error(x, topk_idx, topk_weights)
         if err is None and num_global_tokens is not None:
             err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0)
@@ -619,7 +629,6 @@ class ExpertParallel:
         with self._collective(op, error=str(message)):
             pass
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
         """Return each token's weighted sum of its experts' outputs. Collective.
 
@@ -629,7 +638,17 @@ class ExpertParallel:
         Returns:
             ``[s, H]`` in ``expert_out``'s dtype; ``sum_k w_k * out_k`` (or the plain sum with
             ``apply_weights="dispatch"``). Rows of tokens whose choices are all masked are zero.
+
+        With the :class:`moonep.ops.Routed` of a compiled dispatch: ``moonep::combine``.
         """
+        if isinstance(h, ops.Routed):
+            expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
+                   f"one of op id {h.op_id}")
+            return ops.combine(expert_out, h)
+        return self._combine(expert_out, h)
+
+    @torch.compiler.disable  # eager: one graph break in compiled code
+    def _combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
         err = _local_error(self._check_combine, expert_out, h)
         sig, describe = (), None
         if err is None:
@@ -649,7 +668,6 @@ class ExpertParallel:
         self._after_call()
         return y
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
 
@@ -688,7 +706,17 @@ class ExpertParallel:
             shares the pool's version counter: a second ``prefetch`` into the same pool before the backward
             of ops that saved the first result makes that backward raise torch's in-place error instead of
             using overwritten weights.
+
+        With the :class:`moonep.ops.Routed` of a compiled dispatch (and no ``out``): ``moonep::prefetch``.
         """
+        if isinstance(h, ops.Routed) and out is None:
+            expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
+                   f"one of op id {h.op_id}")
+            return ops.prefetch(h, local_weight)
+        return self._prefetch(h, local_weight, out)
+
+    @torch.compiler.disable  # eager: one graph break in compiled code
+    def _prefetch(self, h: Dispatched, local_weight: torch.Tensor, out) -> torch.Tensor:
         if out is not None:
             _deprecated("ExpertParallel.prefetch(out=...) is deprecated: fetch through a moonep.ReplicaPool "
                         "(pool.fetch(ep, h, home_weight, name), the pool made once per model) and multiply with "
@@ -822,3 +850,6 @@ class ExpertParallel:
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
+
+
+from . import ops  # noqa: E402  (the custom ops import this module's backward rules)

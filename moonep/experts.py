@@ -240,6 +240,8 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
         weights in place instead of a ``[2*epn]`` copy.
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    if torch.compiler.is_compiling():  # one node of the graph
+        return ops.slot_matmul(a, cu_seqlens, w, impl)
     a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
     if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
         return _SlotMatmul.apply(a, w, cu_seqlens, impl)
@@ -288,7 +290,8 @@ def _operands(w_home, w_rep, transpose: bool):
 
 
 def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.Tensor, replicas: "Replicas", *,
-                  transpose: bool = False, impl: str = "auto") -> torch.Tensor:
+                  transpose: bool = False, impl: str = "auto", bias: torch.Tensor | None = None,
+                  bias_replicas: "Replicas | None" = None) -> torch.Tensor:
     """One projection of every slot: home rows times the home weights in place, replica rows times the pool.
 
     Args:
@@ -300,11 +303,31 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
         replicas: what :meth:`ReplicaPool.fetch` returned for ``home_weight`` in this step.
         transpose: multiply by ``home_weight[j].T``.
         impl: ``"auto"`` (grouped GEMMs on CUDA when they take the operands), ``"grouped"`` or ``"loop"``.
+        bias: optional ``[epn, N]`` home experts' biases, with ``bias_replicas`` (what ``ReplicaPool.fetch``
+            returned for them): then :func:`expert_bias` of the product (compiled: one op for both, so that
+            the backward's two reduces keep their order on every rank).
     Returns:
         ``[cap, N]`` in ``a.dtype``; padding rows are zero, and so are their gradients.  Differentiable with
-        respect to ``a`` and ``home_weight``: the replica rows' weight gradient is added to its home expert's
-        on the home rank (collective in the backward).
+        respect to ``a`` and ``home_weight`` (and ``bias``): the replica rows' weight gradient is added to its
+        home expert's on the home rank (collective in the backward).
+
+    With the :class:`moonep.ops.Fetched` replicas of a compiled step: ``moonep::expert_matmul`` (``cu_seqlens``
+    must be that step's ``h.cu_seqlens``).
     """
+    expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
+           f"bias {'given' if bias is not None else 'None'}, bias_replicas "
+           f"{'given' if bias_replicas is not None else 'None'}")
+    if isinstance(replicas, ops.Fetched):  # a compiled step's: one node of the graph
+        expect(replicas.home is home_weight, "replicas", "what ReplicaPool.fetch returned for this home_weight",
+               "the replicas of another tensor")
+        if bias is not None:
+            expect(isinstance(bias_replicas, ops.Fetched) and bias_replicas.home is bias, "bias_replicas",
+                   "what ReplicaPool.fetch returned for this bias", type(bias_replicas).__name__)
+        return ops.expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose=transpose, impl=impl,
+                                 bias=bias, bias_replicas=None if bias is None else bias_replicas.replicas)
+    if bias is not None:
+        return expert_bias(expert_matmul(a, cu_seqlens, home_weight, replicas, transpose=transpose, impl=impl),
+                           cu_seqlens, bias, bias_replicas)
     expect(isinstance(replicas, Replicas) and replicas.home is home_weight, "replicas",
            "the Replicas that ReplicaPool.fetch returned for this home_weight", type(replicas).__name__)
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
@@ -375,6 +398,9 @@ def expert_bias(out: torch.Tensor, cu_seqlens: torch.Tensor, home_bias: torch.Te
         ``[cap, N]`` in ``out.dtype``; padding rows get no bias.  Differentiable with respect to ``out`` and
         ``home_bias`` (the replica rows' bias gradient is added at home, collective in the backward).
     """
+    expect(not isinstance(replicas, ops.Fetched), "replicas",
+           "eager Replicas (compiled code adds expert biases in moonep.ops.expert_matmul(..., bias=...), so that "
+           "the backward's two reduces keep their order on every rank)", "the replicas of a compiled step")
     expect(isinstance(replicas, Replicas) and replicas.home is home_bias, "replicas",
            "the Replicas that ReplicaPool.fetch returned for this home_bias", type(replicas).__name__)
     expect(home_bias.dim() == 2 and out.dim() == 2 and home_bias.shape[1] == out.shape[1], "home_bias",
@@ -615,7 +641,6 @@ class ReplicaPool:
             bufs.append(track_zero_slots(torch.zeros(home.shape, dtype=home.dtype, device=home.device)))
         return i, bufs[i]
 
-    @torch.compiler.disable  # a collective: one graph break under torch.compile (moonep.ops: none)
     def fetch(self, ep, h, home_weight, name):
         """Fetch this step's replicas of one projection, or of several in one collective, into the pool.
 
@@ -630,7 +655,9 @@ class ReplicaPool:
                 shape in different layers do.
         Returns:
             :class:`Replicas` for :func:`expert_matmul` (and :func:`expert_bias`); a list of them, in order,
-            for a list of tensors.
+            for a list of tensors.  With the :class:`moonep.ops.Routed` of a compiled dispatch (under
+            ``torch.compile``): :class:`moonep.ops.Fetched`, fresh slots from one ``moonep::prefetch_replicas``
+            (no pool buffer: a compiled graph holds its own), kept until the backward (``backward="keep"``).
         """
         many = isinstance(home_weight, (list, tuple))
         weights, names = (list(home_weight), name) if many else ([home_weight], [name])
@@ -643,6 +670,13 @@ class ReplicaPool:
             expect(isinstance(w, torch.Tensor), "home_weight", "a torch.Tensor", type(w).__name__)
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
+        if isinstance(h, ops.Routed):  # one node of the graph
+            out = [ops.Fetched(h, w, r) for w, r in zip(weights, ops.prefetch_replicas(h, *weights))]
+            return out if many else out[0]
+        return self._fetch(ep, h, weights, names, many)
+
+    @torch.compiler.disable  # eager: one graph break in compiled code
+    def _fetch(self, ep, h, weights: list, names: list, many: bool):
         # whether home_weight itself requires grad does not matter: module_slots differentiates the experts'
         # parameters, views of a stacked home_weight that requires none
         keep = self.backward == "keep" and torch.is_grad_enabled()
@@ -681,3 +715,6 @@ class ReplicaPool:
         if s is None:
             s = self._streams[w.device] = torch.cuda.Stream(w.device)
         return s
+
+
+from . import ops  # noqa: E402  (the custom ops import this module's kernels and rules)

@@ -49,9 +49,8 @@ from .handles import reissue
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
                       expert_bias_grad, expert_matmul_grads, slot_matmul_grads)
 
-__all__ = ["Routed", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
-           "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "get_ep", "latent_experts",
-           "qb_record"]
+__all__ = ["Routed", "Fetched", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
+           "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "qb_record"]
 
 
 class Routed(NamedTuple):
@@ -83,6 +82,22 @@ class Routed(NamedTuple):
     op_id: int
     num_tokens: int
     scaled: bool = False
+
+    @property
+    def plan(self) -> "Routed":
+        """The plan's tensors (``assignment``, ``replica_experts``, ``recv_counts``), as ``Dispatched.plan``
+        gives them: the handle itself."""
+        return self
+
+
+class Fetched(NamedTuple):
+    """What :meth:`moonep.ReplicaPool.fetch` returns for a :class:`Routed` (compiled code), per projection:
+    the step ``h``, the ``home [epn, *D]`` weights and their fresh ``replicas [epn, *D]``
+    (:func:`prefetch_replicas`), which :func:`moonep.expert_matmul` passes to :func:`expert_matmul`."""
+
+    h: Routed
+    home: Tensor
+    replicas: Tensor
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -616,40 +631,6 @@ def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack:
         :class:`Planned`.  Not differentiable.
     """
     return Planned(*_plan_and_destinations(counts, topk_idx, int(rank), float(slack), int(align)))
-
-
-# --------------------------------------------------------------------------------------------- layers
-@torch.compiler.disable
-def _get_ep_eager(provider, s, topk, width, dtype, device):
-    # host work (the largest s of any rank with max_tokens=None, or building the instance): one graph break
-    return provider.get(s, topk, width, dtype, device)
-
-
-def get_ep(provider, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
-    """``provider.get(...)`` (a :class:`moonep.layers.parallel.EPProvider`) for compiled layers: traced when
-    ``max_tokens`` is fixed and the instance exists (a dict lookup, guarded), else run outside the graph."""
-    ep = provider.built(topk, width, dtype, device)
-    return ep if ep is not None else _get_ep_eager(provider, s, topk, width, dtype, device)
-
-
-def latent_experts(ep, z: Tensor, topk_idx: Tensor, topk_weights: Tensor, w_in: Tensor, w_out: Tensor, act,
-                   impl: str = "auto"):
-    """The routed part of :class:`moonep.LatentMoE` through the ops (what its ``forward`` runs when compiled).
-
-    Args:
-        z: ``[s, l]`` latent tokens; topk_idx int64 ``[s, K]``; topk_weights ``[s, K]``.
-        w_in: ``[epn, l, 2F]``, w_out: ``[epn, F, l]`` home experts; act: ``[cap, 2F] -> [cap, F]``.
-    Returns:
-        ``(u [s, l], stats)``: ``stats`` the layer's ``last_stats`` (``expert_load [E]``, ``recv_counts [R]``,
-        ``replicas [R]``, int64).  Four collectives forward (dispatch, two fetches, combine), four backward.
-    """
-    h = dispatch(ep, z, topk_idx, topk_weights)
-    r_in, r_out = prefetch_replicas(h, w_in, w_out)
-    a = act(expert_matmul(h, h.tokens, w_in, r_in, impl=impl))
-    u = combine(expert_matmul(h, a, w_out, r_out, impl=impl), h)
-    stats = dict(expert_load=h.assignment.sum(1), recv_counts=h.recv_counts,
-                 replicas=(h.replica_experts >= 0).sum(1))
-    return u, stats
 
 
 # --------------------------------------------------------------------------------------------- balancer

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import eager_math
 from ..errors import expect
-from ..experts import default_pool, expert_bias, expert_matmul
+from ..experts import default_pool, expert_matmul
 from ..layers.parallel import ShardedExperts
 
 
@@ -25,8 +25,7 @@ def _slot_linear(a: torch.Tensor, cu: torch.Tensor, w, rw, b, rb, transposed: bo
     """Rows of slot ``j`` through slot ``j``'s linear map: ``a [cap, D]``, home weights ``w [epn, N, D]``
     (``[epn, D, N]`` when ``transposed``) and their replicas ``rw``, home biases ``b [epn, N]`` and ``rb``, or
     ``None`` -> ``[cap, N]``; rows past ``cu[-1]`` stay zero."""
-    out = expert_matmul(a, cu, w, rw, transpose=not transposed)
-    return out if b is None else expert_bias(out, cu, b, rb)
+    return expert_matmul(a, cu, w, rw, transpose=not transposed, bias=b, bias_replicas=rb)
 
 
 def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tensor, home: dict,
@@ -39,10 +38,9 @@ def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tens
         home: this rank's home parameters by name, read in place: ``gate_up_proj [epn, 2I, H]``
             (``up_proj [epn, I, H]`` without a gate; ``[epn, H, 2I]`` when ``ex.is_transposed``),
             ``down_proj [epn, H, I]`` (``[epn, I, H]``), optionally ``*_bias [epn, N]``; the dtype of ``rows``.
-        replicas: the :class:`moonep.Replicas` of each, from :meth:`moonep.ReplicaPool.fetch`.
+        replicas: what :meth:`moonep.ReplicaPool.fetch` returned for each (compiled: :class:`moonep.ops.Fetched`).
         linear: ``(a, weight, weight_replicas, bias, bias_replicas, transposed) -> [cap, N]``, one projection
-            of every slot (default: :func:`moonep.expert_matmul` and :func:`moonep.expert_bias`; compiled: their
-            :mod:`moonep.ops` counterparts).
+            of every slot (default: :func:`moonep.expert_matmul` with its ``bias``, eager and compiled).
     Returns:
         ``[cap, H]``: ``f_{e_j}(row)`` for each row of slot ``j``; rows past ``cu_seqlens[-1]`` are zero.
     """
@@ -54,6 +52,7 @@ def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tens
                               t)
     h = lin(rows, up)
     key = getattr(ex, "moonep_act_key", None)
+    # compiled: the activation through eager_math (bitwise() keeps eager's rounding); eagerly the module's own
     h = eager_math.call(key, h)[0] if key is not None and torch.compiler.is_compiling() else _act(ex, h)
     out = lin(h, "down_proj")
     if getattr(ex, "has_post_expert_norm", False):
@@ -164,27 +163,11 @@ class EPRoutedExperts(EPExperts):
         idx = idx.masked_fill(torch.tril(same, diagonal=-1).any(-1), -1)
         ep_of = lambda dt: self.moonep_ep.get(x.shape[0], idx.shape[1], x.shape[1], dt, x.device)  # noqa: E731
         dt = self._dtype_or_refuse(x, ep_of)
-        if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
-            y = self._compiled_experts(x.to(dt), idx, w, dt)
-        else:
-            ep = ep_of(dt)
-            h = ep.dispatch(x.to(dt), idx, w)  # rows travel in the compute dtype: a cast commutes with a move
-            y = ep.combine(self._expert_out(ep, h, dt), h)
+        # one code path, eager and compiled (each collective one node of the graph: moonep/ops.py)
+        ep = ep_of(dt)
+        h = ep.dispatch(x.to(dt), idx, w)  # rows travel in the compute dtype: a cast commutes with a move
+        y = ep.combine(self._expert_out(ep, h, dt), h)
         return y.to(x.dtype)
-
-    def _compiled_experts(self, x, idx, w, dt):
-        """``forward``'s dispatch, experts and combine through :mod:`moonep.ops` (under ``torch.compile``): the
-        replicas of each step are kept until its backward (not pooled)."""
-        from .. import ops
-        home = {n: self._home(n, dt) for n in self.sharded_params}
-        ep = ops.get_ep(self.moonep_ep, x.shape[0], idx.shape[1], x.shape[1], x.dtype, x.device)
-        h = ops.dispatch(ep, x, idx, w)
-        replicas = dict(zip(home, ops.prefetch_replicas(h, *home.values())))
-
-        def linear(a, wt, rw, b, rb, transposed):
-            return ops.expert_matmul(h, a, wt, rw, transpose=not transposed, bias=b, bias_replicas=rb)
-
-        return ops.combine(fused_expert_maths(self, h.tokens, h.cu_seqlens, home, replicas, linear), h)
 
 
 class EPDenseExperts(EPExperts):

@@ -16,7 +16,6 @@ from torch import nn
 from ..balance import QuantileBalancer, normalise_topk
 from ..errors import expect, expect_device, expect_tensor
 from ..experts import ReplicaPool, default_pool, expert_matmul
-from .. import ops
 from ..eager_math import autocast_on, keep_eager
 from .activations import situ_glu_fused
 from ..training.sharding import shard_experts_param
@@ -108,15 +107,15 @@ class LatentExperts(ShardedExperts, nn.Module):
         data-parallel ranks) gathers them for exactly this call."""
         dt = z.dtype
         w_in, w_out = (w if w.dtype == dt else w.to(dt) for w in map(self.expert_weight, ("w_in", "w_out")))
-        if torch.compiler.is_compiling():  # one graph: the collectives as custom ops (moonep/ops.py)
-            return ops.latent_experts(ep, z, topk_idx, topk_weights, w_in, w_out, _situ_glu, matmul)
+        # one code path, eager and compiled: under torch.compile each collective is one node of the graph
+        # (moonep/ops.py), and h a moonep.ops.Routed
         h = ep.dispatch(z, topk_idx, topk_weights)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = pool or default_pool()
         r_in, r_out = pool.fetch(ep, h, [w_in, w_out], ["w_in", "w_out"])  # one collective
         cu = h.cu_seqlens
         with torch.autocast(z.device.type, enabled=False):  # the experts' dtype is decided: z's
-            a = situ_glu_fused(expert_matmul(h.tokens, cu, w_in, r_in, impl=matmul))   # [cap, F]
+            a = _situ_glu(expert_matmul(h.tokens, cu, w_in, r_in, impl=matmul))         # [cap, F]
             out = expert_matmul(a, cu, w_out, r_out, impl=matmul)                        # [cap, l]
         plan = h.plan
         stats = dict(expert_load=plan.assignment.sum(1), recv_counts=plan.recv_counts,
@@ -300,7 +299,7 @@ class LatentMoE(nn.Module):
             self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
             raise  # refuse() raised already; this is not reached
         z = _project(self.down, x_d)  # [s, l], in dt
-        ep = ops.get_ep(self._ep, x.shape[0], self.topk, self.d_latent, dt, dev)
+        ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, dev)
         u, self.last_stats = self.experts(ep, z, idx, w, self.replica_pool, self.matmul)      # [s, l]
         self._record_routing(pending)  # the step's collectives went through on every rank
         return (_project(self.up, self._norm(u)) + self.shared(x_s)).reshape(shape)

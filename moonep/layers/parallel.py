@@ -63,7 +63,14 @@ class EPProvider:
 
     def get(self, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
         """The ExpertParallel for ``s`` tokens of ``width`` in ``dtype`` on ``device`` (collective when it
-        must be built or grown).  Without a runtime (a plain process) it is the local backend's."""
+        must be built or grown).  Without a runtime (a plain process) it is the local backend's.  Under
+        ``torch.compile``: a traced dict lookup once it is built with a fixed ``max_tokens``, else one graph
+        break (the sizing exchange and the construction run eagerly)."""
+        ep = self.built(topk, width, dtype, device)
+        return ep if ep is not None else self._get(s, topk, width, dtype, device)
+
+    @torch.compiler.disable  # host work, perhaps a collective: outside the graph
+    def _get(self, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
         need = self.max_tokens
         if need is None:  # the largest s of any rank: one header exchange (moonep.transport.host_group)
             most = max(self.rt.host.agree(SIZING, s, what="EPProvider sizing")) if self.world_size > 1 else s

@@ -67,6 +67,43 @@ def test_ops_match_eager_and_release_steps(apply_weights):
     ep.close()
 
 
+@pytest.mark.parametrize("apply_weights", ["combine", "dispatch"])
+def test_the_eager_api_compiles_into_one_graph(apply_weights):
+    """Code written against the eager API (ExpertParallel.dispatch, ReplicaPool.fetch, expert_matmul,
+    slot_matmul, ExpertParallel.prefetch and combine) compiles whole: each collective is one node
+    (``fullgraph=True``), and outputs and gradients are eager's, bitwise (aot_eager)."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu",
+                               apply_weights=apply_weights)
+    g = torch.Generator().manual_seed(11)
+    w_in = torch.randn(E, H, 2 * H, generator=g, dtype=torch.float64, requires_grad=True)
+    w_out = torch.randn(E, 2 * H, H, generator=g, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(E, H, H, generator=g, dtype=torch.float64, requires_grad=True)
+    pool = moonep.ReplicaPool()
+
+    def layer(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        r_in, r_out = pool.fetch(ep, h, [w_in, w_out], ["w_in", "w_out"])
+        a = torch.relu(moonep.expert_matmul(h.tokens, h.cu_seqlens, w_in, r_in))
+        b = moonep.slot_matmul(h.tokens, h.cu_seqlens, ep.prefetch(h, W))
+        y = ep.combine(moonep.expert_matmul(a, h.cu_seqlens, w_out, r_out) + b, h)
+        return y, h.plan.recv_counts
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for s in (9, 14, 0):
+        got = []
+        for fn in (layer, compiled):
+            x, idx, w = _problem(s, s)
+            for p in (w_in, w_out, W):
+                p.grad = None
+            y, recv = fn(x, idx, w)
+            y.square().sum().backward()
+            got.append((y.detach(), recv, x.grad, w.grad, w_in.grad, w_out.grad, W.grad))
+        for name, a, b in zip(("y", "recv_counts", "dx", "dw", "dw_in", "dw_out", "dW"), *got):
+            assert torch.equal(a, b), (s, name)
+    ep.close()
+
+
 def _nvlink_like(s, tokfirst, seed):
     """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
     from types import SimpleNamespace
