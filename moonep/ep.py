@@ -530,10 +530,10 @@ class ExpertParallel:
 
         Under ``torch.compile`` this is one node of the graph, ``moonep::dispatch``, and returns the handle as
         a :class:`moonep.ops.Routed` (what :meth:`combine`, :meth:`prefetch`, :meth:`ReplicaPool.fetch
-        <moonep.ReplicaPool.fetch>` and :func:`moonep.expert_matmul` take in compiled code); fp8 dispatch and
-        ``num_global_tokens`` run eagerly there (one graph break).
+        <moonep.ReplicaPool.fetch>` and :func:`moonep.expert_matmul` take in compiled code); a pre-quantised
+        pair and ``num_global_tokens`` run eagerly there (one graph break).
         """
-        if torch.compiler.is_compiling() and not self.fp8 and num_global_tokens is None:
+        if torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and num_global_tokens is None:
             return ops.dispatch(self, x, topk_idx, topk_weights)
         return self._dispatch(x, topk_idx, topk_weights, num_global_tokens)
 

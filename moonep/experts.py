@@ -240,9 +240,9 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
         weights in place instead of a ``[2*epn]`` copy.
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
     if torch.compiler.is_compiling():  # one node of the graph
         return ops.slot_matmul(a, cu_seqlens, w, impl)
-    a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
     if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
         return _SlotMatmul.apply(a, w, cu_seqlens, impl)
     return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
@@ -320,6 +320,7 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     if isinstance(replicas, ops.Fetched):  # a compiled step's: one node of the graph
         expect(replicas.home is home_weight, "replicas", "what ReplicaPool.fetch returned for this home_weight",
                "the replicas of another tensor")
+        a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first (in the graph)
         if bias is not None:
             expect(isinstance(bias_replicas, ops.Fetched) and bias_replicas.home is bias, "bias_replicas",
                    "what ReplicaPool.fetch returned for this bias", type(bias_replicas).__name__)

@@ -163,12 +163,12 @@ def dequantize_rows(h, start: int = 0, end: int | None = None, dtype: torch.dtyp
 
 
 def as_float_rows(a, dtype: torch.dtype) -> torch.Tensor:
-    """The expert GEMMs' fp8 input: ``a`` a :class:`moonep.Dispatched` of an fp8 dispatch (differentiable, see
+    """The expert GEMMs' fp8 input: ``a`` the handle of an fp8 dispatch (differentiable, see
     :func:`dequantize_rows`) or a pair ``(tokens fp8 [cap, H], scales float32 [cap, H/128])`` (not
     differentiable) -> ``dtype`` ``[cap, H]``; any other ``a`` is returned unchanged."""
+    if getattr(a, "scales", None) is not None and hasattr(a, "grad_rows"):  # a handle (moonep.ops.Routed too)
+        return dequantize_rows(a, dtype=dtype)
     if isinstance(a, (tuple, list)):
         expect(len(a) == 2, "a", "a tensor, a Dispatched or a pair (fp8 tokens, scales)", f"{len(a)} items")
         return dequantize_fp8(a[0].contiguous(), a[1].contiguous(), dtype=dtype)
-    if getattr(a, "scales", None) is not None and hasattr(a, "grad_rows"):
-        return dequantize_rows(a, dtype=dtype)
     return a

@@ -28,7 +28,8 @@ trees require; nothing on the host holds one.
 Differences from the eager API, all for the compiler's sake: no ``out=`` pools (``prefetch`` and
 ``prefetch_replicas`` return fresh tensors, and :func:`expert_matmul` keeps the step's replicas until its
 backward instead of refetching them: the same values, so the same bits); the NVLink backend copies the rows
-out of its receive buffer (as eager training does); the token dtype on the wire only (no fp8 dispatch).
+out of its receive buffer (as eager training does); an fp8 dispatch takes a float ``x`` (not a pre-quantised
+pair) and returns the rows and scales as tensors of their own (eager: views of the wire rows).
 With ``apply_weights="dispatch"`` the op moves the rows unscaled and :func:`dispatch` scales them in the
 graph (``moonep.ep.scale_rows``, as eager dispatch does outside its autograd Function).
 """
@@ -69,6 +70,9 @@ class Routed(NamedTuple):
         num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
         scaled: ``apply_weights="dispatch"``: every row of ``tokens`` is already multiplied by its weight, and
             :func:`combine` sums them plainly.
+        scales, grad_rows: fp8 dispatch (``tokens`` float8_e4m3fn): float32 ``[cap, H/128]`` and the stride-0
+            ``[cap, H]`` through which :func:`moonep.fp8.dequantize_rows` sends the rows' gradient back, as in
+            :class:`moonep.Dispatched`; ``None`` otherwise.
     """
 
     tokens: Tensor
@@ -82,6 +86,8 @@ class Routed(NamedTuple):
     op_id: int
     num_tokens: int
     scaled: bool = False
+    scales: Optional[Tensor] = None
+    grad_rows: Optional[Tensor] = None
 
     @property
     def plan(self) -> "Routed":
@@ -113,11 +119,6 @@ def _collective(name: str):
         torch.fx.node.has_side_effect(op._opoverload)
         return op
     return define
-
-
-def _check_ep(ep) -> None:
-    """The op path's restriction (raises ``ValueError``)."""
-    expect(not ep.fp8, "dispatch_dtype", "the token dtype for moonep.ops (torch.compile)", ep.dispatch_dtype)
 
 
 def _none_or(t: Tensor, wanted: bool):
@@ -160,56 +161,79 @@ def _lookup(token: Tensor, op_id: int):
 # --------------------------------------------------------------------------------------------- dispatch
 @_collective("moonep::dispatch")
 def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, capacity: int, num_experts: int,
-              world_size: int, state_words: int) -> tuple[
-        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              world_size: int, state_words: int, fp8: bool = False) -> tuple[
+        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``ExpertParallel.dispatch`` -> (tokens ``[cap, H]``, weights ``[cap]``, cu_seqlens int32 ``[2epn+1]``,
     slot_experts int64 ``[2epn]``, assignment int64 ``[E, R]``, replica_experts int64 ``[R, epn]``,
-    recv_counts int64 ``[R]``, step token int64 ``[1]``, NVLink: ``[state_words + 2*s*K]``). Collective.
+    recv_counts int64 ``[R]``, step token int64 ``[1]``, NVLink: ``[state_words + 2*s*K]``, then with ``fp8``
+    scales float32 ``[cap, H/128]`` and ``grad_rows``, a stride-0 zero ``[cap, H]`` in ``x``'s dtype through
+    which the dequantised rows' gradient comes back (tokens then float8_e4m3fn); without, both ``[0]``).
+    Collective.
 
-    ``capacity``, ``num_experts``, ``world_size``, ``state_words`` (:func:`_state_words`): the instance's
-    (checked), so that the fake implementation needs no lookup and a compiled graph's cache key holds its
-    output shapes."""
+    ``capacity``, ``num_experts``, ``world_size``, ``state_words`` (:func:`_state_words`), ``fp8``: the
+    instance's (checked), so that the fake implementation needs no lookup and a compiled graph's cache key
+    holds its output shapes."""
     ep = op_state.instance(op_id)
-    sizes = (capacity, num_experts, world_size, state_words)
-    expect((ep.capacity, ep.num_experts, ep.world_size, _state_words(ep)) == sizes, "moonep::dispatch",
+    sizes = (capacity, num_experts, world_size, state_words, fp8)
+    expect((ep.capacity, ep.num_experts, ep.world_size, _state_words(ep), ep.fp8) == sizes, "moonep::dispatch",
            f"the sizes of ExpertParallel op id {op_id}", sizes)
-    _check_ep(ep)
     with ep._op_body():  # rows of its own, unscaled
         h = ep.dispatch(x, topk_idx, topk_weights)
     dev = x.device
     token, kept = ep._backend.pack_step(h, dev)
     op_state.put_step(token, op_id, kept)
     plan = h.plan
-    return (_fresh(h.tokens, x), _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
+    if fp8:  # the views of the wire rows, as tensors of their own; the anchor for the rows' gradient
+        extra = (h.scales.contiguous(), _grad_anchor(capacity, x))
+        tokens = h.tokens.contiguous()
+    else:
+        extra = (x.new_empty(0, dtype=torch.float32), x.new_empty(0))
+        tokens = _fresh(h.tokens, x)
+    return (tokens, _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
             h.slot_experts.to(dev, torch.int64, copy=True), plan.assignment.to(dev, torch.int64, copy=True),
             plan.replica_experts.to(dev, torch.int64, copy=True), plan.recv_counts.to(dev, torch.int64, copy=True),
-            token)
+            token) + extra
+
+
+def _grad_anchor(cap: int, x: Tensor) -> Tensor:
+    """fp8 dispatch: ``[cap, H]`` zeros in ``x``'s dtype, stride 0 (no memory), like ``Dispatched.grad_rows``."""
+    return x.new_zeros(()).expand(cap, x.shape[1])
 
 
 @_dispatch.register_fake
-def _(x, topk_idx, topk_weights, op_id, capacity, num_experts, world_size, state_words):
+def _(x, topk_idx, topk_weights, op_id, capacity, num_experts, world_size, state_words, fp8=False):
     E, R, epn, cap = num_experts, world_size, num_experts // world_size, capacity
     words = state_words + 2 * x.shape[0] * topk_idx.shape[1] if state_words else 1
     i64 = dict(dtype=torch.int64)
-    return (x.new_empty(cap, x.shape[1]), topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
+    if fp8:
+        tokens = x.new_empty(cap, x.shape[1], dtype=torch.float8_e4m3fn)
+        extra = (x.new_empty(cap, x.shape[1] // 128, dtype=torch.float32), _grad_anchor(cap, x))
+    else:
+        tokens, extra = x.new_empty(cap, x.shape[1]), (x.new_empty(0, dtype=torch.float32), x.new_empty(0))
+    return (tokens, topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
             x.new_empty(2 * epn, **i64), x.new_empty(E, R, **i64), x.new_empty(R, epn, **i64), x.new_empty(R, **i64),
-            x.new_empty(words, **i64))
+            x.new_empty(words, **i64)) + extra
 
 
 def _dispatch_setup(ctx, inputs, output):
     x, idx, w, op_id, cap = inputs[:5]
     ctx.op_id, ctx.num_tokens, ctx.x_dtype, ctx.w_dtype = op_id, x.shape[0], x.dtype, w.dtype
     ctx.sizes = (x.shape[1], idx.shape[1], cap)
-    ctx.save_for_backward(output[-1])
+    ctx.fp8 = len(inputs) > 8 and inputs[8]
+    if ctx.fp8:  # the fp8 rows and their scales carry no gradient: it comes back through grad_rows
+        ctx.mark_non_differentiable(output[0], output[8])
+    ctx.save_for_backward(output[7])
 
 
-def _dispatch_bwd(ctx, g_tokens, g_weights, *_ints):
+def _dispatch_bwd(ctx, g_tokens, g_weights, *rest):
     (token,) = ctx.saved_tensors
+    if ctx.fp8:  # the dequantised rows' gradient, straight through
+        g_tokens = rest[-1]
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     with _backward_only():
         gx, gw = _dispatch_backward(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
                                     ctx.w_dtype, want_x, want_w)
-    return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None, None
+    return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None, None, None
 
 
 _dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
@@ -243,17 +267,19 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
     """:meth:`moonep.ExpertParallel.dispatch` as the op ``moonep::dispatch``. Collective.
 
     Args:
-        ep: the :class:`moonep.ExpertParallel` (no fp8 dispatch).
+        ep: the :class:`moonep.ExpertParallel`; with ``dispatch_dtype=torch.float8_e4m3fn`` ``x`` is a float
+            tensor, quantised in the send (a pre-quantised pair runs eagerly: ``ExpertParallel.dispatch``).
         x: ``[s, H]`` in ``ep.dtype``; topk_idx: int32/int64 ``[s, K]``; topk_weights: float ``[s, K]``.
     Returns:
         :class:`Routed`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
         ``topk_weights`` (the backward is a combine, as in eager).
     """
     out = _dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts, ep.world_size,
-                    _state_words(ep))
+                    _state_words(ep), ep.fp8)
+    tokens, fp8_parts = out[0], (out[8], out[9]) if ep.fp8 else (None, None)
     if ep.apply_weights == "dispatch":  # in the graph, as eager does it outside its autograd Function
-        out = (scale_rows(out[0], out[1]),) + tuple(out[1:])
-    return Routed(*out, ep.op_id, x.shape[0], ep.apply_weights == "dispatch")
+        tokens = scale_rows(tokens, out[1])
+    return Routed(tokens, *out[1:8], ep.op_id, x.shape[0], ep.apply_weights == "dispatch", *fp8_parts)
 
 
 # --------------------------------------------------------------------------------------------- combine

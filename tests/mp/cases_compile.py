@@ -157,6 +157,40 @@ def case_moe_function_scaled_at_dispatch(rt):
                  apply_weights="dispatch")
 
 
+def case_fp8_dispatch_compiled(rt):
+    """fp8 dispatch (float32 tokens quantised in the send) through the eager API under aot_eager with
+    fullgraph=True: fp8 rows out of moonep::dispatch, dequantised in the graph, the gradient straight through;
+    output and gradients bitwise eager's, token counts changing per rank and step (0 included)."""
+    torch._dynamo.reset()
+    Hq, E, dt = 128, 2 * rt.world_size, torch.float32
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=2, hidden=Hq, max_tokens=20, dtype=dt,
+                               dispatch_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(7)
+    W = (torch.randn(E, Hq, Hq, generator=g, dtype=dt) * 0.05)[rt.rank * 2:rt.rank * 2 + 2].to(rt.device)
+    W.requires_grad_()
+
+    def layer(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(moonep.slot_matmul(h, h.cu_seqlens, ep.prefetch(h, W)), h)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        s = _sizes(rt.world_size, step)[rt.rank]
+        got = []
+        for fn in (layer, compiled):
+            gx = torch.Generator().manual_seed(3000 + step)
+            x = torch.randn(s, Hq, generator=gx, dtype=dt).to(rt.device).requires_grad_()
+            idx, w = _routing(rt, s, E, step)
+            w = w.to(dt).requires_grad_()
+            W.grad = None
+            y = fn(x, idx, w)
+            y.square().sum().backward()
+            got.append((y.detach(), x.grad, w.grad, W.grad))
+        for name, a, b in zip(("y", "dx", "dw", "dW"), *got):
+            _equal(name, b, a, f"fp8 aot_eager rank {rt.rank} step {step} s={s}")
+    ep.close()
+
+
 def case_moe_function_cuda_graphs(rt):
     """CUDA only: the ops under CUDA graphs with new routing every step (cudagraphs backend: bitwise)."""
     if not _cuda(rt):

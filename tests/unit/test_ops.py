@@ -104,6 +104,39 @@ def test_the_eager_api_compiles_into_one_graph(apply_weights):
     ep.close()
 
 
+def test_fp8_dispatch_compiles_into_one_graph():
+    """fp8 dispatch through the eager API under torch.compile (fullgraph, aot_eager): the rows and scales come
+    out of moonep::dispatch, dequantised in the graph, the gradient straight through to x; bitwise eager's."""
+    torch._dynamo.reset()
+    Hq = 128  # fp8 groups of 128 channels
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=Hq, max_tokens=S, dtype=torch.bfloat16, device="cpu",
+                               dispatch_dtype=torch.float8_e4m3fn)
+    W = torch.randn(E, Hq, Hq, generator=torch.Generator().manual_seed(3), dtype=torch.bfloat16) * 0.05
+    W.requires_grad_()
+
+    def layer(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(moonep.slot_matmul(h, h.cu_seqlens, ep.prefetch(h, W)), h), h.tokens.dtype
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    for s in (9, 14, 0):
+        got = []
+        for fn in (layer, compiled):
+            g = torch.Generator().manual_seed(s)
+            x = torch.randn(s, Hq, generator=g, dtype=torch.bfloat16).requires_grad_()
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s)]) if s else \
+                torch.zeros(0, K, dtype=torch.int64)
+            w = torch.rand(s, K, generator=g, dtype=torch.float32).requires_grad_()
+            W.grad = None
+            y, rows_dtype = fn(x, idx, w)
+            assert rows_dtype == torch.float8_e4m3fn
+            y.float().square().sum().backward()
+            got.append((y.detach(), x.grad, w.grad, W.grad))
+        for name, a, b in zip(("y", "dx", "dw", "dW"), *got):
+            assert torch.equal(a, b), (s, name)
+    ep.close()
+
+
 def _nvlink_like(s, tokfirst, seed):
     """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
     from types import SimpleNamespace
@@ -158,7 +191,7 @@ def test_nvlink_step_state_travels_in_the_token():
             x = torch.empty(s, 4)
             idx, w = torch.empty(s, ep.topk, dtype=torch.int64), torch.empty(s, ep.topk)
             out = torch.ops.moonep.dispatch(x, idx, w, 1, ep.capacity, ep.num_experts, ep.world_size, words)
-            assert out[-1].shape == token.shape and out[-1].dtype == torch.int64
+            assert out[7].shape == token.shape and out[7].dtype == torch.int64  # then fp8's scales and anchor
 
 
 def plan_op_matches_eager(device):
