@@ -55,7 +55,10 @@ __all__ = ["Routed", "Fetched", "Planned", "dispatch", "combine", "prefetch", "p
 
 
 class Routed(NamedTuple):
-    """What :func:`dispatch` returns (the compiled counterpart of :class:`moonep.Dispatched`).
+    """What :func:`dispatch` returns, and ``ExpertParallel.dispatch`` in compiled code: the compiled form of
+    :class:`moonep.Dispatched`, with the same fields (``tokens``, ``weights``, ``cu_seqlens``, ``slot_experts``,
+    ``num_rows``, ``plan``, ``scales``, ``grad_rows``); in place of its opaque ``routing`` it carries the step
+    token (``step``) and the instance's ``op_id``.
 
     Attributes:
         tokens: ``[cap, H]`` in the token dtype, rows in slot order (padding rows zero).
@@ -94,6 +97,12 @@ class Routed(NamedTuple):
         """The plan's tensors (``assignment``, ``replica_experts``, ``recv_counts``), as ``Dispatched.plan``
         gives them: the handle itself."""
         return self
+
+    @property
+    def num_rows(self) -> Tensor:
+        """The rows used, ``cu_seqlens[-1]``: a 0-d int32 tensor (reading it is a host sync), as
+        ``Dispatched.num_rows`` on the NVLink backend."""
+        return self.cu_seqlens[-1]
 
 
 class Fetched(NamedTuple):
