@@ -11,6 +11,7 @@ from .errors import MoonepError
 from .experts import ReplicaPool, Replicas, expert_bias, expert_matmul, module_slots, slot_apply, slot_matmul
 from .handles import Dispatched
 from .layers import LatentMoE
+from . import ops  # noqa: F401,E402  registers the custom ops (torch.ops.moonep.*) that compiled code runs
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
 

@@ -33,7 +33,7 @@ from .config import Tuning
 from .errors import (MoonepError, RefusedEverywhere, expect, expect_device, expect_int, expect_same, expect_slack,
                      expect_tensor, fail, raise_together, valid_timeout)
 from .guard import CollectiveGuard, OrderMismatch, mark_failed
-from .handles import Dispatched, check_issued, issue
+from .handles import Dispatched, Routed, check_issued, issue
 from .op_state import register_instance
 from .replicas import home_is_view
 from .runtime import Runtime, detect_launcher, init, local_runtime
@@ -113,6 +113,32 @@ def scale_rows(tokens, weights):
     accumulation dtype, rounded once to the tokens' dtype (eager dispatch and ``moonep.ops.dispatch``)."""
     adt = acc_dtype(tokens.dtype)
     return (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
+
+
+# -- the custom ops (registered by moonep/ops.py, which imports this module): what compiled code runs --------
+def dispatch_op(ep, x, topk_idx, topk_weights) -> Routed:
+    """``moonep::dispatch`` of ``ep``: the :class:`moonep.handles.Routed` handle.  With ``apply_weights=
+    "dispatch"`` the op moves the rows unscaled and they are scaled here, in the graph (:func:`scale_rows`, as
+    eager dispatch does outside its autograd Function); an fp8 dispatch's rows come with their scales and
+    the ``grad_rows`` anchor."""
+    out = torch.ops.moonep.dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts,
+                                    ep.world_size, ep._backend.token_state_words, ep.fp8)
+    tokens, fp8_parts = out[0], (out[8], out[9]) if ep.fp8 else (None, None)
+    if ep.apply_weights == "dispatch":
+        tokens = scale_rows(tokens, out[1])
+    return Routed(tokens, *out[1:8], ep.op_id, x.shape[0], ep.apply_weights == "dispatch", *fp8_parts)
+
+
+def combine_op(expert_out, h: Routed):
+    """``moonep::combine`` of a :class:`moonep.handles.Routed` step: ``expert_out [cap, H]`` -> ``[s, H]``."""
+    # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
+    weights = h.weights.detach() if h.scaled else h.weights
+    return torch.ops.moonep.combine(expert_out, weights, h.step, h.op_id, h.num_tokens)
+
+
+def prefetch_op(h: Routed, local_weight):
+    """``moonep::prefetch`` of a :class:`moonep.handles.Routed` step: ``[epn, *D]`` -> ``[2*epn, *D]``."""
+    return torch.ops.moonep.prefetch(local_weight, h.step, h.op_id)
 
 
 def dispatch_grads(ep, st, g_tokens, g_weights, want_x: bool, want_w: bool, x_dtype, w_dtype):
@@ -534,7 +560,7 @@ class ExpertParallel:
         pair and ``num_global_tokens`` run eagerly there (one graph break).
         """
         if torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and num_global_tokens is None:
-            return ops.dispatch(self, x, topk_idx, topk_weights)
+            return dispatch_op(self, x, topk_idx, topk_weights)
         return self._dispatch(x, topk_idx, topk_weights, num_global_tokens)
 
     @torch.compiler.disable  # eager: one graph break in compiled code
@@ -641,10 +667,10 @@ class ExpertParallel:
 
         With the :class:`moonep.ops.Routed` of a compiled dispatch: ``moonep::combine``.
         """
-        if isinstance(h, ops.Routed):
+        if isinstance(h, Routed):
             expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
                    f"one of op id {h.op_id}")
-            return ops.combine(expert_out, h)
+            return combine_op(expert_out, h)
         return self._combine(expert_out, h)
 
     @torch.compiler.disable  # eager: one graph break in compiled code
@@ -709,10 +735,10 @@ class ExpertParallel:
 
         With the :class:`moonep.ops.Routed` of a compiled dispatch (and no ``out``): ``moonep::prefetch``.
         """
-        if isinstance(h, ops.Routed) and out is None:
+        if isinstance(h, Routed) and out is None:
             expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
                    f"one of op id {h.op_id}")
-            return ops.prefetch(h, local_weight)
+            return prefetch_op(h, local_weight)
         return self._prefetch(h, local_weight, out)
 
     @torch.compiler.disable  # eager: one graph break in compiled code
@@ -851,5 +877,3 @@ class ExpertParallel:
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
 
-
-from . import ops  # noqa: E402  (the custom ops import this module's backward rules)

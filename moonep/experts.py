@@ -37,6 +37,7 @@ from torch.func import functional_call
 from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
+from .handles import Fetched, Routed
 from .replicas import track_zero_slots
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -242,7 +243,7 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
     if torch.compiler.is_compiling():  # one node of the graph
-        return ops.slot_matmul(a, cu_seqlens, w, impl)
+        return torch.ops.moonep.slot_matmul(a, cu_seqlens, w, impl)
     if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
         return _SlotMatmul.apply(a, w, cu_seqlens, impl)
     return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
@@ -317,15 +318,15 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
            f"bias {'given' if bias is not None else 'None'}, bias_replicas "
            f"{'given' if bias_replicas is not None else 'None'}")
-    if isinstance(replicas, ops.Fetched):  # a compiled step's: one node of the graph
+    if isinstance(replicas, Fetched):  # a compiled step's: one node of the graph
         expect(replicas.home is home_weight, "replicas", "what ReplicaPool.fetch returned for this home_weight",
                "the replicas of another tensor")
         a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first (in the graph)
         if bias is not None:
-            expect(isinstance(bias_replicas, ops.Fetched) and bias_replicas.home is bias, "bias_replicas",
+            expect(isinstance(bias_replicas, Fetched) and bias_replicas.home is bias, "bias_replicas",
                    "what ReplicaPool.fetch returned for this bias", type(bias_replicas).__name__)
-        return ops.expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose=transpose, impl=impl,
-                                 bias=bias, bias_replicas=None if bias is None else bias_replicas.replicas)
+        return expert_matmul_op(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
+                                None if bias is None else bias_replicas.replicas)
     if bias is not None:
         return expert_bias(expert_matmul(a, cu_seqlens, home_weight, replicas, transpose=transpose, impl=impl),
                            cu_seqlens, bias, bias_replicas)
@@ -399,7 +400,7 @@ def expert_bias(out: torch.Tensor, cu_seqlens: torch.Tensor, home_bias: torch.Te
         ``[cap, N]`` in ``out.dtype``; padding rows get no bias.  Differentiable with respect to ``out`` and
         ``home_bias`` (the replica rows' bias gradient is added at home, collective in the backward).
     """
-    expect(not isinstance(replicas, ops.Fetched), "replicas",
+    expect(not isinstance(replicas, Fetched), "replicas",
            "eager Replicas (compiled code adds expert biases in moonep.ops.expert_matmul(..., bias=...), so that "
            "the backward's two reduces keep their order on every rank)", "the replicas of a compiled step")
     expect(isinstance(replicas, Replicas) and replicas.home is home_bias, "replicas",
@@ -581,6 +582,20 @@ class Replicas:
         return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
 
 
+def fetch_op(h: Routed, weights: list) -> list:
+    """``moonep::prefetch_replicas`` of a :class:`moonep.handles.Routed` step: one collective for every
+    ``[epn, *D]`` home tensor -> a :class:`moonep.handles.Fetched` each (fresh replica slots)."""
+    reps = torch.ops.moonep.prefetch_replicas([w.detach() for w in weights], h.step, h.op_id)
+    return [Fetched(h, w, r) for w, r in zip(weights, reps)]
+
+
+def expert_matmul_op(h: Routed, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None):
+    """``moonep::expert_matmul`` of a :class:`moonep.handles.Routed` step (``replicas`` and ``bias_replicas``
+    the fetched tensors): ``a [cap, D]`` -> ``[cap, N]``."""
+    return torch.ops.moonep.expert_matmul(a, h.cu_seqlens, home_weight, replicas, bias, bias_replicas, h.step,
+                                          h.op_id, transpose, impl)
+
+
 _DEFAULT: list = []
 
 
@@ -671,8 +686,8 @@ class ReplicaPool:
             expect(isinstance(w, torch.Tensor), "home_weight", "a torch.Tensor", type(w).__name__)
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
-        if isinstance(h, ops.Routed):  # one node of the graph
-            out = [ops.Fetched(h, w, r) for w, r in zip(weights, ops.prefetch_replicas(h, *weights))]
+        if isinstance(h, Routed):  # one node of the graph
+            out = fetch_op(h, weights)
             return out if many else out[0]
         return self._fetch(ep, h, weights, names, many)
 
@@ -717,5 +732,3 @@ class ReplicaPool:
             s = self._streams[w.device] = torch.cuda.Stream(w.device)
         return s
 
-
-from . import ops  # noqa: E402  (the custom ops import this module's kernels and rules)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
+from torch import Tensor
 
 
 class StepState:
@@ -131,6 +132,68 @@ class NVLinkStep(StepState):
     tokfirst: Optional[torch.Tensor] = None
     w32: Optional[torch.Tensor] = None
     cu: Optional[torch.Tensor] = None
+
+
+# -- the compiled form (moonep.ops) --------------------------------------------------------------------------
+class Routed(NamedTuple):
+    """What ``moonep.ops.dispatch`` returns, and ``ExpertParallel.dispatch`` in compiled code: the compiled form of
+    :class:`moonep.Dispatched`, with the same fields (``tokens``, ``weights``, ``cu_seqlens``, ``slot_experts``,
+    ``num_rows``, ``plan``, ``scales``, ``grad_rows``); in place of its opaque ``routing`` it carries the step
+    token (``step``) and the instance's ``op_id``.
+
+    Attributes:
+        tokens: ``[cap, H]`` in the token dtype, rows in slot order (padding rows zero).
+        weights: ``[cap]`` in ``topk_weights``' dtype, each row's routing weight.
+        cu_seqlens: int32 ``[2*epn + 1]``; slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
+        slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: empty replica slot).
+        assignment: int64 ``[E, R]`` of the plan; replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]``.
+        step: int64, the step token the other ops take: ``[1]`` (its value means nothing) on the host
+            backends; on NVLink the step's device state, ``[token_state_words + 2*s*K]`` (see
+            ``Backend.pack_step``).
+        op_id: the ExpertParallel's ``op_id``.
+        num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
+        scaled: ``apply_weights="dispatch"``: every row of ``tokens`` is already multiplied by its weight, and
+            :func:`moonep.ops.combine` sums them plainly.
+        scales, grad_rows: fp8 dispatch (``tokens`` float8_e4m3fn): float32 ``[cap, H/128]`` and the stride-0
+            ``[cap, H]`` through which :func:`moonep.fp8.dequantize_rows` sends the rows' gradient back, as in
+            :class:`moonep.Dispatched`; ``None`` otherwise.
+    """
+
+    tokens: Tensor
+    weights: Tensor
+    cu_seqlens: Tensor
+    slot_experts: Tensor
+    assignment: Tensor
+    replica_experts: Tensor
+    recv_counts: Tensor
+    step: Tensor
+    op_id: int
+    num_tokens: int
+    scaled: bool = False
+    scales: Optional[Tensor] = None
+    grad_rows: Optional[Tensor] = None
+
+    @property
+    def plan(self) -> "Routed":
+        """The plan's tensors (``assignment``, ``replica_experts``, ``recv_counts``), as ``Dispatched.plan``
+        gives them: the handle itself."""
+        return self
+
+    @property
+    def num_rows(self) -> Tensor:
+        """The rows used, ``cu_seqlens[-1]``: a 0-d int32 tensor (reading it is a host sync), as
+        ``Dispatched.num_rows`` on the NVLink backend."""
+        return self.cu_seqlens[-1]
+
+
+class Fetched(NamedTuple):
+    """What :meth:`moonep.ReplicaPool.fetch` returns for a :class:`Routed` (compiled code), per projection:
+    the step ``h``, the ``home [epn, *D]`` weights and their fresh ``replicas [epn, *D]``
+    (``moonep.ops.prefetch_replicas``), which :func:`moonep.expert_matmul` passes to ``moonep::expert_matmul``."""
+
+    h: Routed
+    home: Tensor
+    replicas: Tensor
 
 
 # -- what dispatch handed out ------------------------------------------------------------------------------

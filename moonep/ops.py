@@ -44,75 +44,14 @@ from torch import Tensor
 
 from . import op_state
 from .op_state import fresh_output as _fresh
-from .ep import combine_grads, dispatch_grads, prefetch_grad, scale_rows
+from .ep import combine_grads, combine_op, dispatch_grads, dispatch_op, prefetch_grad, prefetch_op
 from .errors import expect
-from .handles import reissue
+from .handles import Fetched, Routed, reissue  # noqa: F401  (Fetched: part of this module's API)
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
-                      expert_bias_grad, expert_matmul_grads, slot_matmul_grads)
+                      expert_bias_grad, expert_matmul_grads, expert_matmul_op, fetch_op, slot_matmul_grads)
 
 __all__ = ["Routed", "Fetched", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
            "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "qb_record"]
-
-
-class Routed(NamedTuple):
-    """What :func:`dispatch` returns, and ``ExpertParallel.dispatch`` in compiled code: the compiled form of
-    :class:`moonep.Dispatched`, with the same fields (``tokens``, ``weights``, ``cu_seqlens``, ``slot_experts``,
-    ``num_rows``, ``plan``, ``scales``, ``grad_rows``); in place of its opaque ``routing`` it carries the step
-    token (``step``) and the instance's ``op_id``.
-
-    Attributes:
-        tokens: ``[cap, H]`` in the token dtype, rows in slot order (padding rows zero).
-        weights: ``[cap]`` in ``topk_weights``' dtype, each row's routing weight.
-        cu_seqlens: int32 ``[2*epn + 1]``; slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
-        slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: empty replica slot).
-        assignment: int64 ``[E, R]`` of the plan; replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]``.
-        step: int64, the step token the other ops take: ``[1]`` (its value means nothing) on the host
-            backends; on NVLink the step's device state, ``[token_state_words + 2*s*K]`` (see
-            ``Backend.pack_step``).
-        op_id: the ExpertParallel's ``op_id``.
-        num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
-        scaled: ``apply_weights="dispatch"``: every row of ``tokens`` is already multiplied by its weight, and
-            :func:`combine` sums them plainly.
-        scales, grad_rows: fp8 dispatch (``tokens`` float8_e4m3fn): float32 ``[cap, H/128]`` and the stride-0
-            ``[cap, H]`` through which :func:`moonep.fp8.dequantize_rows` sends the rows' gradient back, as in
-            :class:`moonep.Dispatched`; ``None`` otherwise.
-    """
-
-    tokens: Tensor
-    weights: Tensor
-    cu_seqlens: Tensor
-    slot_experts: Tensor
-    assignment: Tensor
-    replica_experts: Tensor
-    recv_counts: Tensor
-    step: Tensor
-    op_id: int
-    num_tokens: int
-    scaled: bool = False
-    scales: Optional[Tensor] = None
-    grad_rows: Optional[Tensor] = None
-
-    @property
-    def plan(self) -> "Routed":
-        """The plan's tensors (``assignment``, ``replica_experts``, ``recv_counts``), as ``Dispatched.plan``
-        gives them: the handle itself."""
-        return self
-
-    @property
-    def num_rows(self) -> Tensor:
-        """The rows used, ``cu_seqlens[-1]``: a 0-d int32 tensor (reading it is a host sync), as
-        ``Dispatched.num_rows`` on the NVLink backend."""
-        return self.cu_seqlens[-1]
-
-
-class Fetched(NamedTuple):
-    """What :meth:`moonep.ReplicaPool.fetch` returns for a :class:`Routed` (compiled code), per projection:
-    the step ``h``, the ``home [epn, *D]`` weights and their fresh ``replicas [epn, *D]``
-    (:func:`prefetch_replicas`), which :func:`moonep.expert_matmul` passes to :func:`expert_matmul`."""
-
-    h: Routed
-    home: Tensor
-    replicas: Tensor
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -273,7 +212,8 @@ def _(g_tokens, g_weights, token, op_id, num_tokens, hidden, topk, capacity, x_d
 
 
 def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
-    """:meth:`moonep.ExpertParallel.dispatch` as the op ``moonep::dispatch``. Collective.
+    """:meth:`moonep.ExpertParallel.dispatch` as the op ``moonep::dispatch`` (what it runs when compiled).
+    Collective.
 
     Args:
         ep: the :class:`moonep.ExpertParallel`; with ``dispatch_dtype=torch.float8_e4m3fn`` ``x`` is a float
@@ -283,12 +223,7 @@ def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
         :class:`Routed`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
         ``topk_weights`` (the backward is a combine, as in eager).
     """
-    out = _dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts, ep.world_size,
-                    _state_words(ep), ep.fp8)
-    tokens, fp8_parts = out[0], (out[8], out[9]) if ep.fp8 else (None, None)
-    if ep.apply_weights == "dispatch":  # in the graph, as eager does it outside its autograd Function
-        tokens = scale_rows(tokens, out[1])
-    return Routed(tokens, *out[1:8], ep.op_id, x.shape[0], ep.apply_weights == "dispatch", *fp8_parts)
+    return dispatch_op(ep, x, topk_idx, topk_weights)
 
 
 # --------------------------------------------------------------------------------------------- combine
@@ -350,9 +285,7 @@ def combine(expert_out: Tensor, h: Routed) -> Tensor:
     its dtype, ``sum_k w_k out_k`` (the plain sum when ``h.scaled``).  Differentiable with respect to
     ``expert_out`` and ``h.weights`` (unless ``h.scaled``: their gradient then comes through the dispatched rows).
     Collective."""
-    # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
-    weights = h.weights.detach() if h.scaled else h.weights
-    return _combine(expert_out, weights, h.step, h.op_id, h.num_tokens)
+    return combine_op(expert_out, h)
 
 
 # --------------------------------------------------------------------------------------------- weights
@@ -398,7 +331,7 @@ def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.prefetch` as ``moonep::prefetch``: ``local_weight [epn, *D]`` ->
     ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).  Differentiable (the backward is
     ``reduce_grad``). Collective."""
-    return _prefetch(local_weight, h.step, h.op_id)
+    return prefetch_op(h, local_weight)
 
 
 @_collective("moonep::prefetch_replicas")
@@ -419,7 +352,7 @@ def prefetch_replicas(h: Routed, *local_weights: Tensor) -> list:
     """The replica slots of each ``local_weight [epn, *D]`` (one collective for all) -> a list of ``[epn, *D]``
     (slot ``j``: expert ``h.slot_experts[epn+j]``, zero if ``-1``).  Not differentiable:
     :func:`expert_matmul` sends the replica rows' gradient home."""
-    return _prefetch_replicas([w.detach() for w in local_weights], h.step, h.op_id)
+    return [f.replicas for f in fetch_op(h, list(local_weights))]
 
 
 @_collective("moonep::reduce_grad")
@@ -559,8 +492,7 @@ def expert_matmul(h: Routed, a: Tensor, home_weight: Tensor, replicas: Tensor, *
     expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
            f"bias {'given' if bias is not None else 'None'}, bias_replicas "
            f"{'given' if bias_replicas is not None else 'None'}")
-    return _expert_matmul(a, h.cu_seqlens, home_weight, replicas, bias, bias_replicas, h.step, h.op_id, transpose,
-                          impl)
+    return expert_matmul_op(h, a, home_weight, replicas, transpose, impl, bias, bias_replicas)
 
 
 @torch.library.custom_op("moonep::slot_matmul", mutates_args=())
