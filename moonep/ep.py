@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 
-from . import fp8, layout
+from . import fp8, layout, op_state
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype, product_grads
 from .config import Tuning
@@ -625,6 +625,16 @@ class ExpertParallel:
         cu, slot_experts, num_rows = backend.slots(plan, st)
         return issue(Dispatched(q, weights, cu, slot_experts, num_rows, plan, st, scales=scales, grad_rows=anchor))
 
+    def _eager_handle(self, h):
+        """The eager :class:`Dispatched` (without its rows) of a compiled step's :class:`moonep.handles.Routed`,
+        found by its step token, so that the calls that have no op (``reduce_grad``, ``reduce_replicas``,
+        ``prefetch(out=)``, a replica refetch) take it after a graph break; any other ``h`` as is."""
+        if not isinstance(h, Routed):
+            return h
+        expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
+               f"one of op id {h.op_id}")
+        return self._backend.unpack_step(op_state.step(h.step, h.op_id), h.step)
+
     @contextmanager
     def _op_body(self):
         """A dispatch as the body of ``moonep::dispatch``: rows of its own (the graph keeps them past the next
@@ -743,6 +753,7 @@ class ExpertParallel:
 
     @torch.compiler.disable  # eager: one graph break in compiled code
     def _prefetch(self, h: Dispatched, local_weight: torch.Tensor, out) -> torch.Tensor:
+        h = self._eager_handle(h)
         if out is not None:
             _deprecated("ExpertParallel.prefetch(out=...) is deprecated: fetch through a moonep.ReplicaPool "
                         "(pool.fetch(ep, h, home_weight, name), the pool made once per model) and multiply with "
@@ -793,6 +804,7 @@ class ExpertParallel:
         Returns:
             ``outs``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
+        h = self._eager_handle(h)
         err = None
         for w, out in zip(local_weights, outs):
             err = err or _local_error(self._check_replicas, h, w, out, "out")
@@ -817,6 +829,7 @@ class ExpertParallel:
         rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective.
         ``in_backward``: called from a backward (named so in errors) with ``home_grad`` that backward's own
         scratch, which may hold the sum (no copy of the home gradients)."""
+        h = self._eager_handle(h)
         err = _local_error(self._check_replicas, h, home_grad, replica_grad, "replica_grad")
         sig, describe = _weights_signature("home_grad", home_grad, h) if err is None else ((), None)
         op = "prefetch.backward" if in_backward else "reduce_grad"
@@ -866,6 +879,7 @@ class ExpertParallel:
 
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
         """
+        h = self._eager_handle(h)
         err = _local_error(self._check_reduce_grad, h, grad_view)
         sig, describe = _weights_signature("grad_view", grad_view, h) if err is None else ((), None)
         with self._collective("reduce_grad", error=err, sig=sig, describe=describe):
@@ -876,4 +890,3 @@ class ExpertParallel:
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))
-

@@ -318,25 +318,28 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
            f"bias {'given' if bias is not None else 'None'}, bias_replicas "
            f"{'given' if bias_replicas is not None else 'None'}")
+    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    expect(tuple(cu_seqlens.shape) == (2 * home_weight.shape[0] + 1,), "cu_seqlens",
+           f"shape [2*epn+1={2 * home_weight.shape[0] + 1}]", list(cu_seqlens.shape))
     if isinstance(replicas, Fetched):  # a compiled step's: one node of the graph
         expect(replicas.home is home_weight, "replicas", "what ReplicaPool.fetch returned for this home_weight",
                "the replicas of another tensor")
         a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first (in the graph)
         if bias is not None:
-            expect(isinstance(bias_replicas, Fetched) and bias_replicas.home is bias, "bias_replicas",
-                   "what ReplicaPool.fetch returned for this bias", type(bias_replicas).__name__)
+            expect(isinstance(bias_replicas, Fetched) and bias_replicas.home is bias
+                   and bias_replicas.h is replicas.h, "bias_replicas",
+                   "what ReplicaPool.fetch returned for this bias in the same step", type(bias_replicas).__name__)
+            expect(bias.dim() == 2 and bias.shape[1] == (home_weight.shape[-2] if transpose else
+                                                          home_weight.shape[-1]),
+                   "bias", "shape [epn, N] (N: the product's width)", list(bias.shape))
         return expert_matmul_op(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
-                                None if bias is None else bias_replicas.replicas)
+                                None if bias is None else bias_replicas.replicas, cu_seqlens)
     if bias is not None:
         return expert_bias(expert_matmul(a, cu_seqlens, home_weight, replicas, transpose=transpose, impl=impl),
                            cu_seqlens, bias, bias_replicas)
     expect(isinstance(replicas, Replicas) and replicas.home is home_weight, "replicas",
            "the Replicas that ReplicaPool.fetch returned for this home_weight", type(replicas).__name__)
-    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
-    epn = home_weight.shape[0]
     a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
-    expect(tuple(cu_seqlens.shape) == (2 * epn + 1,), "cu_seqlens", f"shape [2*epn+1={2 * epn + 1}]",
-           list(cu_seqlens.shape))
     if torch.is_grad_enabled() and (a.requires_grad or home_weight.requires_grad):
         return _ExpertMatmul.apply(a, home_weight, cu_seqlens, replicas, transpose, impl)
     wh, wr = _operands(home_weight, replicas.weights(), transpose)
@@ -400,9 +403,8 @@ def expert_bias(out: torch.Tensor, cu_seqlens: torch.Tensor, home_bias: torch.Te
         ``[cap, N]`` in ``out.dtype``; padding rows get no bias.  Differentiable with respect to ``out`` and
         ``home_bias`` (the replica rows' bias gradient is added at home, collective in the backward).
     """
-    expect(not isinstance(replicas, Fetched), "replicas",
-           "eager Replicas (compiled code adds expert biases in moonep.ops.expert_matmul(..., bias=...), so that "
-           "the backward's two reduces keep their order on every rank)", "the replicas of a compiled step")
+    if isinstance(replicas, Fetched):  # compiled: expert_matmul(..., bias=) keeps it in the graph; this breaks it
+        replicas = _eager_replicas(replicas)
     expect(isinstance(replicas, Replicas) and replicas.home is home_bias, "replicas",
            "the Replicas that ReplicaPool.fetch returned for this home_bias", type(replicas).__name__)
     expect(home_bias.dim() == 2 and out.dim() == 2 and home_bias.shape[1] == out.shape[1], "home_bias",
@@ -493,6 +495,8 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
         every home expert's parameters (replica parameter gradients are added at home; collective in the
         backward).
     """
+    # a compiled fetch's replicas: the module calls run eagerly (one graph break each)
+    replicas = {n: _eager_replicas(r) if isinstance(r, Fetched) else r for n, r in replicas.items()}
     names = list(replicas)
     epn = len(experts)
     params = [dict(m.named_parameters())[n] for n in names for m in experts]
@@ -589,11 +593,24 @@ def fetch_op(h: Routed, weights: list) -> list:
     return [Fetched(h, w, r) for w, r in zip(weights, reps)]
 
 
-def expert_matmul_op(h: Routed, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None):
+def expert_matmul_op(h: Routed, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
+                     cu_seqlens=None):
     """``moonep::expert_matmul`` of a :class:`moonep.handles.Routed` step (``replicas`` and ``bias_replicas``
-    the fetched tensors): ``a [cap, D]`` -> ``[cap, N]``."""
-    return torch.ops.moonep.expert_matmul(a, h.cu_seqlens, home_weight, replicas, bias, bias_replicas, h.step,
-                                          h.op_id, transpose, impl)
+    the fetched tensors; ``cu_seqlens`` the slots' rows, default ``h.cu_seqlens``): ``a [cap, D]`` ->
+    ``[cap, N]``."""
+    cu = h.cu_seqlens if cu_seqlens is None else cu_seqlens
+    return torch.ops.moonep.expert_matmul(a, cu, home_weight, replicas, bias, bias_replicas, h.step, h.op_id,
+                                          transpose, impl)
+
+
+@torch.compiler.disable  # builds host objects around a compiled step: runs eagerly (one graph break)
+def _eager_replicas(r: Fetched) -> "Replicas":
+    """The :class:`Replicas` of a compiled fetch, for the calls that have no op (:func:`module_slots`,
+    :func:`expert_bias`): its slots kept in their own buffer, its step the eager handle found by the token."""
+    from .op_state import instance
+
+    ep = instance(r.h.op_id)
+    return Replicas(None, None, -1, ep, ep._eager_handle(r.h), r.home, r.replicas, 0)
 
 
 _DEFAULT: list = []
@@ -687,6 +704,8 @@ class ReplicaPool:
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
         if isinstance(h, Routed):  # one node of the graph
+            expect(h.op_id == ep.op_id, "h", f"a handle of this ExpertParallel (op id {ep.op_id})",
+                   f"one of op id {h.op_id}")
             out = fetch_op(h, weights)
             return out if many else out[0]
         return self._fetch(ep, h, weights, names, many)
@@ -731,4 +750,3 @@ class ReplicaPool:
         if s is None:
             s = self._streams[w.device] = torch.cuda.Stream(w.device)
         return s
-

@@ -132,8 +132,8 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, cap
     op_state.put_step(token, op_id, kept)
     plan = h.plan
     if fp8:  # the views of the wire rows, as tensors of their own; the anchor for the rows' gradient
-        extra = (h.scales.contiguous(), _grad_anchor(capacity, x))
-        tokens = h.tokens.contiguous()
+        extra = (h.scales.clone(memory_format=torch.contiguous_format), _grad_anchor(capacity, x))
+        tokens = h.tokens.clone(memory_format=torch.contiguous_format)  # (a view of one row is "contiguous")
     else:
         extra = (x.new_empty(0, dtype=torch.float32), x.new_empty(0))
         tokens = _fresh(h.tokens, x)

@@ -124,3 +124,25 @@ def test_unknown_keyword_refused_at_patch_time():
     # the old API's topk= would otherwise reach ExpertParallel at the first forward
     with pytest.raises(ValueError, match="topk: expected a keyword argument of moonep.ExpertParallel"):
         patch_generic(_block("renorm"), topk=2)
+
+
+def test_patched_block_compiles():
+    """A block patched by patch_generic under torch.compile (aot_eager): the dispatch, fetch and combine are
+    graph nodes, the per-module expert calls (module_slots) run eagerly around them (graph breaks), and the
+    output and every gradient equal the unpatched block's."""
+    torch._dynamo.reset()
+    block = _block("sigmoid_bias")
+    pat = copy.deepcopy(block)
+    patch_generic(pat)
+    compiled = torch.compile(pat, backend="aot_eager")
+    dy = torch.randn(X.shape, dtype=X.dtype, generator=torch.Generator().manual_seed(3))
+    for _ in range(2):
+        block.zero_grad(), pat.zero_grad()
+        y0, gx0, g0 = _forward_backward(block, X, dy)
+        y1, gx1, g1 = _forward_backward(compiled, X, dy)
+        tol = dict(rtol=0, atol=1e-12)
+        torch.testing.assert_close(y1, y0, **tol)
+        torch.testing.assert_close(gx1, gx0, **tol)
+        for k in g0:
+            torch.testing.assert_close(g1[k.replace("_orig_mod.", "")] if k in g1 else g1["_orig_mod." + k], g0[k],
+                                       **tol, msg=lambda s: f"d{k}: {s}")

@@ -137,6 +137,29 @@ def test_fp8_dispatch_compiles_into_one_graph():
     ep.close()
 
 
+def test_calls_without_an_op_take_a_compiled_handle():
+    """reduce_grad and reduce_replicas, given the Routed of a compiled dispatch, run eagerly (a graph break)
+    on its step, found by the token, with eager's values; a handle of another instance is refused."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    other = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    g2 = torch.randn(2 * E, H, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+
+    def step(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.reduce_grad(h, g2), ep.reduce_replicas(h, g2[:E], g2[E:]), h
+
+    x, idx, w = _problem(9, 9)
+    want = step(x, idx, w)
+    got = torch.compile(step, backend="aot_eager")(x, idx, w)
+    assert isinstance(got[2], ops.Routed)
+    for a, b in zip(want[:2], got[:2]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="h: expected a handle of this ExpertParallel"):
+        other.reduce_grad(got[2], g2)
+    ep.close(), other.close()
+
+
 def _nvlink_like(s, tokfirst, seed):
     """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
     from types import SimpleNamespace
