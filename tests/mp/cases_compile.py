@@ -152,6 +152,8 @@ def case_moe_function_compiled_matches_eager(rt):
 def case_moe_function_scaled_at_dispatch(rt):
     """apply_weights="dispatch" through the ops, fullgraph under aot_eager: the op moves the rows unscaled and
     the graph scales them, so output and gradients (the weights' through the product) are eager's, bitwise."""
+    if not _cuda(rt) and rt.world_size != 2:
+        raise SkipCase("CPU: the compile time is paid at 2 ranks only")
     torch._dynamo.reset()
     _compare_moe(rt, lambda f: torch.compile(f, backend="aot_eager", fullgraph=True), "aot_eager, scaled",
                  apply_weights="dispatch")
@@ -161,6 +163,8 @@ def case_fp8_dispatch_compiled(rt):
     """fp8 dispatch (float32 tokens quantised in the send) through the eager API under aot_eager with
     fullgraph=True: fp8 rows out of moonep::dispatch, dequantised in the graph, the gradient straight through;
     output and gradients bitwise eager's, token counts changing per rank and step (0 included)."""
+    if not _cuda(rt) and rt.world_size != 2:
+        raise SkipCase("CPU: the compile time is paid at 2 ranks only")
     torch._dynamo.reset()
     Hq, E, dt = 128, 2 * rt.world_size, torch.float32
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=2, hidden=Hq, max_tokens=20, dtype=dt,
