@@ -161,7 +161,7 @@ class _DispatchFp8Fn(torch.autograd.Function):
         ctx.x_dtype, ctx.w_dtype = ep.dtype, topk_weights.dtype
         rows, weights = ep._backend.dispatch(wire, topk_weights, st, True)
         q, scales = fp8.split_wire(rows, ep.hidden)
-        anchor = torch.zeros((), dtype=ep.dtype, device=rows.device).expand(rows.shape[0], ep.hidden)
+        anchor = fp8.grad_anchor(rows.shape[0], ep.hidden, ep.dtype, rows.device)
         ctx.mark_non_differentiable(q, scales)
         return q, scales, weights, anchor
 
@@ -631,9 +631,13 @@ class ExpertParallel:
         ``prefetch(out=)``, a replica refetch) take it after a graph break; any other ``h`` as is."""
         if not isinstance(h, Routed):
             return h
+        self._check_routed(h)
+        return self._backend.unpack_step(op_state.step(h.step, h.op_id), h.step)
+
+    def _check_routed(self, h: Routed) -> None:
+        """A compiled step's handle must be this instance's (raises ``ValueError``)."""
         expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
                f"one of op id {h.op_id}")
-        return self._backend.unpack_step(op_state.step(h.step, h.op_id), h.step)
 
     @contextmanager
     def _op_body(self):
@@ -678,8 +682,7 @@ class ExpertParallel:
         With the :class:`moonep.ops.Routed` of a compiled dispatch: ``moonep::combine``.
         """
         if isinstance(h, Routed):
-            expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
-                   f"one of op id {h.op_id}")
+            self._check_routed(h)
             return combine_op(expert_out, h)
         return self._combine(expert_out, h)
 
@@ -746,8 +749,7 @@ class ExpertParallel:
         With the :class:`moonep.ops.Routed` of a compiled dispatch (and no ``out``): ``moonep::prefetch``.
         """
         if isinstance(h, Routed) and out is None:
-            expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
-                   f"one of op id {h.op_id}")
+            self._check_routed(h)
             return prefetch_op(h, local_weight)
         return self._prefetch(h, local_weight, out)
 

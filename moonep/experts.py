@@ -603,14 +603,20 @@ def expert_matmul_op(h: Routed, a, home_weight, replicas, transpose: bool, impl:
                                           transpose, impl)
 
 
+def kept_replicas(ep, h, home: torch.Tensor, buffer: torch.Tensor) -> "Replicas":
+    """:class:`Replicas` outside any pool: ``buffer [epn, *D]`` holds the step's replicas of ``home`` and is
+    kept until the backward (index -1: no refetch); ``h`` the step's eager :class:`moonep.Dispatched`."""
+    return Replicas(None, None, -1, ep, h, home, buffer, 0)
+
+
 @torch.compiler.disable  # builds host objects around a compiled step: runs eagerly (one graph break)
 def _eager_replicas(r: Fetched) -> "Replicas":
     """The :class:`Replicas` of a compiled fetch, for the calls that have no op (:func:`module_slots`,
-    :func:`expert_bias`): its slots kept in their own buffer, its step the eager handle found by the token."""
+    :func:`expert_bias`): its slots kept, its step the eager handle found by the token."""
     from .op_state import instance
 
     ep = instance(r.h.op_id)
-    return Replicas(None, None, -1, ep, ep._eager_handle(r.h), r.home, r.replicas, 0)
+    return kept_replicas(ep, ep._eager_handle(r.h), r.home, r.replicas)
 
 
 _DEFAULT: list = []
@@ -704,8 +710,7 @@ class ReplicaPool:
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
         if isinstance(h, Routed):  # one node of the graph
-            expect(h.op_id == ep.op_id, "h", f"a handle of this ExpertParallel (op id {ep.op_id})",
-                   f"one of op id {h.op_id}")
+            ep._check_routed(h)
             out = fetch_op(h, weights)
             return out if many else out[0]
         return self._fetch(ep, h, weights, names, many)

@@ -162,6 +162,12 @@ def dequantize_rows(h, start: int = 0, end: int | None = None, dtype: torch.dtyp
                              None if anchor is None else anchor[start:end], dtype)
 
 
+def grad_anchor(n: int, H: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``grad_rows`` of an fp8 dispatch: ``[n, H]`` zeros in the token dtype, stride 0 (no memory), through
+    which the dequantised rows' gradient reaches the backward of dispatch (eager and ``moonep::dispatch``)."""
+    return torch.zeros((), dtype=dtype, device=device).expand(n, H)
+
+
 def as_float_rows(a, dtype: torch.dtype) -> torch.Tensor:
     """The expert GEMMs' fp8 input: ``a`` the handle of an fp8 dispatch (differentiable, see
     :func:`dequantize_rows`) or a pair ``(tokens fp8 [cap, H], scales float32 [cap, H/128])`` (not

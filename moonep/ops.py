@@ -46,9 +46,11 @@ from . import op_state
 from .op_state import fresh_output as _fresh
 from .ep import combine_grads, combine_op, dispatch_grads, dispatch_op, prefetch_grad, prefetch_op
 from .errors import expect
+from .fp8 import grad_anchor
 from .handles import Fetched, Routed, reissue  # noqa: F401  (Fetched: part of this module's API)
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
-                      expert_bias_grad, expert_matmul_grads, expert_matmul_op, fetch_op, slot_matmul_grads)
+                      expert_bias_grad, expert_matmul_grads, expert_matmul_op, fetch_op, kept_replicas,
+                      slot_matmul_grads)
 
 __all__ = ["Routed", "Fetched", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
            "reduce_replicas", "expert_matmul", "slot_matmul", "plan_and_destinations", "qb_record"]
@@ -144,8 +146,8 @@ def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, cap
 
 
 def _grad_anchor(cap: int, x: Tensor) -> Tensor:
-    """fp8 dispatch: ``[cap, H]`` zeros in ``x``'s dtype, stride 0 (no memory), like ``Dispatched.grad_rows``."""
-    return x.new_zeros(()).expand(cap, x.shape[1])
+    """fp8 dispatch: ``[cap, H]`` stride-0 zeros in ``x``'s dtype (:func:`moonep.fp8.grad_anchor`)."""
+    return grad_anchor(cap, x.shape[1], x.dtype, x.device)
 
 
 @_dispatch.register_fake
@@ -429,21 +431,6 @@ def _expert_matmul_bwd(ctx, g):
 _expert_matmul.register_autograd(_expert_matmul_bwd, setup_context=_expert_matmul_setup)
 
 
-class _Kept:
-    """What :func:`moonep.experts.expert_matmul_grads` (and ``expert_bias_grad``) ask of a
-    :class:`moonep.Replicas`: the forward's replica weights (kept, so no refetch) and the collective reduce of
-    the replica gradients."""
-
-    def __init__(self, rep, ep, h, home=None):
-        self.rep, self.ep, self.h, self.home = rep, ep, h, home
-
-    def weights_for_backward(self) -> Tensor:
-        return self.rep
-
-    def reduce(self, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
-        return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
-
-
 @_collective("moonep::expert_matmul_backward")
 def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor,
                             home_bias: Optional[Tensor], bias_replicas: Optional[Tensor], token: Tensor, op_id: int,
@@ -454,12 +441,13 @@ def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weigh
     weights', then the biases', in one op so that no compiler can order them differently on two ranks); an
     unwanted gradient is an empty placeholder."""
     ep, h = _lookup(token, op_id)
-    ga, gw = expert_matmul_grads(g, a, home_weight, cu_seqlens, _Kept(replicas, ep, h), transpose, impl, want_a,
-                                 want_w)
+    # the forward's replicas, kept (no refetch), and the collective reduce of their gradients
+    ga, gw = expert_matmul_grads(g, a, home_weight, cu_seqlens, kept_replicas(ep, h, home_weight, replicas),
+                                 transpose, impl, want_a, want_w)
     gb = None
     if want_b:
         gb = expert_bias_grad(g, _row_slots(cu_seqlens, g.shape[0]), cu_seqlens,
-                              _Kept(bias_replicas, ep, h, home_bias))
+                              kept_replicas(ep, h, home_bias, bias_replicas))
     return (_fresh(ga, g, a) if want_a else a.new_empty(0),
             _fresh(gw, home_weight, replicas) if want_w else home_weight.new_empty(0),
             _fresh(gb, home_bias, bias_replicas) if want_b else a.new_empty(0))
