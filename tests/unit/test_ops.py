@@ -160,6 +160,30 @@ def test_calls_without_an_op_take_a_compiled_handle():
     ep.close(), other.close()
 
 
+def test_bad_input_under_compile_is_refused_and_the_next_call_works():
+    """Compiled code checks its arguments as eager code does (in the op's body): a bad expert id or width is
+    refused with the argument's name, and the next valid call works."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    W = torch.randn(E, H, H, dtype=torch.float64)
+
+    def layer(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(moonep.slot_matmul(h.tokens, h.cu_seqlens, ep.prefetch(h, W)), h)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    x, idx, w = _problem(5, 5)
+    want = layer(x, idx, w)
+    bad = idx.clone()
+    bad[4, 1] = E + 1
+    with pytest.raises(ValueError, match="topk_idx: expected expert ids"):
+        compiled(x, bad, w)
+    with pytest.raises(ValueError, match="x: expected shape"):
+        compiled(x[:, :H // 2], idx, w)
+    assert torch.equal(compiled(x, idx, w), want)
+    ep.close()
+
+
 def _nvlink_like(s, tokfirst, seed):
     """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
     from types import SimpleNamespace
