@@ -142,7 +142,7 @@ def main() -> int:
             load = sum(ep.transport.all_gather_object(counts)).double()
             mv_achieved = float(load.max() / load.mean() - 1)
             h = ep.dispatch(x, idx, w)
-            st = h.routing
+            st = ep._step_of(h).routing
             w32 = w.float().contiguous()
             remote = sum(int(((st.dst_rank == r).any(dim=1)).sum()) for r in range(R) if r != rank)
             local = int(((st.dst_rank == rank).any(dim=1)).sum())
@@ -153,7 +153,7 @@ def main() -> int:
             plan_us = _time(lambda: eng.plan_step(x, idx, w), args.iters)
             full_us = _time(lambda: ep.dispatch(x, idx, w), args.iters)
             h = ep.dispatch(x, idx, w)
-            st = h.routing
+            st = ep._step_of(h).routing
             disp_us = _time(lambda: eng._dispatch_rows(x, w32, st, True), args.iters)
             h_tokens, h_w = eng.recv, eng.wbuf
             comb_us = _time(lambda: eng._combine_rows(h_tokens, h_w, None, st, torch.bfloat16), args.iters)
@@ -165,7 +165,7 @@ def main() -> int:
 
             def full_step():
                 hh = ep.dispatch(x, idx, w)
-                eng._combine_rows(hh.tokens, hh.weights, None, hh.routing, torch.bfloat16)
+                eng._combine_rows(hh.tokens, hh.weights, None, ep._step_of(hh).routing, torch.bfloat16)
 
             phases = _phases(eng, full_step, args.iters)
             step_us = _time(full_step, args.iters)

@@ -108,10 +108,10 @@ def references(x, idx):
             "torch_fill_bf16": out_bf16.zero_, "torch_fill_wire": out_wire.zero_}
 
 
-def _check_fp8_rows(h, x) -> bool:
+def _check_fp8_rows(ep, h, x) -> bool:
     """Every used row of an fp8 dispatch on one rank holds the wire row of its token (codes and scale bits of
     quantize_fp8), every other row zeros."""
-    st = h.routing
+    st = ep._step_of(h).routing
     q, sc = quantize_fp8(x)
     rf = st.row_first.long()
     used = rf >= 0
@@ -198,7 +198,7 @@ def measure(rt, x, idx, w, E, iters, rounds):
             r["rows"] = int(h.num_rows)
             r["row_bytes"] = h.tokens.stride(0) * h.tokens.element_size()
             if VARIANTS[name][0]:
-                r["fp8_rows_bitwise"] = _check_fp8_rows(h, x)
+                r["fp8_rows_bitwise"] = _check_fp8_rows(ep, h, x)
             ep.synchronize()
             res[name] = r
     for name in refs:

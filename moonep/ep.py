@@ -10,9 +10,11 @@
 Everything is differentiable: the backward of dispatch is a combine, the backward of combine is a
 dispatch over the same plan, and the replica rows' weight gradients go home (``reduce_replicas``).
 
-This module holds what every backend shares: argument checks, the cross-rank configuration check, the
-call-order guard and the one set of autograd Functions.  Rows move in a backend
-(:mod:`moonep.backends`), chosen once at construction; nothing here depends on which one runs.
+``ExpertParallel`` is the stateful face of the ops in :mod:`moonep.ops` (``moonep::dispatch``, ``combine``,
+``prefetch``): construction and buffers, the argument checks, the cross-rank configuration check and the
+call's header with the peers (the op bodies call them), and the backward rules the ops' backward ops run.
+Rows move in a backend (:mod:`moonep.backends`), chosen once at construction; nothing here depends on which
+one runs.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import os
 import sys
 import warnings
 import zlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -33,9 +35,8 @@ from .config import Tuning
 from .errors import (MoonepError, RefusedEverywhere, expect, expect_device, expect_int, expect_same, expect_slack,
                      expect_tensor, fail, raise_together, valid_timeout)
 from .guard import CollectiveGuard, OrderMismatch, mark_failed
-from .handles import Dispatched, Routed, check_issued, issue
+from .handles import Dispatched, Step, check_issued
 from .op_state import register_instance
-from .replicas import home_is_view
 from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
 
@@ -92,133 +93,39 @@ _UNIFORM_EXITS = (RefusedEverywhere,) + tuple(
     e for e in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if e is not None)
 
 
-class _DispatchFn(torch.autograd.Function):
-    """dispatch under autograd; the backward is a combine of the rows' gradients (plus the weights')."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, ep, st):
-        ctx.ep, ctx.st = ep, st
-        ctx.x_dtype, ctx.w_dtype = x.dtype, topk_weights.dtype
-        return ep._backend.dispatch(x, topk_weights, st, True)
-
-    @staticmethod
-    def backward(ctx, g_tokens, g_weights):
-        gx, gw = dispatch_grads(ctx.ep, ctx.st, g_tokens, g_weights, *ctx.needs_input_grad[:2], ctx.x_dtype,
-                                ctx.w_dtype)
-        return gx, gw, None, None
-
-
 def scale_rows(tokens, weights):
     """``apply_weights="dispatch"``: each row ``tokens [cap, H]`` times its weight ``weights [cap]``, in the
-    accumulation dtype, rounded once to the tokens' dtype (eager dispatch and ``moonep.ops.dispatch``)."""
+    accumulation dtype, rounded once to the tokens' dtype (after ``moonep::dispatch``, where autograd sees it)."""
     adt = acc_dtype(tokens.dtype)
     return (tokens.to(adt) * weights.to(adt)[:, None]).to(tokens.dtype)
 
 
-# -- the custom ops (registered by moonep/ops.py, which imports this module): what compiled code runs --------
-def dispatch_op(ep, x, topk_idx, topk_weights) -> Routed:
-    """``moonep::dispatch`` of ``ep``: the :class:`moonep.handles.Routed` handle.  With ``apply_weights=
-    "dispatch"`` the op moves the rows unscaled and they are scaled here, in the graph (:func:`scale_rows`, as
-    eager dispatch does outside its autograd Function); an fp8 dispatch's rows come with their scales and
-    the ``grad_rows`` anchor."""
-    out = torch.ops.moonep.dispatch(x, topk_idx, topk_weights, ep.op_id, ep.capacity, ep.num_experts,
-                                    ep.world_size, ep._backend.token_state_words, ep.fp8)
-    tokens, fp8_parts = out[0], (out[8], out[9]) if ep.fp8 else (None, None)
-    if ep.apply_weights == "dispatch":
-        tokens = scale_rows(tokens, out[1])
-    return Routed(tokens, *out[1:8], ep.op_id, x.shape[0], ep.apply_weights == "dispatch", *fp8_parts)
-
-
-def combine_op(expert_out, h: Routed):
-    """``moonep::combine`` of a :class:`moonep.handles.Routed` step: ``expert_out [cap, H]`` -> ``[s, H]``."""
-    # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
-    weights = h.weights.detach() if h.scaled else h.weights
-    return torch.ops.moonep.combine(expert_out, weights, h.step, h.op_id, h.num_tokens)
-
-
-def prefetch_op(h: Routed, local_weight):
-    """``moonep::prefetch`` of a :class:`moonep.handles.Routed` step: ``[epn, *D]`` -> ``[2*epn, *D]``."""
-    return torch.ops.moonep.prefetch(local_weight, h.step, h.op_id)
-
-
+# -- the backward rules, which the ops' backward ops run (moonep/ops.py) ---------------------------------------
 def dispatch_grads(ep, st, g_tokens, g_weights, want_x: bool, want_w: bool, x_dtype, w_dtype):
-    """The backward of a dispatch (eager and ``moonep::dispatch``), a combine of the rows' gradients over step
-    ``st``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> ``(gx [s, H] in x_dtype or None, gw [s, K] in w_dtype
-    or None)``. Collective."""
+    """The backward of a dispatch, a combine of the rows' gradients over step ``st``: ``g_tokens [cap, H]``,
+    ``g_weights [cap]`` -> ``(gx [s, H] in x_dtype or None, gw [s, K] in w_dtype or None)``. Collective."""
     with ep._collective("dispatch.backward", backward=True):
         return ep._backend.dispatch_backward(g_tokens, g_weights, st, want_x, want_w, x_dtype, w_dtype)
 
 
-class _DispatchFp8Fn(torch.autograd.Function):
-    """fp8 dispatch under autograd: ``wire`` (uint8 ``[s, wire_bytes(H)]``, the quantised ``x``) moves; the
-    outputs are the fp8 rows and scales (not differentiable), the weights and ``grad_rows``, a stride-0 zero
-    ``[cap, H]`` in the token dtype whose gradient (the dequantised rows', straight through) comes back here
-    and is combined, as in ``_DispatchFn``, into ``x``'s gradient (in ``x``'s dtype)."""
-
-    @staticmethod
-    def forward(ctx, x, topk_weights, wire, ep, st):
-        ctx.ep, ctx.st = ep, st
-        ctx.x_dtype, ctx.w_dtype = ep.dtype, topk_weights.dtype
-        rows, weights = ep._backend.dispatch(wire, topk_weights, st, True)
-        q, scales = fp8.split_wire(rows, ep.hidden)
-        anchor = fp8.grad_anchor(rows.shape[0], ep.hidden, ep.dtype, rows.device)
-        ctx.mark_non_differentiable(q, scales)
-        return q, scales, weights, anchor
-
-    @staticmethod
-    def backward(ctx, g_q, g_scales, g_weights, g_rows):
-        gx, gw = dispatch_grads(ctx.ep, ctx.st, g_rows, g_weights, *ctx.needs_input_grad[:2], ctx.x_dtype,
-                                ctx.w_dtype)
-        return gx, gw, None, None, None
-
-
-class _CombineFn(torch.autograd.Function):
-    """combine under autograd; the backward is a dispatch of dy over the same step, then the product rule
-    in the accumulation dtype (``weights`` is ``None`` for an unweighted sum)."""
-
-    @staticmethod
-    def forward(ctx, expert_out, weights, ep, st, out_dtype):
-        ctx.ep, ctx.st = ep, st
-        ctx.save_for_backward(expert_out, weights)
-        return ep._backend.combine(expert_out, weights, st, out_dtype)
-
-    @staticmethod
-    def backward(ctx, gy):
-        expert_out, weights = ctx.saved_tensors
-        g_out, g_w = combine_grads(ctx.ep, ctx.st, gy, expert_out, weights, *ctx.needs_input_grad[:2])
-        return g_out, g_w, None, None, None
-
-
 def combine_grads(ep, st, gy, expert_out, weights, want_out: bool, want_w: bool):
-    """The backward of a combine (eager and ``moonep::combine``): ``gy [s, H]`` dispatched over step ``st``,
-    then the product rule -> ``(g_out like expert_out or None, g_w like weights or None)`` (``weights [cap]``,
-    or ``None`` for the plain sum). Collective."""
+    """The backward of a combine: ``gy [s, H]`` dispatched over step ``st``, then the product rule ->
+    ``(g_out like expert_out or None, g_w like weights or None)`` (``weights [cap]``, or ``None`` for the
+    plain sum). Collective."""
     with ep._collective("combine.backward", backward=True):
         g_rows = ep._backend.combine_backward(gy, st)
     return product_grads(g_rows, expert_out, weights, want_out, want_w)
 
 
-class _PrefetchFn(torch.autograd.Function):
-    """prefetch under autograd.  With a pool (``holder = (out,)``) the pool is written in place and an alias
-    of it carrying the graph is returned (in a tuple, so autograd does not take the pool for an input);
-    the backward sends the replica slots' gradient home (``reduce_grad``)."""
-
-    @staticmethod
-    def forward(ctx, local_weight, ep, plan, holder):
-        ctx.ep, ctx.plan = ep, plan
-        out = ep._backend.prefetch(plan, local_weight, out=holder[0])
-        return out if holder[0] is None else out.detach()
-
-    @staticmethod
-    def backward(ctx, g):
-        return prefetch_grad(ctx.ep, ctx.plan, g), None, None, None
-
-
 def prefetch_grad(ep, plan, g):
-    """The backward of a prefetch (eager and ``moonep::prefetch``): ``g [2*epn, *D]`` slot gradients ->
-    ``[epn, *D]``, the replica slots' parts added at home. Collective."""
+    """The backward of a prefetch: ``g [2*epn, *D]`` slot gradients -> ``[epn, *D]``, the replica slots'
+    parts added at home. Collective."""
     with ep._collective("prefetch.backward", backward=True):
         return ep._backend.reduce_grad(plan, g.contiguous())
+
+
+def _tensor_pair(x) -> bool:
+    return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)
 
 
 def _runtime(group, transport, device):
@@ -358,9 +265,8 @@ class ExpertParallel:
         self.capacity = layout.capacity(max_tokens, topk, R, num_experts, align=align, slack=slack)
         self._backend = make_backend(self, kind, timeout=timeout, zero_copy=zero_copy, tuning=tuning or Tuning())
         self._guard = CollectiveGuard(self.transport, self.rt, self.rt.next_instance())
-        # the int by which moonep.ops' custom ops (torch.compile) find this instance: see moonep/op_state.py
+        # the int by which moonep.ops' custom ops find this instance: see moonep/op_state.py
         self.op_id = register_instance(self)
-        self._in_op = False  # inside a moonep.ops custom op's body (see _op_body)
 
     @contextmanager
     def _collective(self, op: str, *, error=None, sig=(), describe=None, backward: bool = False):
@@ -499,21 +405,58 @@ class ExpertParallel:
         return False
 
     # -- the data path ------------------------------------------------------------------------------
-    def _check_handle(self, h) -> None:
-        """``h`` must be a Dispatched of this instance (raises ``ValueError``)."""
-        if type(h) is not Dispatched and not isinstance(h, Dispatched):
-            fail("h", "the Dispatched returned by dispatch", type(h).__name__)
-        st = h.routing
+    # Every collective is an op of moonep/ops.py, in eager code and compiled code alike.  The public methods
+    # below turn their arguments into the op's; the op's body runs a ``_*_body`` method (the checks, the
+    # call's header with the peers, the backend); its backward is registered on the op.  An argument the op
+    # cannot take (not a tensor) is refused here, on every rank (``refuse``).
+
+    def _check_step(self, step: Step) -> None:
+        """``step`` must be a step of this instance and backend (raises ``ValueError``)."""
+        st = step.routing
         if not (isinstance(st, self._backend.step_type) and st.instance == self._guard.instance):
             fail("h", f"a Dispatched of this ExpertParallel (#{self._guard.instance}, {self._backend.name} backend)",
                  f"{type(st).__name__} of ExpertParallel #{getattr(st, 'instance', '?')}")
-        check_issued(h)
 
-    def _check_combine(self, expert_out, h) -> None:
+    def _check_routed(self, h) -> None:
+        """``h`` must be a :class:`Dispatched` of this instance (raises ``ValueError``)."""
+        if not isinstance(h, Dispatched):
+            fail("h", "the Dispatched returned by dispatch", type(h).__name__)
+        expect(h.op_id == self.op_id, "h", f"a Dispatched of this ExpertParallel (op id {self.op_id})",
+               f"one of op id {h.op_id}")
+        expect(isinstance(h.step, torch.Tensor), "h.step", "the step token dispatch returned",
+               type(h.step).__name__)
+
+    def _token_step(self, token) -> Step:
+        """The :class:`Step` stored under step token ``token`` for this instance (raises ``ValueError``)."""
+        step = self._backend.unpack_step(op_state.step(token, self.op_id), token)
+        self._check_step(step)
+        return step
+
+    def _step_of(self, h) -> Step:
+        """The :class:`Step` of handle ``h`` (or ``h`` itself, a Step of this instance; raises ``ValueError``)."""
+        if isinstance(h, Step):
+            self._check_step(h)
+            return h
+        self._check_routed(h)
+        return self._token_step(h.step)
+
+    def _lookup(self, h):
+        """``(step, None)``, or ``(None, why)`` when ``h`` is no step of this instance: the caller's collective
+        refuses it on every rank."""
+        try:
+            return self._step_of(h), None
+        except ValueError as exc:
+            return None, str(exc)
+
+    def _check_combine(self, expert_out, step: Step, weights, graph: bool) -> None:
         expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
                       shape=(self.capacity, None))
-        self._check_handle(h)
-        self._backend.check_rows(expert_out, h.routing)
+        self._check_step(step)
+        if graph:  # a compiled graph's own tensor: the shape combine reads
+            expect_tensor(weights, "h.weights", dim=1, dtypes=_FLOAT, device=self.device, shape=(self.capacity,))
+        else:
+            check_issued(step.routing, weights)
+        self._backend.check_rows(expert_out, step.routing)
 
     def _routing_error(self, x, topk_idx, topk_weights):
         """The first failed shape/dtype/device check of dispatch's arguments, or ``None``.  (The backend
@@ -550,106 +493,89 @@ class ExpertParallel:
             topk_weights: float ``[s, K]`` finite routing weights.
             num_global_tokens: optional sum of ``s`` over ranks; checked when given.
         Returns:
-            :class:`Dispatched`; differentiable with respect to ``x`` and ``topk_weights``.  fp8 dispatch:
-            ``h.tokens`` float8_e4m3fn ``[cap, H]`` and ``h.scales`` float32 ``[cap, H/128]``; the gradient
-            reaches ``x`` through :func:`moonep.fp8.dequantize_rows` (straight through).
+            :class:`Dispatched`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
+            ``topk_weights``.  fp8 dispatch: ``h.tokens`` float8_e4m3fn ``[cap, H]`` and ``h.scales`` float32
+            ``[cap, H/128]``; the gradient reaches ``x`` through :func:`moonep.fp8.dequantize_rows` (straight
+            through).
 
-        Under ``torch.compile`` this is one node of the graph, ``moonep::dispatch``, and returns the handle as
-        a :class:`moonep.ops.Routed` (what :meth:`combine`, :meth:`prefetch`, :meth:`ReplicaPool.fetch
-        <moonep.ReplicaPool.fetch>` and :func:`moonep.expert_matmul` take in compiled code); a pre-quantised
-        pair and ``num_global_tokens`` run eagerly there (one graph break).
+        The op ``moonep::dispatch``, eagerly and as one node of a ``torch.compile`` graph.
         """
-        if torch.compiler.is_compiling() and isinstance(x, torch.Tensor) and num_global_tokens is None:
-            return dispatch_op(self, x, topk_idx, topk_weights)
-        return self._dispatch(x, topk_idx, topk_weights, num_global_tokens)
-
-    @torch.compiler.disable  # eager: one graph break in compiled code
-    def _dispatch(self, x, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
-        err = self._routing_error(x, topk_idx, topk_weights)
-        if err is None and num_global_tokens is not None:
+        xs, x_scales = (x[0], x[1]) if _tensor_pair(x) else (x, None)
+        err = None
+        if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in (xs, topk_idx, topk_weights)):
+            err = self._routing_error(x, topk_idx, topk_weights) or \
+                f"x: expected a tensor or a pair (x_fp8, scales), got {type(x).__name__}"
+        elif num_global_tokens is not None and not torch.compiler.is_compiling():  # (compiled: an int input)
             err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0)
-        pre = isinstance(x, (tuple, list))
-        xs = x[0] if pre and err is None else x  # the [s, H] tensor (s and device for plan_step)
+        if err is not None:
+            self.refuse("dispatch", err)
+        graph = torch.compiler.is_compiling()
+        out = torch.ops.moonep.dispatch.default(
+            xs, topk_idx, topk_weights, x_scales, -1 if num_global_tokens is None else int(num_global_tokens),
+            self.op_id, self.capacity, self.num_experts, self.world_size, self._backend.token_state_words,
+            self.fp8, self.dtype, graph, 0)
+        tokens, weights, scaled = out[0], out[1], self.apply_weights == "dispatch"
+        if scaled:  # the op moved them unscaled: scaled here, where autograd sees the product
+            tokens = scale_rows(tokens, weights)
+        fp8_parts = (out[8], out[9] if out[9].dim() == 2 else None) if self.fp8 else (None, None)
+        return Dispatched(tokens, weights, *out[2:8], self.op_id, xs.shape[0], scaled, *fp8_parts, self.rank)
+
+    def _dispatch_body(self, x, topk_idx, topk_weights, x_scales, ngt: int, tracked: int, graph: bool):
+        """The body of ``moonep::dispatch``: check, agree with the peers, plan, move the rows.
+
+        ``tracked``: bit 0 (1), autograd records the dispatch for ``x``; bit 1 (2), for ``topk_weights``
+        (the backward collectives that will run: every rank must agree).  ``graph``: under ``torch.compile``,
+        rows of their own (a compiled graph keeps them past the next dispatch).  Returns ``(step, tokens,
+        weights, scales, grad_rows)``; ``scales`` for fp8 dispatch, ``grad_rows`` when it is also tracked."""
+        pre, total = x_scales is not None, None if ngt < 0 else ngt
+        xin = (x, x_scales) if pre else x
+        err = self._routing_error(xin, topk_idx, topk_weights)
         wire = None
         if err is None and self.fp8 and not self._backend.lazy_input_errors:
             # host backends quantise before the call's header: a non-finite x is refused on every rank
             try:
-                wire = self._backend.wire_rows(x, self.pow2_scales)
+                wire = self._backend.wire_rows(xin, self.pow2_scales)
             except ValueError as exc:
                 err = str(exc)
         sig, describe = (), None
         if err is None:
-            ge = torch.is_grad_enabled()
-            tx, tw = ge and xs.requires_grad, ge and topk_weights.requires_grad
-            ngt = -1 if num_global_tokens is None else int(num_global_tokens)
+            tx, tw = bool(tracked & 1), bool(tracked & 2)
             # the weights' dtype, and which backward collectives will run (rank-local otherwise)
             sig = (_dt(topk_weights), tx, tw, ngt, int(pre))
             describe = lambda: [("topk_weights", f"dtype {topk_weights.dtype}"),  # noqa: E731
                                 ("x", f"requires_grad={tx}"), ("topk_weights", f"requires_grad={tw}"),
-                                ("num_global_tokens", repr(num_global_tokens)),
+                                ("num_global_tokens", repr(total)),
                                 ("x", "a pre-quantised pair (x_fp8, scales)" if pre else "a tensor")]
         with self._collective("dispatch", error=err, sig=sig, describe=describe):
-            out = (self._dispatch_fp8(x, xs, wire, topk_idx, topk_weights, num_global_tokens) if self.fp8 else
-                   self._dispatch_rows(x, topk_idx, topk_weights, num_global_tokens))
+            with self._backend.copied_rows() if graph else nullcontext():
+                out = (self._dispatch_fp8(xin, x, wire, topk_idx, topk_weights, total, tracked) if self.fp8 else
+                       self._dispatch_rows(x, topk_idx, topk_weights, total, tracked))
         self._after_call()
         return out
 
-    def _dispatch_rows(self, x, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
-        """The body of a dispatch in the token dtype (inside its collective): plan, move the rows."""
-        backend = self._backend
-        plan, st = backend.plan_step(x, topk_idx, topk_weights, num_global_tokens)
+    def _plan(self, x, topk_idx, topk_weights, num_global_tokens):
+        plan, st = self._backend.plan_step(x, topk_idx, topk_weights, num_global_tokens)
         st.step, st.instance = self._guard.seq, self._guard.instance
-        if torch.is_grad_enabled() and (x.requires_grad or topk_weights.requires_grad):
-            tokens, weights = _DispatchFn.apply(x, topk_weights, self, st)
-        else:
-            tokens, weights = backend.dispatch(x, topk_weights, st, False)
-        if self.apply_weights == "dispatch" and not self._in_op:  # the op's caller scales (moonep.ops.dispatch)
-            tokens = scale_rows(tokens, weights)
-        cu, slot_experts, num_rows = backend.slots(plan, st)
-        return issue(Dispatched(tokens, weights, cu, slot_experts, num_rows, plan, st))
+        return Step(*self._backend.slots(plan, st), plan, st)
 
-    def _dispatch_fp8(self, x, xs, wire, topk_idx, topk_weights, num_global_tokens) -> Dispatched:
+    def _dispatch_rows(self, x, topk_idx, topk_weights, num_global_tokens, tracked: int):
+        """The body of a dispatch in the token dtype (inside its collective): plan, move the rows."""
+        step = self._plan(x, topk_idx, topk_weights, num_global_tokens)
+        tokens, weights = self._backend.dispatch(x, topk_weights, step.routing, tracked != 0)
+        return step, tokens, weights, None, None
+
+    def _dispatch_fp8(self, x, xs, wire, topk_idx, topk_weights, num_global_tokens, tracked: int):
         """The body of an fp8 dispatch (inside its collective): quantise (NVLink: here, its non-finite flag
-        joins the routing flags of plan_step), plan, move the wire rows."""
+        joins the routing flags of plan_step), plan, move the wire rows.  ``grad_rows`` (tracked only) is the
+        stride-0 zero through which the dequantised rows' gradient comes back (:func:`moonep.fp8.grad_anchor`)."""
         backend = self._backend
         if wire is None:
             wire = backend.wire_rows(x, self.pow2_scales)
-        plan, st = backend.plan_step(xs, topk_idx, topk_weights, num_global_tokens)
-        st.step, st.instance = self._guard.seq, self._guard.instance
-        anchor = None
-        if torch.is_grad_enabled() and (xs.requires_grad or topk_weights.requires_grad):
-            q, scales, weights, anchor = _DispatchFp8Fn.apply(xs, topk_weights, wire, self, st)
-        else:
-            rows, weights = backend.dispatch(wire, topk_weights, st, False)
-            q, scales = fp8.split_wire(rows, self.hidden)
-        cu, slot_experts, num_rows = backend.slots(plan, st)
-        return issue(Dispatched(q, weights, cu, slot_experts, num_rows, plan, st, scales=scales, grad_rows=anchor))
-
-    def _eager_handle(self, h):
-        """The eager :class:`Dispatched` (without its rows) of a compiled step's :class:`moonep.handles.Routed`,
-        found by its step token, so that the calls that have no op (``reduce_grad``, ``reduce_replicas``,
-        ``prefetch(out=)``, a replica refetch) take it after a graph break; any other ``h`` as is."""
-        if not isinstance(h, Routed):
-            return h
-        self._check_routed(h)
-        return self._backend.unpack_step(op_state.step(h.step, h.op_id), h.step)
-
-    def _check_routed(self, h: Routed) -> None:
-        """A compiled step's handle must be this instance's (raises ``ValueError``)."""
-        expect(h.op_id == self.op_id, "h", f"a handle of this ExpertParallel (op id {self.op_id})",
-               f"one of op id {h.op_id}")
-
-    @contextmanager
-    def _op_body(self):
-        """A dispatch as the body of ``moonep::dispatch``: rows of its own (the graph keeps them past the next
-        dispatch), and unscaled with ``apply_weights="dispatch"`` (the op's caller scales them in the graph,
-        so that autograd sees the product)."""
-        self._in_op = True
-        try:
-            with self._backend.copied_rows():
-                yield
-        finally:
-            self._in_op = False
+        step = self._plan(xs, topk_idx, topk_weights, num_global_tokens)
+        rows, weights = backend.dispatch(wire, topk_weights, step.routing, tracked != 0)
+        q, scales = fp8.split_wire(rows, self.hidden)
+        anchor = fp8.grad_anchor(rows.shape[0], self.hidden, self.dtype, rows.device) if tracked else None
+        return step, q, weights, scales, anchor
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:
@@ -659,6 +585,7 @@ class ExpertParallel:
         with self._collective("sync"):
             pass
 
+    @torch.compiler.disable  # a refusal: host work only, never part of a graph
     def refuse(self, op: str, message: str) -> None:
         """Refuse this rank's part of collective ``op`` (``"dispatch"``, ``"combine"``, ``"prefetch"`` or
         ``"reduce_grad"``) while the peers make that call with their own arguments: every rank raises
@@ -669,6 +596,23 @@ class ExpertParallel:
         with self._collective(op, error=str(message)):
             pass
 
+    def _handle_error(self, h, **tensors):
+        """Why ``h`` and the named arguments cannot be passed to an op (not a handle of this instance, not
+        tensors), or ``None``."""
+        if (isinstance(h, Dispatched) and h.op_id == self.op_id and isinstance(h.step, torch.Tensor)
+                and isinstance(h.weights, torch.Tensor)
+                and all(isinstance(t, torch.Tensor) and not t.is_meta for t in tensors.values())):
+            return None  # (the common case, without building any message)
+        try:
+            self._check_routed(h)
+            expect(isinstance(h.weights, torch.Tensor), "h.weights", "a tensor", type(h.weights).__name__)
+            for name, t in tensors.items():  # (a meta tensor would run the op's fake implementation)
+                expect(isinstance(t, torch.Tensor) and not t.is_meta, name, f"a torch.Tensor on {self.device}",
+                       f"a tensor on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
+        except ValueError as exc:
+            return str(exc)
+        return None
+
     def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
         """Return each token's weighted sum of its experts' outputs. Collective.
 
@@ -678,34 +622,43 @@ class ExpertParallel:
         Returns:
             ``[s, H]`` in ``expert_out``'s dtype; ``sum_k w_k * out_k`` (or the plain sum with
             ``apply_weights="dispatch"``). Rows of tokens whose choices are all masked are zero.
+            Differentiable with respect to ``expert_out`` and ``h.weights`` (the backward is a dispatch).
 
-        With the :class:`moonep.ops.Routed` of a compiled dispatch: ``moonep::combine``.
+        The op ``moonep::combine``, eagerly and as one node of a ``torch.compile`` graph.
         """
-        if isinstance(h, Routed):
-            self._check_routed(h)
-            return combine_op(expert_out, h)
-        return self._combine(expert_out, h)
+        err = self._handle_error(h, expert_out=expert_out)
+        if err is not None:
+            self.refuse("combine", err)
+        # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
+        weights = h.weights.detach() if h.scaled else h.weights
+        return torch.ops.moonep.combine.default(expert_out, weights, h.step, self.op_id, h.num_tokens,
+                                                torch.compiler.is_compiling(), 0)
 
-    @torch.compiler.disable  # eager: one graph break in compiled code
-    def _combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
-        err = _local_error(self._check_combine, expert_out, h)
+    def _combine_body(self, expert_out, weights, token, tracked: int, graph: bool):
+        """The body of ``moonep::combine``: ``expert_out [cap, H]`` -> ``[s, H]`` (``tracked``: bit 0, autograd
+        records it for ``expert_out``; bit 1, for ``weights``)."""
+        step, err = self._lookup_token(token)
+        err = err or _local_error(self._check_combine, expert_out, step, weights, graph)
         sig, describe = (), None
         if err is None:
-            st = h.routing
-            weights = h.weights if self.apply_weights == "combine" else None
-            ge = torch.is_grad_enabled()
-            to, tw = ge and expert_out.requires_grad, ge and weights is not None and weights.requires_grad
+            st = step.routing
+            to, tw = bool(tracked & 1), self.apply_weights == "combine" and bool(tracked & 2)
             sig = (_dt(expert_out), expert_out.shape[1], st.step, to, tw)
             describe = lambda: [("expert_out", f"dtype {expert_out.dtype}"),  # noqa: E731
                                 ("expert_out", f"shape {list(expert_out.shape)}"), ("h", f"dispatch #{st.step}"),
                                 ("expert_out", f"requires_grad={to}"), ("h.weights", f"requires_grad={tw}")]
         with self._collective("combine", error=err, sig=sig, describe=describe):
-            if to or tw:
-                y = _CombineFn.apply(expert_out, weights, self, st, expert_out.dtype)
-            else:
-                y = self._backend.combine(expert_out, weights, st, expert_out.dtype)
+            y = self._backend.combine(expert_out, weights if self.apply_weights == "combine" else None,
+                                      step.routing, expert_out.dtype)
         self._after_call()
         return y
+
+    def _lookup_token(self, token):
+        """``(step, None)`` for a step token of this instance, or ``(None, why)``."""
+        try:
+            return self._token_step(token), None
+        except ValueError as exc:
+            return None, str(exc)
 
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
@@ -715,64 +668,36 @@ class ExpertParallel:
 
         Args:
             local_weight: ``[epn, *D]`` this rank's home expert weights (one projection).
-            out: deprecated (``DeprecationWarning``); optional persistent ``[2*epn, *D]`` pool (contiguous,
-                ``local_weight``'s dtype and device, not requiring grad) that the caller keeps across steps.
-                Only the replica slots ``out[epn:]`` are written (empty ones zeroed); the home half is copied
-                only when ``local_weight`` is not ``out[:epn]`` itself.  Recommended layout, so nothing is copied for
-                the home experts::
-
-                    pool = torch.empty(2 * epn, *D, dtype=dtype, device=device)     # once
-                    w = torch.nn.Parameter(pool[:epn])   # the home weights ARE the pool's first half
-                    ...
-                    slots = ep.prefetch(h, w, out=pool)  # every step: only the replicas move
-
-                Keep the home parameters views of the pool (optimizers update them in place; moving or
-                re-allocating them only turns the skipped copy back on).  ``local_weight`` must be either
-                ``out[:epn]`` or disjoint from ``out`` (other overlaps raise ``ValueError``).  The values are
-                bitwise those of the form without ``out``.  The replica slots are overwritten by the next
-                ``prefetch`` into the same pool: use one pool per projection (and per layer whose slot
-                weights must stay alive at the same time, e.g. until that layer's backward).  On the NVLink
-                transport a slot that stays empty is zeroed once, when it becomes empty, not at every
-                call (most of a pool of large weights is such slots): don't write into ``out[epn:]``
-                between calls, and don't share one pool between two ExpertParallel instances (a new
-                tensor as ``out`` starts over).
+            out: removed (refused on every rank): fetch replicas through a :class:`moonep.ReplicaPool`.
         Returns:
             ``[2*epn, *D]``; empty replica slots are zero. Differentiable: the gradient of the replica
-            slots flows back to their home rank (see ``reduce_grad``). Collective.  With ``out``: ``out``
-            itself, or, when autograd records (``local_weight.requires_grad`` and grad enabled), an alias of
-            ``out`` (same memory) carrying the graph: the home slots' gradient flows to ``local_weight``
-            and the replica slots' gradient goes home through ``reduce_grad``, as without ``out``.  The alias
-            shares the pool's version counter: a second ``prefetch`` into the same pool before the backward
-            of ops that saved the first result makes that backward raise torch's in-place error instead of
-            using overwritten weights.
+            slots flows back to their home rank (see ``reduce_grad``). Collective.
 
-        With the :class:`moonep.ops.Routed` of a compiled dispatch (and no ``out``): ``moonep::prefetch``.
+        The op ``moonep::prefetch``, eagerly and as one node of a ``torch.compile`` graph.
         """
-        if isinstance(h, Routed) and out is None:
-            self._check_routed(h)
-            return prefetch_op(h, local_weight)
-        return self._prefetch(h, local_weight, out)
-
-    @torch.compiler.disable  # eager: one graph break in compiled code
-    def _prefetch(self, h: Dispatched, local_weight: torch.Tensor, out) -> torch.Tensor:
-        h = self._eager_handle(h)
+        err = self._handle_error(h, local_weight=local_weight)
         if out is not None:
-            _deprecated("ExpertParallel.prefetch(out=...) is deprecated: fetch through a moonep.ReplicaPool "
-                        "(pool.fetch(ep, h, home_weight, name), the pool made once per model) and multiply with "
-                        "moonep.expert_matmul")
-        err = _local_error(self._check_prefetch, h, local_weight, out)
-        sig, describe, tracked = (), None, False
+            err = ("out: expected None (prefetch(out=...) was removed: fetch replicas through a moonep.ReplicaPool, "
+                   f"pool.fetch(ep, h, home_weight, name), and multiply with moonep.expert_matmul), got "
+                   f"{type(out).__name__}")
+        if err is not None:
+            self.refuse("prefetch", err)
+        return torch.ops.moonep.prefetch.default(local_weight, h.step, self.op_id, 0)
+
+    def _prefetch_body(self, local_weight, token, tracked: int):
+        """The body of ``moonep::prefetch``: ``[epn, *D]`` -> ``[2*epn, *D]`` (``tracked``: the backward reduce
+        will run)."""
+        step, err = self._lookup_token(token)
+        err = err or _local_error(self._check_prefetch, step, local_weight)
+        sig, describe = (), None
         if err is None:
-            step, tracked = h.routing.step, torch.is_grad_enabled() and local_weight.requires_grad
-            sig = (_dt(local_weight), _shape_key(local_weight.shape), step, out is not None, tracked)
+            n = step.routing.step
+            sig = (_dt(local_weight), _shape_key(local_weight.shape), n, bool(tracked))
             describe = lambda: [("local_weight", f"dtype {local_weight.dtype}"),  # noqa: E731
-                                ("local_weight", f"shape {list(local_weight.shape)}"), ("h", f"dispatch #{step}"),
-                                ("out", "a pool" if out is not None else "None"),
-                                ("local_weight", f"requires_grad={tracked}")]
+                                ("local_weight", f"shape {list(local_weight.shape)}"), ("h", f"dispatch #{n}"),
+                                ("local_weight", f"requires_grad={bool(tracked)}")]
         with self._collective("prefetch", error=err, sig=sig, describe=describe):
-            if tracked:
-                return _PrefetchFn.apply(local_weight, self, h.plan, (out,))
-            return self._backend.prefetch(h.plan, local_weight, out=out)
+            return self._backend.prefetch(step.plan, local_weight)
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch_replicas(self, h: Dispatched, local_weight: torch.Tensor, out: torch.Tensor, *,
@@ -806,10 +731,9 @@ class ExpertParallel:
         Returns:
             ``outs``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
-        h = self._eager_handle(h)
-        err = None
+        h, err = self._lookup(h)
         for w, out in zip(local_weights, outs):
-            err = err or _local_error(self._check_replicas, h, w, out, "out")
+            err = err or _local_error(self._check_replicas, w, out, "out")
         sig, describe = (), None
         if err is None:
             step = h.routing.step
@@ -831,16 +755,15 @@ class ExpertParallel:
         rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective.
         ``in_backward``: called from a backward (named so in errors) with ``home_grad`` that backward's own
         scratch, which may hold the sum (no copy of the home gradients)."""
-        h = self._eager_handle(h)
-        err = _local_error(self._check_replicas, h, home_grad, replica_grad, "replica_grad")
+        h, err = self._lookup(h)
+        err = err or _local_error(self._check_replicas, home_grad, replica_grad, "replica_grad")
         sig, describe = _weights_signature("home_grad", home_grad, h) if err is None else ((), None)
         op = "prefetch.backward" if in_backward else "reduce_grad"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
             return self._backend.reduce_replicas(h.plan, home_grad, replica_grad, scratch=in_backward)
 
-    def _check_replicas(self, h, home, other, name: str) -> None:
+    def _check_replicas(self, home, other, name: str) -> None:
         """``home [epn, *D]`` and ``other`` (named ``name``) of the same shape, dtype and device."""
-        self._check_handle(h)
         what = "local_weight" if name == "out" else "home_grad"
         expect_tensor(home, what, device=self.device)
         expect(home.dim() >= 1 and home.shape[0] == self.epn, what, f"shape [epn={self.epn}, ...]", list(home.shape))
@@ -852,28 +775,11 @@ class ExpertParallel:
             expect(other.is_contiguous(), "out", "a contiguous tensor", f"strides {tuple(other.stride())}")
             expect(not other.requires_grad, "out", "a tensor that does not require grad", "requires_grad=True")
 
-    def _check_prefetch(self, h, local_weight, out) -> None:
-        self._check_handle(h)
+    def _check_prefetch(self, step, local_weight) -> None:
+        self._check_step(step)
         expect_tensor(local_weight, "local_weight", device=self.device)
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
-        if out is not None:
-            self._check_pool(local_weight, out)
-
-    def _check_pool(self, local_weight: torch.Tensor, out) -> None:
-        """Validate ``prefetch``'s ``out`` pool against ``local_weight`` (raises ``ValueError``)."""
-        shape = (2 * self.epn, *local_weight.shape[1:])
-        expect(isinstance(out, torch.Tensor), "out", "a torch.Tensor", type(out).__name__)
-        expect(out.dtype == local_weight.dtype, "out", f"dtype {local_weight.dtype} (that of local_weight)",
-               out.dtype)
-        expect(out.device == local_weight.device, "out", f"device {local_weight.device} (that of local_weight)",
-               out.device)
-        expect(tuple(out.shape) == shape, "out", f"shape [2*epn={2 * self.epn}, *local_weight.shape[1:]] = "
-               f"{list(shape)}", list(out.shape))
-        expect(out.is_contiguous(), "out", "a contiguous tensor", f"strides {tuple(out.stride())}")
-        expect(not out.requires_grad, "out", "a tensor that does not require grad (prefetch writes it in place; "
-               "the gradient flows through the returned tensor)", "requires_grad=True")
-        home_is_view(local_weight, out)  # raises on a partial overlap
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
@@ -881,14 +787,13 @@ class ExpertParallel:
 
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
         """
-        h = self._eager_handle(h)
-        err = _local_error(self._check_reduce_grad, h, grad_view)
+        h, err = self._lookup(h)
+        err = err or _local_error(self._check_reduce_grad, grad_view)
         sig, describe = _weights_signature("grad_view", grad_view, h) if err is None else ((), None)
         with self._collective("reduce_grad", error=err, sig=sig, describe=describe):
             return self._backend.reduce_grad(h.plan, grad_view)
 
-    def _check_reduce_grad(self, h, grad_view) -> None:
-        self._check_handle(h)
+    def _check_reduce_grad(self, grad_view) -> None:
         expect_tensor(grad_view, "grad_view", device=self.device)
         expect(grad_view.dim() >= 1 and grad_view.shape[0] == 2 * self.epn, "grad_view",
                f"shape [2*epn={2 * self.epn}, ...]", list(grad_view.shape))

@@ -616,7 +616,7 @@ def _eager_replicas(r: Fetched) -> "Replicas":
     from .op_state import instance
 
     ep = instance(r.h.op_id)
-    return kept_replicas(ep, ep._eager_handle(r.h), r.home, r.replicas)
+    return kept_replicas(ep, ep._step_of(r.h), r.home, r.replicas)
 
 
 _DEFAULT: list = []
@@ -709,7 +709,7 @@ class ReplicaPool:
             expect(isinstance(w, torch.Tensor), "home_weight", "a torch.Tensor", type(w).__name__)
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
-        if isinstance(h, Routed):  # one node of the graph
+        if torch.compiler.is_compiling():  # one node of the graph (fresh slots: a compiled graph holds its own)
             ep._check_routed(h)
             out = fetch_op(h, weights)
             return out if many else out[0]

@@ -1,8 +1,10 @@
 """The handle types of the data path: what ``dispatch`` returns and the per-step state the backends keep.
 
-``Dispatched`` is what a user holds between ``dispatch`` and ``combine``.  Its ``routing`` field is the
-backend's state for the step (one of the ``*Step`` classes below), which combine, prefetch, reduce_grad and
-both backward passes reuse, so nothing is planned or exchanged twice.
+``Dispatched`` is what a user holds between ``dispatch`` and ``combine``: the outputs of the op
+``moonep::dispatch``, in eager code and compiled code alike.  Its ``step`` token finds the step's host record
+(:class:`Step`, kept by :mod:`moonep.op_state`), whose ``routing`` is the backend's state for the step (one
+of the ``*Step`` classes below): combine, the replica fetch and reduce and both backward passes reuse it, so
+nothing is planned or exchanged twice.
 
 This module imports nothing else of moonep, so every other module can use these types.
 Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``K`` top-k, ``s`` tokens on this rank,
@@ -11,8 +13,6 @@ Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``K`` top-k, ``s`` token
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional, Union
 
@@ -25,7 +25,7 @@ class StepState:
 
     ``step`` is the sequence number of the dispatch that made it and ``instance`` the index of its
     ExpertParallel (both set by ``ExpertParallel.dispatch``): every rank must pass the same step.
-    ``issued``: what dispatch handed out in the ``Dispatched`` of this step (:func:`issue`).
+    ``issued``: the :func:`weights_key` of the ``h.weights`` that dispatch handed out (:func:`check_issued`).
     """
 
     step: int = -1
@@ -34,43 +34,23 @@ class StepState:
 
 
 @dataclass
-class Dispatched:
-    """What :meth:`moonep.ExpertParallel.dispatch` returns; pass it to ``combine``, ``prefetch``, ``reduce_grad``.
+class Step:
+    """The host record of one dispatch, kept by :mod:`moonep.op_state` under the step's token: what the later
+    calls of the step read (the backends' ``pack_step``/``unpack_step`` make and restore it).
 
     Attributes:
-        tokens: ``[cap, H]`` in the token dtype: the received rows in slot order (slot ``j < epn`` is home
-            expert ``rank*epn + j``, slot ``epn + j`` a replica).  Rows past ``cu_seqlens[-1]`` (and
-            alignment padding) are zero.  With ``apply_weights="dispatch"`` every row is already multiplied
-            by its routing weight.  On the nvlink backend in zero-copy mode, a view of the receive buffer
-            that stays valid until the next ``dispatch`` of the same instance.
-        weights: ``[cap]`` in the dtype of ``topk_weights``: the routing weight of each row, zero in unused
-            rows.
-        cu_seqlens: int32 ``[2*epn + 1]``: slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
-        slot_experts: int64 ``[2*epn]``: the global expert of each slot, home experts first, ``-1`` for an
-            empty replica slot.
-        num_rows: the rows used, ``cu_seqlens[-1]`` (the same on every rank with exact balance): a Python
-            int, or a 0-d int64 device tensor on the nvlink backend (reading it is a host sync the backend
-            avoids).
-        plan: the :class:`moonep.planner.Plan` of this step (identical on every rank).
-        routing: the backend's :class:`StepState` for this step (opaque: combine and the backward passes
-            read it).
-        scales: with ``dispatch_dtype=torch.float8_e4m3fn``: float32 ``[cap, H/128]``, the scales of the rows
-            of ``tokens`` (then float8_e4m3fn ``[cap, H]``; both views of the received wire rows, see
-            :mod:`moonep.fp8`), zero in unused rows; ``None`` otherwise.
-        grad_rows: fp8 dispatch under autograd only: a stride-0 zero ``[cap, H]`` in the token dtype through
-            which the gradient of the dequantised rows reaches the backward of dispatch (straight through;
-            :func:`moonep.fp8.dequantize_rows` uses it); ``None`` otherwise.
+        cu_seqlens: int32 ``[2*epn + 1]``, slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
+        slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: an empty replica slot).
+        num_rows: ``cu_seqlens[-1]``: an int on the host backends, a 0-d int64 device tensor on NVLink.
+        plan: the :class:`moonep.planner.Plan` of the step (NVLink, restored from a token: its replica tables).
+        routing: the backend's :class:`StepState` (opaque: combine and the backward passes read it).
     """
 
-    tokens: torch.Tensor
-    weights: torch.Tensor
-    cu_seqlens: torch.Tensor
-    slot_experts: torch.Tensor
-    num_rows: Union[int, torch.Tensor]
+    cu_seqlens: Optional[torch.Tensor]
+    slot_experts: Optional[torch.Tensor]
+    num_rows: Union[int, torch.Tensor, None]
     plan: Any  # moonep.planner.Plan (not imported: this module depends on nothing of moonep)
     routing: StepState
-    scales: Optional[torch.Tensor] = None
-    grad_rows: Optional[torch.Tensor] = field(default=None, repr=False)
 
 
 @dataclass
@@ -134,29 +114,33 @@ class NVLinkStep(StepState):
     cu: Optional[torch.Tensor] = None
 
 
-# -- the compiled form (moonep.ops) --------------------------------------------------------------------------
-class Routed(NamedTuple):
-    """What ``moonep.ops.dispatch`` returns, and ``ExpertParallel.dispatch`` in compiled code: the compiled form of
-    :class:`moonep.Dispatched`, with the same fields (``tokens``, ``weights``, ``cu_seqlens``, ``slot_experts``,
-    ``num_rows``, ``plan``, ``scales``, ``grad_rows``); in place of its opaque ``routing`` it carries the step
-    token (``step``) and the instance's ``op_id``.
+# -- the handle ------------------------------------------------------------------------------------------
+class Dispatched(NamedTuple):
+    """What :meth:`moonep.ExpertParallel.dispatch` returns, eagerly and under ``torch.compile`` alike (the
+    outputs of the op ``moonep::dispatch``); pass it to ``combine``, ``ReplicaPool.fetch``, ``expert_matmul``.
 
     Attributes:
-        tokens: ``[cap, H]`` in the token dtype, rows in slot order (padding rows zero).
-        weights: ``[cap]`` in ``topk_weights``' dtype, each row's routing weight.
+        tokens: ``[cap, H]`` in the token dtype: the received rows in slot order (slot ``j < epn`` is home
+            expert ``rank*epn + j``, slot ``epn + j`` a replica).  Rows past ``cu_seqlens[-1]`` (and alignment
+            padding) are zero.  With ``apply_weights="dispatch"`` every row is already multiplied by its
+            routing weight.  On the NVLink backend in zero-copy mode (eager), a view of the receive buffer
+            that stays valid until the next ``dispatch`` of the same instance.  fp8 dispatch: float8_e4m3fn.
+        weights: ``[cap]`` in ``topk_weights``' dtype, each row's routing weight (zero in unused rows).
         cu_seqlens: int32 ``[2*epn + 1]``; slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
         slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: empty replica slot).
-        assignment: int64 ``[E, R]`` of the plan; replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]``.
-        step: int64, the step token the other ops take: ``[1]`` (its value means nothing) on the host
-            backends; on NVLink the step's device state, ``[token_state_words + 2*s*K]`` (see
-            ``Backend.pack_step``).
+        assignment: int64 ``[E, R]`` of the step's plan (token copies of expert ``e`` computed on rank ``r``);
+            replica_experts: int64 ``[R, epn]``; recv_counts: int64 ``[R]`` (see :class:`moonep.planner.Plan`).
+        step: the step token, an int64 tensor that the later calls of the step take: ``[1]`` (its value means
+            nothing), or on NVLink under ``torch.compile`` the step's device state (``Backend.pack_step``).
         op_id: the ExpertParallel's ``op_id``.
         num_tokens: ``s``, this rank's tokens (an int, symbolic under ``torch.compile``).
-        scaled: ``apply_weights="dispatch"``: every row of ``tokens`` is already multiplied by its weight, and
-            :func:`moonep.ops.combine` sums them plainly.
-        scales, grad_rows: fp8 dispatch (``tokens`` float8_e4m3fn): float32 ``[cap, H/128]`` and the stride-0
-            ``[cap, H]`` through which :func:`moonep.fp8.dequantize_rows` sends the rows' gradient back, as in
-            :class:`moonep.Dispatched`; ``None`` otherwise.
+        scaled: ``apply_weights="dispatch"``: the rows are scaled already, and combine sums them plainly.
+        scales: fp8 dispatch: float32 ``[cap, H/128]``, the scales of the rows of ``tokens`` (zero in unused
+            rows; see :mod:`moonep.fp8`); ``None`` otherwise.
+        grad_rows: fp8 dispatch under autograd: a stride-0 zero ``[cap, H]`` in the token dtype through which
+            :func:`moonep.fp8.dequantize_rows` sends the rows' gradient back to ``x`` (straight through);
+            ``None`` otherwise.
+        rank: this rank.
     """
 
     tokens: Tensor
@@ -172,67 +156,58 @@ class Routed(NamedTuple):
     scaled: bool = False
     scales: Optional[Tensor] = None
     grad_rows: Optional[Tensor] = None
+    rank: int = 0
 
     @property
-    def plan(self) -> "Routed":
-        """The plan's tensors (``assignment``, ``replica_experts``, ``recv_counts``), as ``Dispatched.plan``
-        gives them: the handle itself."""
+    def plan(self) -> "Dispatched":
+        """The plan's tensors (``assignment``, ``replica_experts``, ``recv_counts``): the handle itself."""
         return self
+
+    def num_replicas(self) -> Tensor:
+        """int64 ``[R]``: occupied replica slots per rank (as :meth:`moonep.planner.Plan.num_replicas`)."""
+        return (self.replica_experts >= 0).sum(1)
 
     @property
     def num_rows(self) -> Tensor:
-        """The rows used, ``cu_seqlens[-1]``: a 0-d int32 tensor (reading it is a host sync), as
-        ``Dispatched.num_rows`` on the NVLink backend."""
-        return self.cu_seqlens[-1]
+        """The token copies received here, ``recv_counts[rank]`` (the same on every rank with exact balance;
+        alignment padding not counted): a 0-d int64 tensor (on a GPU, reading it is a host sync)."""
+        return self.recv_counts[self.rank]
+
+
+Routed = Dispatched  # the name of the compiled form before both modes shared one handle
 
 
 class Fetched(NamedTuple):
-    """What :meth:`moonep.ReplicaPool.fetch` returns for a :class:`Routed` (compiled code), per projection:
+    """What :meth:`moonep.ReplicaPool.fetch` returns under ``torch.compile``, per projection:
     the step ``h``, the ``home [epn, *D]`` weights and their fresh ``replicas [epn, *D]``
     (``moonep.ops.prefetch_replicas``), which :func:`moonep.expert_matmul` passes to ``moonep::expert_matmul``."""
 
-    h: Routed
+    h: Dispatched
     home: Tensor
     replicas: Tensor
 
 
 # -- what dispatch handed out ------------------------------------------------------------------------------
-def _key(t):
+def weights_key(t):
     """What identifies a tensor's memory and layout: a replaced or sliced tensor differs in one of them."""
     if not isinstance(t, torch.Tensor):
-        return None
+        return (type(t).__name__,)
     return tuple(t.shape), t.stride(), t.dtype, t.device, t.data_ptr()
 
 
-def _show(t) -> str:
-    if not isinstance(t, torch.Tensor):
-        return type(t).__name__
-    return f"{t.dtype} {list(t.shape)} strides {tuple(t.stride())} on {t.device} at 0x{t.data_ptr():x}"
+def _show(key) -> str:
+    if len(key) == 1:
+        return key[0]
+    shape, stride, dtype, device, ptr = key
+    return f"{dtype} {list(shape)} strides {tuple(stride)} on {device} at 0x{ptr:x}"
 
 
-def issue(h: Dispatched) -> Dispatched:
-    """Record in ``h.routing`` the fields of ``h`` that later calls read (``weights``, ``plan``), as dispatch
-    hands them out: :func:`check_issued` then refuses a handle whose fields were replaced."""
-    h.routing.issued = (_key(h.weights), _show(h.weights), h.plan)
-    return h
-
-
-def reissue(h: Dispatched, **changes) -> Dispatched:
-    """``dataclasses.replace(h, **changes)`` with its own copy of the step state, issued anew (what
-    :mod:`moonep.ops` does with the tensors a compiled graph passes, checked by the op)."""
-    st = copy.copy(changes.pop("routing", h.routing))
-    return issue(dataclasses.replace(h, routing=st, **changes))
-
-
-def check_issued(h: Dispatched) -> None:
-    """Raise ``ValueError`` naming the field when ``h.weights`` or ``h.plan`` is not what dispatch handed out
-    (replaced, sliced, another step's): combine would read it out of bounds or give wrong values."""
-    if h.routing.issued is None:
+def check_issued(st: StepState, weights) -> None:
+    """Raise ``ValueError`` naming ``h.weights`` when ``weights`` is not the tensor dispatch returned for step
+    ``st`` (replaced, sliced, another step's): combine would read it out of bounds or give wrong values."""
+    if st.issued is None:
         return
-    key, shown, plan = h.routing.issued
-    if h.plan is not plan:
-        raise ValueError(f"h.plan: expected the plan dispatch returned in this Dispatched, got "
-                         f"{type(h.plan).__name__} object at 0x{id(h.plan):x} (replaced)")
-    if _key(h.weights) != key:
-        raise ValueError(f"h.weights: expected the tensor dispatch returned ({shown}), got {_show(h.weights)} "
+    got = weights_key(weights)
+    if got != st.issued:
+        raise ValueError(f"h.weights: expected the tensor dispatch returned ({_show(st.issued)}), got {_show(got)} "
                          "(replaced or sliced; modify it in place instead)")

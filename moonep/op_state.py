@@ -70,7 +70,7 @@ def step(token: torch.Tensor, op_id: int):
     """The host state stored under ``token`` for instance ``op_id`` (raises ``ValueError`` otherwise)."""
     ent = _STEPS.get(token.data_ptr())
     if ent is None or ent[1] != int(op_id):
-        raise ValueError("step: expected the step token that moonep::dispatch returned for this ExpertParallel, "
+        raise ValueError("h.step: expected the step token that moonep::dispatch returned for this ExpertParallel, "
                          f"got {'an unknown token' if ent is None else f'a token of op id {ent[1]}'}")
     return ent[2]
 

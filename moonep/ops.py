@@ -5,38 +5,37 @@
     a = act(moonep.ops.expert_matmul(h, h.tokens, w_in, r_in))      # moonep::expert_matmul
     y = moonep.ops.combine(moonep.ops.expert_matmul(h, a, w_out, r_out), h)   # moonep::combine
 
-Each op runs the eager code of :class:`moonep.ExpertParallel` (argument checks, the call header with the
-peers, the backend) inside its body, so Dynamo never traces host work, host syncs or kernel launches: the
-op is one node of the graph, whatever the backend.  Its fake implementation gives the static output shapes
-(``cap = moonep.layout.capacity(max_tokens, topk, R, E, align, slack)`` rows).  Autograd is registered
-with ``register_autograd``, and each backward is a custom op too whose body calls the backward rule that the
-eager autograd Functions call (``moonep.ep.dispatch_grads``, ``combine_grads``, ``prefetch_grad``;
-``moonep.experts.expert_matmul_grads``, ``expert_bias_grad``, ``slot_matmul_grads``): one set of rules for eager
-and compiled code, the same bits.  The ops that make a
-collective are side-effecting (:func:`_collective`): a compiler never drops one whose output nothing reads
-(a rank with no tokens), which would leave its peers waiting.
+``ExpertParallel.dispatch``, ``combine`` and ``prefetch`` call ``moonep::dispatch``, ``combine`` and ``prefetch``
+in eager and compiled code alike (the wrappers here call the same ops).  Each op's body is
+:class:`moonep.ExpertParallel`'s (argument checks, the call header with the peers, the backend), so Dynamo never
+traces host work, host syncs or kernel launches: the op is one node of the graph, whatever the backend.  Its
+fake implementation gives the static output shapes (``cap = moonep.layout.capacity(max_tokens, topk, R, E,
+align, slack)`` rows).  Each backward is an op too, whose body runs the one backward rule
+(``moonep.ep.dispatch_grads``, ``combine_grads``, ``prefetch_grad``; ``moonep.experts.expert_matmul_grads``,
+``expert_bias_grad``, ``slot_matmul_grads``).  The ops of the eager path are defined with :func:`_define` and
+:func:`_autograd` (``register_autograd``'s contract, at a lower cost per call); those only compiled code calls
+(the replica fetch and reduces, the GEMMs) with ``custom_op``.  The ops that make a collective are
+side-effecting: a compiler never drops one whose output nothing reads (a rank with no tokens), which would
+leave its peers waiting.
 
 State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
 (plan and backend state of one dispatch) is the *step token* ``h.step``, an int64 tensor that
-``moonep::dispatch`` returns and the later ops take (:mod:`moonep.op_state` finds the step's host state by
-it).  On the NVLink backend the token *is* the step's device state (destinations, row lists, replica
+``moonep::dispatch`` returns and the later ops take (:mod:`moonep.op_state` finds the step's host record by
+it).  Compiled, on the NVLink backend the token *is* the step's device state (destinations, row lists, replica
 tables: ``Backend.pack_step``, :mod:`moonep.backends.nvlink_token`), which the later ops read from it
-(:func:`_lookup`): every device tensor that
-outlives an op is an output of the op that made it and an input of the ops that read it, as CUDA graph
-trees require; nothing on the host holds one.
+(:func:`_lookup`): every device tensor that outlives an op is an output of the op that made it and an input of
+the ops that read it, as CUDA graph trees require; nothing on the host holds one.
 
-Differences from the eager API, all for the compiler's sake: no ``out=`` pools (``prefetch`` and
-``prefetch_replicas`` return fresh tensors, and :func:`expert_matmul` keeps the step's replicas until its
-backward instead of refetching them: the same values, so the same bits); the NVLink backend copies the rows
-out of its receive buffer (as eager training does); an fp8 dispatch takes a float ``x`` (not a pre-quantised
-pair) and returns the rows and scales as tensors of their own (eager: views of the wire rows).
-With ``apply_weights="dispatch"`` the op moves the rows unscaled and :func:`dispatch` scales them in the
-graph (``moonep.ep.scale_rows``, as eager dispatch does outside its autograd Function).
+What only compiled code does, for the compiler's sake: the replica fetch returns fresh tensors (no pool
+buffers), and :func:`expert_matmul` keeps the step's replicas until its backward instead of refetching them
+(the same values, so the same bits); the NVLink backend copies the rows out of its receive buffer (as eager
+training does), and the handle's tables are tensors of their own.  With ``apply_weights="dispatch"`` the op
+moves the rows unscaled and ``ExpertParallel.dispatch`` scales them after it (``moonep.ep.scale_rows``), so
+that autograd sees the product, in both modes.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
@@ -44,10 +43,10 @@ from torch import Tensor
 
 from . import op_state
 from .op_state import fresh_output as _fresh
-from .ep import combine_grads, combine_op, dispatch_grads, dispatch_op, prefetch_grad, prefetch_op
-from .errors import expect
+from .ep import combine_grads, dispatch_grads, prefetch_grad
+from .errors import expect, fail
 from .fp8 import grad_anchor
-from .handles import Fetched, Routed, reissue  # noqa: F401  (Fetched: part of this module's API)
+from .handles import Fetched, Routed, weights_key  # noqa: F401  (Fetched: part of this module's API)
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
                       expert_bias_grad, expert_matmul_grads, expert_matmul_op, fetch_op, kept_replicas,
                       slot_matmul_grads)
@@ -57,13 +56,65 @@ __all__ = ["Routed", "Fetched", "Planned", "dispatch", "combine", "prefetch", "p
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _collective(name: str):
-    """``torch.library.custom_op(name)`` for an op that makes a collective, registered as side-effecting.
+_LIB = torch.library.Library("moonep", "FRAGMENT")
 
-    Every rank must run each collective, also a rank whose result nothing reads: with no tokens its outputs
-    are empty, inductor's loads from an empty buffer are no-ops, and it would drop the op as dead code
-    (docs/design.md, "Collectives are never dead code"); FX's and inductor's dead-code elimination keep an
-    op registered with ``torch.fx.node.has_side_effect``."""
+
+def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.library.Library = _LIB):
+    """Define the op ``<lib's namespace>::<schema>`` (``moonep::``): ``body`` its kernel on every device,
+    ``fake`` its output shapes.  Returns its ``OpOverload``.
+
+    ``collective``: registered as side-effecting.  Every rank must run each collective, also a rank whose result
+    nothing reads: with no tokens its outputs are empty, inductor's loads from an empty buffer are no-ops, and it
+    would drop the op as dead code (docs/design.md, "Collectives are never dead code"); FX's and inductor's
+    dead-code elimination keep an op registered with ``torch.fx.node.has_side_effect``."""
+    name = schema.split("(", 1)[0]
+    lib.define(schema)
+    lib.impl(name, body, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
+    op = getattr(getattr(torch.ops, lib.ns), name).default
+    if collective:
+        torch.fx.node.has_side_effect(op)
+    return op
+
+
+def _autograd(op, setup_context, backward, *, inputs: tuple, tracked: int,
+              lib: torch.library.Library = _LIB) -> None:
+    """Register the autograd of ``op``: ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)``,
+    with ``torch.library.register_autograd``'s contract, as the op's ``Autograd`` kernel.
+
+    ``inputs``: the positions of the differentiable tensor arguments; ``tracked``: the position of the int
+    argument through which the kernel tells the body which of them autograd records (bit ``i``:
+    ``inputs[i]``), so that every rank agrees on the backward collectives that will run.  A compiled graph's
+    forward keeps the bits its trace saw.  (``register_autograd`` itself costs about 7 µs more per eager call
+    on the reference CPU: docs/performance.md, "Eager calls through custom ops".)"""
+    name = op._schema.name.split("::")[1]
+
+    def forward(ctx, *args):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = op(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    node = type(f"{name}_autograd", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+    def kernel(*args):
+        bits = 0
+        if torch.is_grad_enabled():
+            for i, k in enumerate(inputs):
+                if args[k] is not None and args[k].requires_grad:
+                    bits |= 1 << i
+        if bits:
+            return node.apply(*args[:tracked], bits, *args[tracked + 1:])
+        with torch._C._AutoDispatchBelowAutograd():
+            return op(*args)
+
+    lib.impl(name, kernel, "Autograd")
+
+
+def _collective(name: str):
+    """``torch.library.custom_op(name)`` for an op that makes a collective, registered as side-effecting (see
+    :func:`_define`): the ops that only compiled code calls."""
     def define(fn):
         op = torch.library.custom_op(name, mutates_args=())(fn)
         torch.fx.node.has_side_effect(op._opoverload)
@@ -96,80 +147,84 @@ def _backward_only():
         meta["partitioner_tag"] = saved
 
 
-def _state_words(ep) -> int:
-    """Words of ``ep``'s step token besides its ``2*s*K`` destination words; 0: the token is int64 ``[1]``
-    (the layout is the backend's: ``Backend.pack_step``)."""
-    return ep._backend.token_state_words
-
-
 def _lookup(token: Tensor, op_id: int):
-    """``(ep, h)``: the instance and the step's Dispatched (without rows) of ``token``."""
+    """``(ep, step)``: the instance and the :class:`moonep.handles.Step` of ``token``."""
     ep = op_state.instance(op_id)
-    return ep, ep._backend.unpack_step(op_state.step(token, op_id), token)
+    return ep, ep._token_step(token)
 
 
 # --------------------------------------------------------------------------------------------- dispatch
-@_collective("moonep::dispatch")
-def _dispatch(x: Tensor, topk_idx: Tensor, topk_weights: Tensor, op_id: int, capacity: int, num_experts: int,
-              world_size: int, state_words: int, fp8: bool = False) -> tuple[
-        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """``ExpertParallel.dispatch`` -> (tokens ``[cap, H]``, weights ``[cap]``, cu_seqlens int32 ``[2epn+1]``,
-    slot_experts int64 ``[2epn]``, assignment int64 ``[E, R]``, replica_experts int64 ``[R, epn]``,
-    recv_counts int64 ``[R]``, step token int64 ``[1]``, NVLink: ``[state_words + 2*s*K]``, then with ``fp8``
-    scales float32 ``[cap, H/128]`` and ``grad_rows``, a stride-0 zero ``[cap, H]`` in ``x``'s dtype through
-    which the dequantised rows' gradient comes back (tokens then float8_e4m3fn); without, both ``[0]``).
-    Collective.
-
-    ``capacity``, ``num_experts``, ``world_size``, ``state_words`` (:func:`_state_words`), ``fp8``: the
-    instance's (checked), so that the fake implementation needs no lookup and a compiled graph's cache key
-    holds its output shapes."""
+def _dispatch_impl(x, topk_idx, topk_weights, x_scales, num_global_tokens, op_id, capacity, num_experts, world_size,
+                   state_words, fp8, dtype, graph, tracked):
+    """``ExpertParallel._dispatch_body``, then the step token and the handle's tensors (see :data:`dispatch_op`)."""
     ep = op_state.instance(op_id)
-    sizes = (capacity, num_experts, world_size, state_words, fp8)
-    expect((ep.capacity, ep.num_experts, ep.world_size, _state_words(ep), ep.fp8) == sizes, "moonep::dispatch",
-           f"the sizes of ExpertParallel op id {op_id}", sizes)
-    with ep._op_body():  # rows of its own, unscaled
-        h = ep.dispatch(x, topk_idx, topk_weights)
-    dev = x.device
-    token, kept = ep._backend.pack_step(h, dev)
+    sizes = (capacity, num_experts, world_size, state_words, fp8, dtype)
+    if (ep.capacity, ep.num_experts, ep.world_size, ep._backend.token_state_words, ep.fp8, ep.dtype) != sizes:
+        fail("moonep::dispatch", f"the sizes of ExpertParallel op id {op_id}", sizes)
+    step, tokens, weights, scales, anchor = ep._dispatch_body(x, topk_idx, topk_weights, x_scales,
+                                                              num_global_tokens, tracked, graph)
+    dev, plan = x.device, step.plan
+    token, kept = ep._backend.pack_step(step, dev, graph)
     op_state.put_step(token, op_id, kept)
-    plan = h.plan
-    if fp8:  # the views of the wire rows, as tensors of their own; the anchor for the rows' gradient
-        extra = (h.scales.clone(memory_format=torch.contiguous_format), _grad_anchor(capacity, x))
-        tokens = h.tokens.clone(memory_format=torch.contiguous_format)  # (a view of one row is "contiguous")
-    else:
-        extra = (x.new_empty(0, dtype=torch.float32), x.new_empty(0))
-        tokens = _fresh(h.tokens, x)
-    return (tokens, _fresh(h.weights, topk_weights), h.cu_seqlens.to(dev, torch.int32, copy=True),
-            h.slot_experts.to(dev, torch.int64, copy=True), plan.assignment.to(dev, torch.int64, copy=True),
-            plan.replica_experts.to(dev, torch.int64, copy=True), plan.recv_counts.to(dev, torch.int64, copy=True),
-            token) + extra
+    weights = _fresh(weights, topk_weights)
+    if graph:  # tensors of their own: a compiled graph (a CUDA graph's pool) holds them past this step
+        step.routing.issued = None
+        if fp8:  # views of the wire rows, as tensors of their own
+            tokens, scales = (t.clone(memory_format=torch.contiguous_format) for t in (tokens, scales))
+        else:
+            tokens = _fresh(tokens, x)
+        tables = (step.cu_seqlens.to(dev, torch.int32, copy=True), step.slot_experts.to(dev, torch.int64, copy=True),
+                  plan.assignment.to(dev, torch.int64, copy=True), plan.replica_experts.to(dev, torch.int64, copy=True),
+                  plan.recv_counts.to(dev, torch.int64, copy=True))
+    else:  # eager: what the step holds (zero-copy rows stay views of the receive buffer)
+        step.routing.issued = weights_key(weights)  # combine refuses any other tensor
+        tokens = _fresh(tokens, x)
+        tables = (step.cu_seqlens.to(torch.int32), step.slot_experts.to(torch.int64), plan.assignment,
+                  plan.replica_experts, plan.recv_counts)
+    if not fp8:
+        scales = x.new_empty(0, dtype=torch.float32)
+    return (tokens, weights, *tables, token, scales, x.new_empty(0) if anchor is None else anchor)
 
 
-def _grad_anchor(cap: int, x: Tensor) -> Tensor:
-    """fp8 dispatch: ``[cap, H]`` stride-0 zeros in ``x``'s dtype (:func:`moonep.fp8.grad_anchor`)."""
-    return grad_anchor(cap, x.shape[1], x.dtype, x.device)
-
-
-@_dispatch.register_fake
-def _(x, topk_idx, topk_weights, op_id, capacity, num_experts, world_size, state_words, fp8=False):
-    E, R, epn, cap = num_experts, world_size, num_experts // world_size, capacity
-    words = state_words + 2 * x.shape[0] * topk_idx.shape[1] if state_words else 1
+def _dispatch_fake(x, topk_idx, topk_weights, x_scales, num_global_tokens, op_id, capacity, num_experts, world_size,
+                   state_words, fp8, dtype, graph, tracked):
+    E, R, epn, cap, H = num_experts, world_size, num_experts // world_size, capacity, x.shape[1]
+    words = state_words + 2 * x.shape[0] * topk_idx.shape[1] if state_words and graph else 1
     i64 = dict(dtype=torch.int64)
     if fp8:
-        tokens = x.new_empty(cap, x.shape[1], dtype=torch.float8_e4m3fn)
-        extra = (x.new_empty(cap, x.shape[1] // 128, dtype=torch.float32), _grad_anchor(cap, x))
+        tokens, scales = x.new_empty(cap, H, dtype=torch.float8_e4m3fn), x.new_empty(cap, H // 128, dtype=torch.float32)
     else:
-        tokens, extra = x.new_empty(cap, x.shape[1]), (x.new_empty(0, dtype=torch.float32), x.new_empty(0))
+        tokens, scales = x.new_empty(cap, H), x.new_empty(0, dtype=torch.float32)
+    anchor = grad_anchor(cap, H, dtype, x.device) if fp8 and tracked else x.new_empty(0)
     return (tokens, topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
             x.new_empty(2 * epn, **i64), x.new_empty(E, R, **i64), x.new_empty(R, epn, **i64), x.new_empty(R, **i64),
-            x.new_empty(words, **i64)) + extra
+            x.new_empty(words, **i64), scales, anchor)
+
+
+dispatch_op = _define(
+    "dispatch(Tensor x, Tensor topk_idx, Tensor topk_weights, Tensor? x_scales, int num_global_tokens, int op_id, "
+    "int capacity, int num_experts, int world_size, int state_words, bool fp8, ScalarType dtype, bool graph, "
+    "int tracked) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _dispatch_impl, _dispatch_fake)
+dispatch_op.__doc__ = """``moonep::dispatch``: :meth:`moonep.ExpertParallel.dispatch` of instance ``op_id``. Collective.
+
+Returns (tokens ``[cap, H]``, weights ``[cap]``, cu_seqlens int32 ``[2epn+1]``, slot_experts int64 ``[2epn]``,
+assignment int64 ``[E, R]``, replica_experts int64 ``[R, epn]``, recv_counts int64 ``[R]``, the step token int64
+(``[1]``; with ``graph`` on NVLink ``[state_words + 2*s*K]``), then scales float32 ``[cap, H/128]`` (fp8; else
+``[0]``) and ``grad_rows``, fp8 and tracked: a stride-0 zero ``[cap, H]`` in ``x``'s dtype through which the
+dequantised rows' gradient comes back; else ``[0]``).  ``x_scales``: ``x`` is a pre-quantised fp8 pair's rows.
+``num_global_tokens``: -1, or the sum of ``s`` over ranks (checked).  ``capacity``, ``num_experts``,
+``world_size``, ``state_words`` (``Backend.token_state_words``), ``fp8``, ``dtype`` (the token dtype): the
+instance's (checked), so that the fake implementation needs no lookup.  ``graph``: called from a compiled graph (outputs of their own).
+``tracked``: set by the op's autograd (see :func:`_autograd`); callers pass 0."""
 
 
 def _dispatch_setup(ctx, inputs, output):
-    x, idx, w, op_id, cap = inputs[:5]
-    ctx.op_id, ctx.num_tokens, ctx.x_dtype, ctx.w_dtype = op_id, x.shape[0], x.dtype, w.dtype
-    ctx.sizes = (x.shape[1], idx.shape[1], cap)
-    ctx.fp8 = len(inputs) > 8 and inputs[8]
+    x, idx, w = inputs[:3]
+    # the token dtype (a pre-quantised pair's x is fp8)
+    ctx.op_id, ctx.num_tokens, ctx.x_dtype, ctx.w_dtype = inputs[5], x.shape[0], inputs[11], w.dtype
+    ctx.sizes = (x.shape[1], idx.shape[1], inputs[6])
+    ctx.fp8 = inputs[10]
     if ctx.fp8:  # the fp8 rows and their scales carry no gradient: it comes back through grad_rows
         ctx.mark_non_differentiable(output[0], output[8])
     ctx.save_for_backward(output[7])
@@ -181,73 +236,60 @@ def _dispatch_bwd(ctx, g_tokens, g_weights, *rest):
         g_tokens = rest[-1]
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     with _backward_only():
-        gx, gw = _dispatch_backward(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
-                                    ctx.w_dtype, want_x, want_w)
-    return _none_or(gx, want_x), None, _none_or(gw, want_w), None, None, None, None, None, None
+        gx, gw = dispatch_backward_op(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
+                                      ctx.w_dtype, want_x, want_w)
+    return (_none_or(gx, want_x), None, _none_or(gw, want_w)) + (None,) * 11
 
 
-_dispatch.register_autograd(_dispatch_bwd, setup_context=_dispatch_setup)
-
-
-@_collective("moonep::dispatch_backward")
-def _dispatch_backward(g_tokens: Optional[Tensor], g_weights: Optional[Tensor], token: Tensor, op_id: int,
-                       num_tokens: int, hidden: int, topk: int, capacity: int, x_dtype: torch.dtype,
-                       w_dtype: torch.dtype, want_x: bool, want_w: bool) -> tuple[Tensor, Tensor]:
-    """``dispatch_grads``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> (``gx [s, H]``, ``gw [s, K]``);
-    an unwanted gradient is an empty placeholder. Collective."""
-    ep, h = _lookup(token, op_id)
-    dev = token.device
+def _dispatch_backward(g_tokens, g_weights, token, op_id, num_tokens, hidden, topk, capacity, x_dtype, w_dtype,
+                       want_x, want_w):
+    """``dispatch_grads``: ``g_tokens [cap, H]``, ``g_weights [cap]`` -> (``gx [s, H]``, ``gw [s, K]``); an
+    unwanted gradient is an empty placeholder. Collective."""
+    ep, step = _lookup(token, op_id)
+    dev = token.device if token.numel() > 1 else (g_tokens if g_tokens is not None else g_weights).device
     if g_tokens is None:  # eager autograd materialises the unused output's gradient as zeros too
         g_tokens = torch.zeros(capacity, hidden, dtype=x_dtype, device=dev)
     if g_weights is None:
         g_weights = torch.zeros(capacity, dtype=w_dtype, device=dev)
-    gx, gw = dispatch_grads(ep, h.routing, g_tokens, g_weights, want_x, want_w, x_dtype, w_dtype)
-    empty = torch.empty(0, dtype=x_dtype, device=dev)
-    return (_fresh(gx, g_tokens) if want_x else empty,
+    gx, gw = dispatch_grads(ep, step.routing, g_tokens, g_weights, want_x, want_w, x_dtype, w_dtype)
+    return (_fresh(gx, g_tokens) if want_x else torch.empty(0, dtype=x_dtype, device=dev),
             _fresh(gw, g_weights) if want_w else torch.empty(0, dtype=w_dtype, device=dev))
 
 
-@_dispatch_backward.register_fake
-def _(g_tokens, g_weights, token, op_id, num_tokens, hidden, topk, capacity, x_dtype, w_dtype, want_x, want_w):
-    return (token.new_empty((num_tokens, hidden) if want_x else (0,), dtype=x_dtype),
-            token.new_empty((num_tokens, topk) if want_w else (0,), dtype=w_dtype))
+def _dispatch_backward_fake(g_tokens, g_weights, token, op_id, num_tokens, hidden, topk, capacity, x_dtype, w_dtype,
+                            want_x, want_w):
+    like = g_tokens if g_tokens is not None else g_weights
+    return (like.new_empty((num_tokens, hidden) if want_x else (0,), dtype=x_dtype),
+            like.new_empty((num_tokens, topk) if want_w else (0,), dtype=w_dtype))
+
+
+dispatch_backward_op = _define(
+    "dispatch_backward(Tensor? g_tokens, Tensor? g_weights, Tensor step, int op_id, int num_tokens, int hidden, "
+    "int topk, int capacity, ScalarType x_dtype, ScalarType w_dtype, bool want_x, bool want_w) -> (Tensor, Tensor)",
+    _dispatch_backward, _dispatch_backward_fake)
+_autograd(dispatch_op, _dispatch_setup, _dispatch_bwd, inputs=(0, 2), tracked=13)
 
 
 def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
-    """:meth:`moonep.ExpertParallel.dispatch` as the op ``moonep::dispatch`` (what it runs when compiled).
-    Collective.
-
-    Args:
-        ep: the :class:`moonep.ExpertParallel`; with ``dispatch_dtype=torch.float8_e4m3fn`` ``x`` is a float
-            tensor, quantised in the send (a pre-quantised pair runs eagerly: ``ExpertParallel.dispatch``).
-        x: ``[s, H]`` in ``ep.dtype``; topk_idx: int32/int64 ``[s, K]``; topk_weights: float ``[s, K]``.
-    Returns:
-        :class:`Routed`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
-        ``topk_weights`` (the backward is a combine, as in eager).
-    """
-    return dispatch_op(ep, x, topk_idx, topk_weights)
+    """:meth:`moonep.ExpertParallel.dispatch` (the op ``moonep::dispatch``). Collective."""
+    return ep.dispatch(x, topk_idx, topk_weights)
 
 
 # --------------------------------------------------------------------------------------------- combine
-@_collective("moonep::combine")
-def _combine(expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, num_tokens: int) -> Tensor:
-    """``ExpertParallel.combine``: ``expert_out [cap, H]``, ``weights [cap]`` -> ``[s, H]`` in
-    ``expert_out``'s dtype. Collective."""
-    ep, h = _lookup(token, op_id)
-    # the graph's weights, handed to combine as issued when they have the shape it reads; otherwise as
-    # replaced, so that combine refuses them on every rank
-    fits = weights.dim() == 1 and weights.shape[0] == ep.capacity and weights.device.type == ep.device.type
-    h = reissue(h, weights=weights) if fits else dataclasses.replace(h, weights=weights)
-    return _fresh(ep.combine(expert_out, h), expert_out)
+def _combine(expert_out, weights, token, op_id, num_tokens, graph, tracked):
+    """``ExpertParallel._combine_body``: ``expert_out [cap, H]``, ``weights [cap]`` -> ``[s, H]``."""
+    y = op_state.instance(op_id)._combine_body(expert_out, weights, token, tracked, graph)
+    return _fresh(y, expert_out, weights)
 
 
-@_combine.register_fake
-def _(expert_out, weights, token, op_id, num_tokens):
-    return expert_out.new_empty(num_tokens, expert_out.shape[1])
+combine_op = _define(
+    "combine(Tensor expert_out, Tensor weights, Tensor step, int op_id, int num_tokens, bool graph, int tracked) -> "
+    "Tensor", _combine, lambda expert_out, weights, token, op_id, num_tokens, graph, tracked:
+    expert_out.new_empty(num_tokens, expert_out.shape[1]))
 
 
 def _combine_setup(ctx, inputs, output):
-    expert_out, weights, token, op_id, _ = inputs
+    expert_out, weights, token, op_id = inputs[:4]
     ctx.op_id = op_id
     ctx.save_for_backward(expert_out, weights, token)
 
@@ -256,51 +298,46 @@ def _combine_bwd(ctx, gy):
     expert_out, weights, token = ctx.saved_tensors
     want_o, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     with _backward_only():
-        g_out, g_w = _combine_backward(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
-    return _none_or(g_out, want_o), _none_or(g_w, want_w), None, None, None
+        g_out, g_w = combine_backward_op(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
+    return _none_or(g_out, want_o), _none_or(g_w, want_w), None, None, None, None, None
 
 
-_combine.register_autograd(_combine_bwd, setup_context=_combine_setup)
-
-
-@_collective("moonep::combine_backward")
-def _combine_backward(gy: Tensor, expert_out: Tensor, weights: Tensor, token: Tensor, op_id: int, want_out: bool,
-                      want_w: bool) -> tuple[Tensor, Tensor]:
+def _combine_backward(gy, expert_out, weights, token, op_id, want_out, want_w):
     """``combine_grads``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
     empty placeholder. Collective."""
-    ep, h = _lookup(token, op_id)
+    ep, step = _lookup(token, op_id)
     # apply_weights="dispatch": a plain sum (combine's weights are not an input then: want_w is False)
-    g_out, g_w = combine_grads(ep, h.routing, gy, expert_out, weights if ep.apply_weights == "combine" else None,
+    g_out, g_w = combine_grads(ep, step.routing, gy, expert_out, weights if ep.apply_weights == "combine" else None,
                                want_out, want_w)
     return (_fresh(g_out, gy, expert_out) if want_out else expert_out.new_empty(0),
             _fresh(g_w, weights) if want_w else weights.new_empty(0))
 
 
-@_combine_backward.register_fake
-def _(gy, expert_out, weights, token, op_id, want_out, want_w):
-    return (expert_out.new_empty(expert_out.shape if want_out else (0,)),
-            weights.new_empty(weights.shape if want_w else (0,)))
+combine_backward_op = _define(
+    "combine_backward(Tensor gy, Tensor expert_out, Tensor weights, Tensor step, int op_id, bool want_out, "
+    "bool want_w) -> (Tensor, Tensor)", _combine_backward,
+    lambda gy, expert_out, weights, token, op_id, want_out, want_w: (
+        expert_out.new_empty(expert_out.shape if want_out else (0,)),
+        weights.new_empty(weights.shape if want_w else (0,))))
+_autograd(combine_op, _combine_setup, _combine_bwd, inputs=(0, 1), tracked=6)
 
 
 def combine(expert_out: Tensor, h: Routed) -> Tensor:
-    """:meth:`moonep.ExpertParallel.combine` as ``moonep::combine``: ``expert_out [cap, H]`` -> ``[s, H]`` in
-    its dtype, ``sum_k w_k out_k`` (the plain sum when ``h.scaled``).  Differentiable with respect to
-    ``expert_out`` and ``h.weights`` (unless ``h.scaled``: their gradient then comes through the dispatched rows).
-    Collective."""
-    return combine_op(expert_out, h)
+    """:meth:`moonep.ExpertParallel.combine` of ``h``'s instance: the op ``moonep::combine``. Collective."""
+    weights = h.weights.detach() if h.scaled else h.weights  # scaled at dispatch: no weights' gradient here
+    return combine_op(expert_out, weights, h.step, h.op_id, h.num_tokens, torch.compiler.is_compiling(), 0)
 
 
 # --------------------------------------------------------------------------------------------- weights
-@_collective("moonep::prefetch")
-def _prefetch(local_weight: Tensor, token: Tensor, op_id: int) -> Tensor:
-    """``ExpertParallel.prefetch`` without a pool: ``[epn, *D]`` -> ``[2*epn, *D]``. Collective."""
-    ep, h = _lookup(token, op_id)
-    return _fresh(ep.prefetch(h, local_weight), local_weight)
+def _prefetch(local_weight, token, op_id, tracked):
+    """``ExpertParallel._prefetch_body``: ``[epn, *D]`` -> ``[2*epn, *D]``. Collective."""
+    return _fresh(op_state.instance(op_id)._prefetch_body(local_weight, token, tracked), local_weight)
 
 
-@_prefetch.register_fake
-def _(local_weight, token, op_id):
-    return local_weight.new_empty(2 * local_weight.shape[0], *local_weight.shape[1:])
+prefetch_op = _define(
+    "prefetch(Tensor local_weight, Tensor step, int op_id, int tracked) -> Tensor", _prefetch,
+    lambda local_weight, token, op_id, tracked: local_weight.new_empty(2 * local_weight.shape[0],
+                                                                       *local_weight.shape[1:]))
 
 
 def _prefetch_setup(ctx, inputs, output):
@@ -311,29 +348,25 @@ def _prefetch_setup(ctx, inputs, output):
 def _prefetch_bwd(ctx, g):
     (token,) = ctx.saved_tensors
     with _backward_only():
-        return _prefetch_backward(g, token, ctx.op_id), None, None
+        return prefetch_backward_op(g, token, ctx.op_id), None, None, None
 
 
-_prefetch.register_autograd(_prefetch_bwd, setup_context=_prefetch_setup)
-
-
-@_collective("moonep::prefetch_backward")
-def _prefetch_backward(g: Tensor, token: Tensor, op_id: int) -> Tensor:
+def _prefetch_backward(g, token, op_id):
     """``prefetch_grad``: ``[2*epn, *D]`` slot gradients -> ``[epn, *D]`` at home. Collective."""
-    ep, h = _lookup(token, op_id)
-    return _fresh(prefetch_grad(ep, h.plan, g), g)
+    ep, step = _lookup(token, op_id)
+    return _fresh(prefetch_grad(ep, step.plan, g), g)
 
 
-@_prefetch_backward.register_fake
-def _(g, token, op_id):
-    return g.new_empty(g.shape[0] // 2, *g.shape[1:])
+prefetch_backward_op = _define("prefetch_backward(Tensor g, Tensor step, int op_id) -> Tensor", _prefetch_backward,
+                               lambda g, token, op_id: g.new_empty(g.shape[0] // 2, *g.shape[1:]))
+_autograd(prefetch_op, _prefetch_setup, _prefetch_bwd, inputs=(0,), tracked=3)
 
 
 def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
-    """:meth:`moonep.ExpertParallel.prefetch` as ``moonep::prefetch``: ``local_weight [epn, *D]`` ->
+    """:meth:`moonep.ExpertParallel.prefetch` (the op ``moonep::prefetch``): ``local_weight [epn, *D]`` ->
     ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).  Differentiable (the backward is
     ``reduce_grad``). Collective."""
-    return prefetch_op(h, local_weight)
+    return prefetch_op(local_weight, h.step, h.op_id, 0)
 
 
 @_collective("moonep::prefetch_replicas")

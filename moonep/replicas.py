@@ -69,31 +69,11 @@ def _fetch_replicas(plan, rank: int, flats: list, transport: Transport):
 
 def prefetch_weights(plan, rank: int, local_weight: torch.Tensor, transport: Transport) -> torch.Tensor:
     """``[epn, *D]`` home weights -> ``[2*epn, *D]``: home experts, then replica slots (zero if empty)."""
-    out = local_weight.new_empty((2 * local_weight.shape[0], *local_weight.shape[1:]))
-    return prefetch_weights_into(plan, rank, local_weight, transport, out)
-
-
-def home_is_view(local_weight: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether ``local_weight`` is the home half ``out[:epn]`` itself (same memory, contiguous).
-
-    ``out`` is a checked contiguous ``[2*epn, *D]`` pool of ``local_weight``'s dtype and device.  Returns
-    ``False`` for memory disjoint from ``out``; raises ``ValueError`` for any other overlap (a copy into the
-    pool would read what it writes).
-    """
-    es = out.element_size()
-    lo, hi = out.data_ptr(), out.data_ptr() + out.numel() * es
-    if local_weight.numel() == 0 or out.numel() == 0:
-        return False
-    a = local_weight.data_ptr()
-    span = 1 + sum((n - 1) * abs(st) for n, st in zip(local_weight.shape, local_weight.stride()))
-    b = a + span * es
-    if b <= lo or a >= hi:
-        return False
-    if a == lo and local_weight.is_contiguous():
-        return True
-    raise ValueError(f"local_weight: expected either the home half out[:epn] itself (same memory, contiguous) "
-                     f"or memory disjoint from out, got a tensor overlapping out at byte offset {a - lo} "
-                     f"(contiguous={local_weight.is_contiguous()})")
+    epn = local_weight.shape[0]
+    out = local_weight.new_empty((2 * epn, *local_weight.shape[1:]))
+    out[:epn].copy_(local_weight)
+    prefetch_replicas_into(plan, rank, [local_weight], transport, [out[epn:]])
+    return out
 
 
 def prefetch_replicas_into(plan, rank: int, local_weights: list, transport: Transport, replicas: list) -> list:
@@ -123,20 +103,6 @@ def prefetch_replicas_into(plan, rank: int, local_weights: list, transport: Tran
         if mine:
             flat.index_copy_(0, index("mine", mine, flat.device), got)
     return replicas
-
-
-def prefetch_weights_into(plan, rank: int, local_weight: torch.Tensor, transport: Transport,
-                          out: torch.Tensor) -> torch.Tensor:
-    """:func:`prefetch_weights` into a persistent ``[2*epn, *D]`` pool ``out`` (bitwise the same values).
-
-    Writes the replica slots ``out[epn:]`` (only the empty ones are zeroed) and copies the home half only
-    when ``local_weight`` is not ``out[:epn]`` itself (see :func:`home_is_view`).  Returns ``out``.
-    """
-    epn = local_weight.shape[0]
-    if not home_is_view(local_weight, out):
-        out[:epn].copy_(local_weight)
-    prefetch_replicas_into(plan, rank, [local_weight], transport, [out[epn:]])
-    return out
 
 
 def reduce_replica_grads(plan, rank: int, grad_view: torch.Tensor, transport: Transport) -> torch.Tensor:

@@ -5,8 +5,10 @@
 
 Defaults: 4096 tokens, hidden 7168, bf16, top-8 of 256 experts (DeepEP's intranode shape), the nvlink
 backend on one GPU (rows stay local).  Reported per call, in microseconds: back-to-back eager calls timed
-with CUDA events (host launch time included when the host is the slower side) and the same calls replayed
-from a CUDA graph (device time only), with the helpers of benchmarks/bench_planner.py.  Only public API is
+with CUDA events (host launch time included when the host is the slower side), the same calls replayed
+from a CUDA graph (device time only), with the helpers of benchmarks/bench_planner.py, and dispatch +
+combine + their backward under autograd; then an eager ``LatentMoE`` step (forward + backward, ms) at the
+configuration of benchmarks/bench_compile.py.  Only public API is
 used, so older versions run it unchanged; run the versions alternately in one device call (A B A B) so
 that drift of the machine shows up as spread, not as a difference.
 """
@@ -58,9 +60,47 @@ def measure(args) -> dict:
         h = ep.dispatch(x, idx, w)
         res["combine_graph_us"] = graph_time(lambda: ep.combine(h.tokens, h), n=10, reps=args.reps)
         ep.synchronize()
+    # under autograd (the default zero_copy: rows copied for the backward): dispatch, combine, both backwards
+    xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+    ept = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
+                                transport="nvlink")
+
+    def train_pair():
+        hh = ept.dispatch(xg, idx, wg)
+        ept.combine(hh.tokens, hh).float().sum().backward()
+
+    for _ in range(args.warmup):
+        train_pair()
+    res["dispatch_combine_grad_us"] = statistics.median(_events(train_pair, args.iters) for _ in range(args.reps))
+    ept.synchronize()
+    ept.close()
+    res["layer_step_ms"] = _layer_step_ms(rt)
     ep.close()
     rt.shutdown()
-    return {k: round(v, 1) for k, v in res.items()}
+    return {k: round(v, 3) for k, v in res.items()}
+
+
+def _layer_step_ms(rt) -> float:
+    """Median milliseconds of an eager ``LatentMoE`` step (forward + backward, bf16) at the configuration of
+    benchmarks/bench_compile.py: 4096 tokens, d_model 2048, d_latent 1024, top-6 of 64 experts, d_expert 768."""
+    import torch
+
+    from moonep.layers import LatentMoE
+
+    torch.manual_seed(0)
+    m = LatentMoE(2048, 1024, 64, 6, 768, group=rt, max_tokens=4096, dtype=torch.bfloat16, device=rt.device)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4096, 2048, generator=g).to(rt.device, torch.bfloat16) for _ in range(23)]
+    times = []
+    for x in xs:
+        m.zero_grad(set_to_none=True)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        m(x).float().square().sum().backward()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times[3:])
 
 
 def report(path: str) -> int:

@@ -82,10 +82,8 @@ class Backend:
         """Backward of combine: ``gy [s, H]`` sent over the step's routing -> ``[cap, H]`` (dy of each row)."""
         raise NotImplementedError
 
-    def prefetch(self, plan, local_weight, out=None):
-        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).
-
-        ``out``: a checked persistent ``[2*epn, *D]`` pool, written in place and returned."""
+    def prefetch(self, plan, local_weight):
+        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero)."""
         raise NotImplementedError
 
     def prefetch_replicas(self, plan, local_weights, replicas, fresh: bool = False):
@@ -106,20 +104,20 @@ class Backend:
         raise NotImplementedError
 
     # -- the step as a custom op's token (moonep.ops): its layout is the backend's own ------------------
-    # int64 words of the step token besides its 2*s*K destination words; 0: the token is int64 [1] and the
-    # registry keeps the whole step (it holds no device tensor that a compiled graph must see)
+    # int64 words of a compiled step's token besides its 2*s*K destination words; 0: the token is int64 [1]
+    # and the registry keeps the whole step (it holds no device tensor that a compiled graph must see)
     token_state_words = 0
 
-    def pack_step(self, h, device):
-        """``(token, kept)`` for the step of ``h`` (a :class:`moonep.Dispatched`): ``token`` an int64 tensor on
-        ``device`` (``[1]``, or ``[token_state_words + 2*s*K]`` when the step's device state travels in it),
-        ``kept`` what ``moonep.op_state`` keeps for :meth:`unpack_step`."""
-        from ..handles import reissue
-
-        return torch.zeros(1, dtype=torch.int64, device=device), reissue(h, tokens=None, weights=None)
+    def pack_step(self, h, device, graph: bool):
+        """``(token, kept)`` for step ``h`` (a :class:`moonep.handles.Step`): ``token`` an int64 tensor (``[1]``,
+        or under ``torch.compile`` (``graph``) ``[token_state_words + 2*s*K]`` on ``device`` when the step's
+        device state travels in it), ``kept`` what ``moonep.op_state`` keeps for :meth:`unpack_step`."""
+        if graph:  # on the graph's device, as the fake implementation says
+            return torch.zeros(1, dtype=torch.int64, device=device), h
+        return torch.empty(1, dtype=torch.int64), h
 
     def unpack_step(self, kept, token):
-        """The Dispatched (without rows) of a step, from what :meth:`pack_step` returned."""
+        """The :class:`moonep.handles.Step` of a step, from what :meth:`pack_step` returned."""
         return kept
 
     def copied_rows(self):

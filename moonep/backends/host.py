@@ -17,7 +17,7 @@ from ..dispatch import build_routing, dispatch_packed, expand, expand_weights, p
 from ..errors import RefusedEverywhere, expect, raise_together
 from ..handles import HostStep
 from ..planner import plan_balanced
-from ..replicas import (prefetch_replicas_into, prefetch_weights, prefetch_weights_into, reduce_replica_grads,
+from ..replicas import (prefetch_replicas_into, prefetch_weights, reduce_replica_grads,
                         reduce_replicas)
 from .base import Backend
 
@@ -118,9 +118,7 @@ class HostBackend(Backend):
         return expand(send_tokens(gy.contiguous(), st, self.transport), st.recv_rows, st.capacity)
 
     # -- replica weights ---------------------------------------------------------------------------
-    def prefetch(self, plan, local_weight, out=None):
-        if out is not None:
-            return prefetch_weights_into(plan, self.rank, local_weight, self.transport, out)
+    def prefetch(self, plan, local_weight):
         return prefetch_weights(plan, self.rank, local_weight.contiguous(), self.transport)
 
     def prefetch_replicas(self, plan, local_weights, replicas, fresh: bool = False):

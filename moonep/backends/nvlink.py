@@ -86,12 +86,12 @@ from ..config import Tuning, parse_fused
 from ..errors import MoonepError, expect
 from ..guard import HEADER_WORDS, check_order_enabled
 from ..handles import NVLinkStep
-from ..replicas import forget_zero_slots, home_is_view
+from ..replicas import forget_zero_slots
 from ..transport.ipc import HostWords, SymmetricBuffer
 from ..transport.order_board import OrderBoard
 from . import nvlink_abi as abi
 from .base import Backend
-from .nvlink_token import StepToken
+from .nvlink_token import Kept, StepToken
 
 _DT = {torch.float32: abi.DT_F32, torch.bfloat16: abi.DT_BF16, torch.float16: abi.DT_F16}
 _MAXR = abi.MAXR
@@ -448,12 +448,14 @@ class NVLinkBackend(Backend):
         tokens, weights = self._dispatch_rows(x, w32, st, zero_copy)
         return tokens, weights.to(topk_weights.dtype)
 
-    def pack_step(self, h, device):
-        """The step's device state travels in the token (:mod:`moonep.backends.nvlink_token`)."""
+    def pack_step(self, h, device, graph: bool):
+        """Compiled: the step's device state travels in the token (:mod:`moonep.backends.nvlink_token`)."""
+        if not graph:
+            return super().pack_step(h, device, graph)
         return self._token.pack(h, device), self._token.host_part(h)
 
     def unpack_step(self, kept, token):
-        return self._token.unpack(kept, token)
+        return self._token.unpack(kept, token) if isinstance(kept, Kept) else kept
 
     @contextlib.contextmanager
     def copied_rows(self):
@@ -663,22 +665,11 @@ class NVLinkBackend(Backend):
         src = plan.replica_source.to(device=self.device, dtype=torch.int64).contiguous()
         return rep, src
 
-    def prefetch(self, plan, local_weight, out=None):
-        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).
-
-        ``out``: a checked persistent ``[2*epn, *D]`` pool (see ``ExpertParallel.prefetch``): only the
-        replica rows travel (pushed by their home rank, as without ``out``) and are written into
-        ``out[epn:]``; the home half is copied only when ``local_weight`` is not ``out[:epn]``.  Returns
-        ``out``.
-        """
-        if out is None:
-            lw = local_weight.contiguous()
-            out = torch.empty((2 * self.epn, *lw.shape[1:]), dtype=lw.dtype, device=self.device)
-            self._prefetch(plan, lw, out[:self.epn], out[self.epn:], None)
-            return out
-        shared = home_is_view(local_weight, out)
-        lw = local_weight if shared else local_weight.contiguous()
-        self._prefetch(plan, lw, None if shared else out[:self.epn], out[self.epn:], self._prev_replicas(out))
+    def prefetch(self, plan, local_weight):
+        """``[epn, *D]`` home weights -> ``[2*epn, *D]`` (home experts, then replicas; empty slots zero)."""
+        lw = local_weight.contiguous()
+        out = torch.empty((2 * self.epn, *lw.shape[1:]), dtype=lw.dtype, device=self.device)
+        self._prefetch(plan, lw, out[:self.epn], out[self.epn:], None)
         return out
 
     def prefetch_replicas(self, plan, local_weights, replicas, fresh: bool = False):

@@ -11,23 +11,23 @@ one allocation, the token (a custom op's outputs may not alias each other), and 
     then            dst_rank [s, K], dst_row [s, K] (int64)
 
 The host part (step number, generation, ``s``, whether tokfirst is set) stays in ``moonep.op_state``'s registry
-as a :class:`Kept`, which holds no tensor.
+as a :class:`Kept`, which holds no tensor.  Eager calls need none of this: their token is ``[1]`` and the
+registry keeps the :class:`moonep.handles.Step` itself.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
 
 from ..errors import expect
-from ..handles import reissue
+from ..handles import Step
 
 
 class Kept(NamedTuple):
-    handle: object     # the Dispatched without tensors (routing: an NVLinkStep without tensors; plan None)
+    step: Step         # without tensors (routing: an NVLinkStep without tensors; plan None)
     tokfirst: bool     # whether the step has a tokfirst list
 
 
@@ -41,8 +41,8 @@ class StepToken:
         # the words before the 2*s*K destination words
         self.state_words = self.lists_words + R * epn + R
 
-    def pack(self, h, device) -> torch.Tensor:
-        """int64 ``[state_words + 2*s*K]``: a copy of the device state of ``h`` (a Dispatched), laid out as above."""
+    def pack(self, h: Step, device) -> torch.Tensor:
+        """int64 ``[state_words + 2*s*K]``: a copy of the device state of step ``h``, laid out as above."""
         st, plan = h.routing, h.plan
         cap, K, R, S, epn, L = self.cap, self.K, self.R, self.S, self.epn, self.lists_words
         s = st.num_tokens
@@ -61,20 +61,18 @@ class StepToken:
         return token
 
     @staticmethod
-    def host_part(h) -> Kept:
-        """What the registry keeps of the step of ``h``: no tensor."""
+    def host_part(h: Step) -> Kept:
+        """What the registry keeps of step ``h``: no tensor."""
         st = copy.copy(h.routing)  # keeps the step number and instance (plain attributes of StepState)
         has_tokfirst = st.tokfirst is not None
         st.dst_rank = st.dst_row = st.row_first = st.rec = st.src = st.tokfirst = st.w32 = st.cu = None
-        st.issued = None  # it names the plan (device tensors): unpack issues the handle again
-        return Kept(dataclasses.replace(h, tokens=None, weights=None, cu_seqlens=None, slot_experts=None,
-                                        num_rows=None, plan=None, routing=st), has_tokfirst)
+        st.issued = None  # a compiled graph's weights are its own tensors: not checked against dispatch's
+        return Kept(Step(None, None, None, None, st), has_tokfirst)
 
-    def unpack(self, kept: Kept, token: torch.Tensor):
-        """The Dispatched of the step, its tensors views of ``token`` (what :meth:`pack` wrote); its ``plan`` has
-        the replica tables only (all that combine, prefetch and reduce read on NVLink)."""
-        h = kept.handle
-        st = copy.copy(h.routing)
+    def unpack(self, kept: Kept, token: torch.Tensor) -> Step:
+        """The step, its tensors views of ``token`` (what :meth:`pack` wrote); its ``plan`` has the replica
+        tables only (all that combine, prefetch and reduce read on NVLink)."""
+        st = copy.copy(kept.step.routing)
         cap, K, R, S, epn, L = self.cap, self.K, self.R, self.S, self.epn, self.lists_words
         s = st.num_tokens
         words = self.state_words + 2 * s * K
@@ -89,4 +87,4 @@ class StepToken:
         st.dst_rank, st.dst_row = token[o:o + s * K].view(s, K), token[o + s * K:o + 2 * s * K].view(s, K)
         plan = SimpleNamespace(replica_experts=token[L:L + R * epn].view(R, epn),
                                replica_source=token[L + R * epn:self.state_words])
-        return reissue(h, plan=plan, routing=st)
+        return Step(None, None, None, plan, st)

@@ -167,9 +167,10 @@ def _shape(cfg) -> str:
     return f"{s} tokens, hidden {H}, top-{K} of {E}"
 
 
-def pairs_per_peer(h, R: int) -> list[int]:
-    """Rows this rank sends to each rank (one per token and destination rank): host ints (may sync)."""
-    st = h.routing
+def pairs_per_peer(step, R: int) -> list[int]:
+    """Rows this rank sends to each rank (one per token and destination rank) in ``step`` (a
+    :class:`moonep.handles.Step`): host ints (may sync)."""
+    st = step.routing
     if hasattr(st, "send_splits"):
         return [int(v) for v in st.send_splits]
     dr = st.dst_rank
@@ -360,7 +361,7 @@ class Suite:
             rows = dequantize_rows(h) if self.fp8 else h.tokens  # identity experts: combine the rows
             c = T(lambda: ep.combine(rows, h))
             err = _rel_err(c.out, ref)
-            pairs = pairs_per_peer(h, R)
+            pairs = pairs_per_peer(ep._step_of(h), R)
             n_rep = int((h.plan.replica_experts[self.rank] >= 0).sum())
             rec = dict(slack=slack, dispatch_us=d.us, combine_us=c.us, dispatch_per_rank_us=d.per_rank_us,
                        combine_per_rank_us=c.per_rank_us, check_rel_err=err,
@@ -369,7 +370,7 @@ class Suite:
             if self.fp8:  # the identity experts' y against the token-dtype path's: the quantisation error
                 rec["quant_rel_err_vs_token_dtype"] = err
             if slack == a.slack[0]:
-                counts = h.plan.counts.cpu()
+                counts = ep._step_of(h).plan.counts.cpu()
                 pt["maxvio"] = round(maxvio(counts), 4)
                 pt["rank_load_max_over_mean"] = round(float(counts.sum(0).view(R, -1).sum(1).max() * R
                                                             / counts.sum()), 4)

@@ -91,9 +91,9 @@ def test_dispatch_rows_bitwise_torch_path(rt, fused, dtype, hidden):
                     h = ep.dispatch(x, idx, w)
                     ep.synchronize()
                     rows = fp8.wire_rows(h.tokens).cpu()
-                    rf = h.routing.row_first.long().cpu()
+                    rf = ep._step_of(h).routing.row_first.long().cpu()
                     used = rf >= 0
-                    tok = h.routing.src.long().cpu()[rf[used]]
+                    tok = ep._step_of(h).routing.src.long().cpu()[rf[used]]
                     ctx = f"fused={fused} dtype={dtype} H={hidden} pow2={pow2} zero_copy={zero_copy}"
                     assert int(used.sum()) == int((idx >= 0).sum()), ctx
                     assert torch.equal(rows[used], want[tok]), ctx

@@ -222,98 +222,15 @@ def _hot_steps(rt, E, K, H, S, steps, seed):
     return out
 
 
-def case_prefetch_into_pool_bitwise_equal(rt):
-    """prefetch(h, w, out=pool) over several steps with changing replicas: bitwise the fresh-tensor result,
-    pool returned itself; with the home weights a view pool[:epn] nothing writes the home half."""
-    R, dev = rt.world_size, rt.device
-    epn, K, H, S = 3, 3, 8, 10
-    E = epn * R
-    for transport, dt in [(t, torch.float32) for t in transports(rt)] + [(transports(rt)[0], torch.bfloat16)]:
-        ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float32,
-                                   transport=transport)
-        D = (4, 5)
-        g = torch.Generator().manual_seed(rt.rank)
-        home = torch.randn(epn, *D, generator=g).to(dt).to(dev)
-        pool_view = torch.full((2 * epn, *D), float("nan"), dtype=dt, device=dev)  # stale garbage at first
-        pool_view[:epn] = home
-        w_view = pool_view[:epn]
-        pool_sep = torch.full((2 * epn, *D), float("nan"), dtype=dt, device=dev)
-        tables = set()
-        for step, (x, idx, w) in enumerate(_hot_steps(rt, E, K, H, S, 4, seed=30)):
-            ctx = f"rank {rt.rank} {transport} {dt} step {step}"
-            h = ep.dispatch(x.to(dev), idx.to(dev), w.to(dev))
-            tables.add(tuple(h.plan.replica_experts.flatten().tolist()))
-            want = ep.prefetch(h, home)
-            log = _WriteLog()
-            with log:
-                got = ep.prefetch(h, w_view, out=pool_view)
-            assert got is pool_view, ctx
-            assert torch.equal(got, want), ctx
-            assert w_view.data_ptr() == pool_view.data_ptr() and torch.equal(w_view, home), ctx
-            lo, hi = pool_view.data_ptr(), pool_view.data_ptr() + epn * pool_view[0].numel() * pool_view.element_size()
-            bad = [op for op, a, b in log.writes if a < hi and b > lo]
-            assert not bad, f"{ctx}: the home half (a view of the pool) was written by {bad}"
-            assert any(a >= hi for _, a, b in log.writes), f"{ctx}: the log saw no write of the replica slots"
-            # separate home weights (non-contiguous too): the home half is copied
-            src = home if step % 2 else home.transpose(1, 2).contiguous().transpose(1, 2)
-            got = ep.prefetch(h, src, out=pool_sep)
-            assert got is pool_sep and torch.equal(got, want), ctx
-        if R > 1:
-            assert len(tables) > 1, f"rank {rt.rank}: the replica placement never changed"
-
-
-def case_prefetch_into_pool_autograd(rt):
-    """With autograd recording, out= gives the gradient of the form without out (home slots' gradient
-    to the local weight, replica slots' gradient summed at home); the result aliases the pool."""
-    R, dev = rt.world_size, rt.device
-    epn, K, H, S = 2, 2, 6, 8
-    E = epn * R
-    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64,
-                               transport=transports(rt)[0])
-    g = torch.Generator().manual_seed(rt.rank + 7)
-    home = torch.randn(epn, 3, 2, generator=g, dtype=torch.float64).to(dev)
-    pool = torch.empty(2 * epn, 3, 2, dtype=torch.float64, device=dev)
-    pool[:epn] = home
-    param = torch.nn.Parameter(pool[:epn])
-    assert param.data_ptr() == pool.data_ptr()
-    for step, (x, idx, w) in enumerate(_hot_steps(rt, E, K, H, S, 3, seed=50)):
-        ctx = f"rank {rt.rank} step {step}"
-        h = ep.dispatch(x.double().to(dev), idx.to(dev), w.double().to(dev))
-        G = torch.randn(2 * epn, 3, 2, generator=g, dtype=torch.float64).to(dev)
-        ref = home.clone().requires_grad_()
-        (ep.prefetch(h, ref) * G).sum().backward()
-        param.grad = None
-        got = ep.prefetch(h, param, out=pool)
-        assert got.requires_grad and got.data_ptr() == pool.data_ptr(), ctx
-        (got * G).sum().backward()
-        assert torch.equal(param.grad, ref.grad), ctx
-        assert torch.equal(param.grad, ep.reduce_grad(h, G)), ctx
-        assert torch.equal(pool[:epn], home), ctx
-    # a second prefetch into the pool before the backward that needs the first result: torch's error
-    x, idx, w = _hot_steps(rt, E, K, H, S, 1, seed=60)[0]
-    h = ep.dispatch(x.double().to(dev), idx.to(dev), w.double().to(dev))
-    first = ep.prefetch(h, param, out=pool)
-    loss = (first * first).sum()  # mul saves `first`
-    ep.prefetch(h, param, out=pool)
-    expect_error(lambda: loss.backward(), "modified by an inplace operation", RuntimeError)
-
-
-def case_prefetch_into_pool_bad_out(rt):
+def case_prefetch_out_was_removed(rt):
+    """prefetch(out=) is gone: refused on every rank, naming out and the way that replaced it; the instance
+    still works after it."""
     R, dev = rt.world_size, rt.device
     E, K, H, S = 2 * R, 2, 4, 6
     ep = _ep(rt, num_experts=E, topk=K, hidden=H, max_tokens=S)
     h = ep.dispatch(torch.randn(S, H, device=dev), torch.stack([torch.arange(K)] * S).to(dev), torch.rand(S, K, device=dev))
-    epn = ep.epn
-    wl = torch.randn(epn, 3, device=dev)
-    pool = torch.zeros(2 * epn, 3, device=dev)
-    expect_error(lambda: ep.prefetch(h, wl, out="pool"), "out: expected a torch.Tensor")
-    expect_error(lambda: ep.prefetch(h, wl, out=pool[:, :2]), "out: expected shape [2*epn=")
-    expect_error(lambda: ep.prefetch(h, wl, out=torch.zeros(epn, 3, device=dev)), "out: expected shape")
-    expect_error(lambda: ep.prefetch(h, wl, out=pool.double()), "out: expected dtype torch.float32")
-    expect_error(lambda: ep.prefetch(h, wl, out=pool.to("meta")), "out: expected device")
-    expect_error(lambda: ep.prefetch(h, wl, out=torch.zeros(3, 2 * epn, device=dev).t()), "out: expected a contiguous")
-    expect_error(lambda: ep.prefetch(h, wl, out=pool.clone().requires_grad_()), "does not require grad")
-    expect_error(lambda: ep.prefetch(h, pool[1:epn + 1], out=pool), "local_weight: expected either the home half")
-    expect_error(lambda: ep.prefetch(h, pool[epn:], out=pool), "local_weight: expected either the home half")
-    # after the refusals the object still works, and the same pool is fine
-    assert ep.prefetch(h, wl, out=pool) is pool and torch.equal(pool, ep.prefetch(h, wl))
+    wl = torch.randn(ep.epn, 3, device=dev)
+    pool = torch.zeros(2 * ep.epn, 3, device=dev)
+    expect_error(lambda: ep.prefetch(h, wl, out=pool), "out: expected None (prefetch(out=...) was removed")
+    expect_error(lambda: ep.prefetch(h, wl, out="pool"), "ReplicaPool")
+    assert torch.equal(ep.prefetch(h, wl)[:ep.epn], wl)

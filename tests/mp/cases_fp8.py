@@ -74,12 +74,12 @@ def _close(name, got, ref, rel, ctx):
     assert err <= rel * scale, f"{name} {ctx}: max error {err:.3g} > {rel:g} x {scale:.3g}"
 
 
-def _check_nvlink_rows(h, q, sc, sizes, S):
+def _check_nvlink_rows(ep, h, q, sc, sizes, S):
     """NVLink: every row holding a token is, byte for byte, that token's wire row (codes and scale bits of
     quantize_fp8, quantised by the sender while it sends, or sent pre-packed), padding zero; other rows zero."""
     from moonep import fp8
 
-    st = h.routing
+    st = ep._step_of(h).routing
     wire = fp8.wire_rows(h.tokens).cpu()
     rf = st.row_first.long().cpu()
     used = rf >= 0
@@ -121,7 +121,7 @@ def _run(rt, E, K, H, kind, transport, dtype, mask=0.0, seed=0, pre=False, pow2=
     if pow2:
         assert bool((torch.frexp(sc).mantissa == 0.5).all()), ctx
     if transport == "nvlink":
-        _check_nvlink_rows(h, q, sc, sizes, S)
+        _check_nvlink_rows(ep, h, q, sc, sizes, S)
     # element bound of quantisation on the received rows (unused rows: zero codes and scales)
     n = int(cu[-1])
     assert torch.equal(h.scales[n:].cpu(), torch.zeros_like(h.scales[n:].cpu())), ctx

@@ -137,6 +137,38 @@ def test_fp8_dispatch_compiles_into_one_graph():
     ep.close()
 
 
+def test_pre_quantised_pair_and_num_global_tokens_compile():
+    """A pre-quantised fp8 pair (the op's x and x_scales) and num_global_tokens (an op argument) compile into
+    one graph (fullgraph, aot_eager) with eager's bits; a wrong num_global_tokens is refused there too."""
+    from moonep.quant import quantize_fp8
+
+    torch._dynamo.reset()
+    Hq = 128
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=Hq, max_tokens=S, dtype=torch.bfloat16, device="cpu",
+                               dispatch_dtype=torch.float8_e4m3fn)
+
+    def layer(q, sc, idx, w, total):
+        h = ep.dispatch((q, sc), idx, w, num_global_tokens=total)
+        return ep.combine(moonep.fp8.dequantize_rows(h, 0, h.tokens.shape[0]), h)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, Hq, generator=g, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(9)])
+    w = torch.rand(9, K, generator=g).requires_grad_()
+    q, sc = quantize_fp8(x)
+    want = layer(q, sc, idx, w, 9)
+    want.float().sum().backward()
+    dw, w.grad = w.grad, None
+    got = compiled(q, sc, idx, w, 9)
+    got.float().sum().backward()
+    assert torch.equal(got, want) and torch.equal(w.grad, dw)
+    with pytest.raises(ValueError, match="num_global_tokens"):
+        compiled(q, sc, idx, w, 10)
+    assert torch.equal(compiled(q, sc, idx, w, 9), want)
+    ep.close()
+
+
 def test_calls_without_an_op_take_a_compiled_handle():
     """reduce_grad and reduce_replicas, given the Routed of a compiled dispatch, run eagerly (a graph break)
     on its step, found by the token, with eager's values; a handle of another instance is refused."""
@@ -155,7 +187,7 @@ def test_calls_without_an_op_take_a_compiled_handle():
     assert isinstance(got[2], ops.Routed)
     for a, b in zip(want[:2], got[:2]):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="h: expected a handle of this ExpertParallel"):
+    with pytest.raises(ValueError, match="h: expected a Dispatched of this ExpertParallel"):
         other.reduce_grad(got[2], g2)
     ep.close(), other.close()
 
@@ -188,7 +220,7 @@ def _nvlink_like(s, tokfirst, seed):
     """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
     from types import SimpleNamespace
 
-    from moonep.handles import Dispatched, NVLinkStep
+    from moonep.handles import NVLinkStep, Step
 
     cap, Kn, R, Sn, En = 37, 3, 2, 11, 6
     ep = SimpleNamespace(capacity=cap, topk=Kn, world_size=R, max_tokens=Sn, num_experts=En)
@@ -200,7 +232,7 @@ def _nvlink_like(s, tokfirst, seed):
                     w32=torch.rand(s, Kn, generator=g), cu=i32(2 * En // R + 1))
     st.step, st.instance = 7, 3
     plan = SimpleNamespace(replica_experts=i64(R, En // R), replica_source=i64(R))
-    h = Dispatched(torch.zeros(cap, 4), torch.zeros(cap), st.cu, i64(2 * En // R), torch.tensor(9), plan, st)
+    h = Step(st.cu, i64(2 * En // R), torch.tensor(9), plan, st)
     return ep, h
 
 
@@ -216,9 +248,9 @@ def test_nvlink_step_state_travels_in_the_token():
         tok = StepToken(ep.capacity, ep.topk, ep.world_size, ep.max_tokens, ep.num_experts // ep.world_size)
         token = tok.pack(h, torch.device("cpu"))
         packed = tok.host_part(h)
-        held = [v for v in vars(packed.handle).values() if isinstance(v, torch.Tensor)]
-        held += [v for v in vars(packed.handle.routing).values() if isinstance(v, torch.Tensor)]
-        assert not held and packed.handle.plan is None and packed.tokfirst == tokfirst
+        held = [v for v in vars(packed.step).values() if isinstance(v, torch.Tensor)]
+        held += [v for v in vars(packed.step.routing).values() if isinstance(v, torch.Tensor)]
+        assert not held and packed.step.plan is None and packed.tokfirst == tokfirst
         got = tok.unpack(packed, token)
         st, want = got.routing, h.routing
         assert (st.step, st.instance, st.generation, st.zero_copy, st.num_tokens) == (7, 3, 5, False, s)
@@ -237,7 +269,8 @@ def test_nvlink_step_state_travels_in_the_token():
         with FakeTensorMode():
             x = torch.empty(s, 4)
             idx, w = torch.empty(s, ep.topk, dtype=torch.int64), torch.empty(s, ep.topk)
-            out = torch.ops.moonep.dispatch(x, idx, w, 1, ep.capacity, ep.num_experts, ep.world_size, words)
+            out = torch.ops.moonep.dispatch(x, idx, w, None, -1, 1, ep.capacity, ep.num_experts, ep.world_size,
+                                            words, False, torch.float32, True, 0)  # the graph's token
             assert out[7].shape == token.shape and out[7].dtype == torch.int64  # then fp8's scales and anchor
 
 
@@ -333,8 +366,8 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch, request, d
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device=device)
     W = torch.randn(E, H, H, dtype=torch.float64, device=device, requires_grad=True)
-    calls, combine = [], ep.combine
-    monkeypatch.setattr(ep, "combine", lambda *a, **kw: (calls.append("combine"), combine(*a, **kw))[1])
+    calls, combine = [], ep._combine_body  # what the op's body runs
+    monkeypatch.setattr(ep, "_combine_body", lambda *a, **kw: (calls.append("combine"), combine(*a, **kw))[1])
     for name in ("dispatch_grads", "combine_grads"):  # the backward rules the ops call
         monkeypatch.setattr(ops, name, lambda *a, _bwd=getattr(ops, name), _name=name: (calls.append(_name),
                                                                                           _bwd(*a))[1])
