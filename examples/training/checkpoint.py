@@ -69,6 +69,7 @@ def main(argv=None) -> list:
         dcp.save({"model": msd, "optim": osd, "step": torch.tensor(start + args.steps)}, checkpoint_id=args.save)
     if args.export:
         model.module.save_pretrained(args.export)  # collective: every rank gathers, rank 0 writes
+        torch.distributed.barrier(group=rt.cpu_group)  # written, when any rank goes on to read it
     return losses
 
 
