@@ -390,6 +390,8 @@ class ExpertParallel:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "op_id"):  # (a constructor that failed registered none)
+            op_state.drop_steps(self.op_id)
         try:
             if self._backend is not None:
                 self._backend.close(peers_ok=not self._failed, check=check)
@@ -452,9 +454,9 @@ class ExpertParallel:
         expect_tensor(expert_out, "expert_out", dim=2, dtypes=_FLOAT, device=self.device,
                       shape=(self.capacity, None))
         self._check_step(step)
-        if graph:  # a compiled graph's own tensor: the shape combine reads
-            expect_tensor(weights, "h.weights", dim=1, dtypes=_FLOAT, device=self.device, shape=(self.capacity,))
-        else:
+        # the shape combine reads; eagerly also the very tensor dispatch returned (a compiled graph passes its own)
+        expect_tensor(weights, "h.weights", dim=1, dtypes=_FLOAT, device=self.device, shape=(self.capacity,))
+        if not graph:
             check_issued(step.routing, weights)
         self._backend.check_rows(expert_out, step.routing)
 
@@ -502,11 +504,12 @@ class ExpertParallel:
         """
         xs, x_scales = (x[0], x[1]) if _tensor_pair(x) else (x, None)
         err = None
-        if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in (xs, topk_idx, topk_weights)):
+        given = (xs, topk_idx, topk_weights) + (() if x_scales is None else (x_scales,))
+        if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in given):  # (meta: the fake would run)
             err = self._routing_error(x, topk_idx, topk_weights) or \
                 f"x: expected a tensor or a pair (x_fp8, scales), got {type(x).__name__}"
         elif num_global_tokens is not None and not torch.compiler.is_compiling():  # (compiled: an int input)
-            err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0)
+            err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0, 2 ** 62)
         if err is not None:
             self.refuse("dispatch", err)
         graph = torch.compiler.is_compiling()
@@ -599,13 +602,12 @@ class ExpertParallel:
     def _handle_error(self, h, **tensors):
         """Why ``h`` and the named arguments cannot be passed to an op (not a handle of this instance, not
         tensors), or ``None``."""
-        if (isinstance(h, Dispatched) and h.op_id == self.op_id and isinstance(h.step, torch.Tensor)
-                and isinstance(h.weights, torch.Tensor)
+        tensors = dict(tensors, **{"h.step": getattr(h, "step", None), "h.weights": getattr(h, "weights", None)})
+        if (isinstance(h, Dispatched) and h.op_id == self.op_id
                 and all(isinstance(t, torch.Tensor) and not t.is_meta for t in tensors.values())):
             return None  # (the common case, without building any message)
         try:
             self._check_routed(h)
-            expect(isinstance(h.weights, torch.Tensor), "h.weights", "a tensor", type(h.weights).__name__)
             for name, t in tensors.items():  # (a meta tensor would run the op's fake implementation)
                 expect(isinstance(t, torch.Tensor) and not t.is_meta, name, f"a torch.Tensor on {self.device}",
                        f"a tensor on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
@@ -682,7 +684,7 @@ class ExpertParallel:
                    f"{type(out).__name__}")
         if err is not None:
             self.refuse("prefetch", err)
-        return torch.ops.moonep.prefetch.default(local_weight, h.step, self.op_id, 0)
+        return torch.ops.moonep.prefetch.default(local_weight, h.step, self.op_id, torch.compiler.is_compiling(), 0)
 
     def _prefetch_body(self, local_weight, token, tracked: int):
         """The body of ``moonep::prefetch``: ``[epn, *D]`` -> ``[2*epn, *D]`` (``tracked``: the backward reduce

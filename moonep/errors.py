@@ -74,15 +74,18 @@ def valid_timeout(t) -> bool:
     return t is None or (isinstance(t, (int, float)) and 0 < t < float("inf"))
 
 
-def expect_int(v, name: str, lo: int | None = None) -> None:
-    """Raise ``ValueError`` unless ``v`` is an integer (``int`` or a numpy integer, not a bool) ``>= lo``."""
+def expect_int(v, name: str, lo: int | None = None, hi: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``v`` is an integer (``int`` or a numpy integer, not a bool) ``>= lo`` (and
+    ``< hi``)."""
     import operator
 
     try:
-        ok = not isinstance(v, bool) and operator.index(v) == v and (lo is None or v >= lo)
+        ok = (not isinstance(v, bool) and operator.index(v) == v and (lo is None or v >= lo)
+              and (hi is None or v < hi))
     except TypeError:
         ok = False
-    expect(ok, name, "an int" + ("" if lo is None else f" >= {lo}"), repr(v))
+    expect(ok, name, "an int" + ("" if lo is None else f" >= {lo}") + ("" if hi is None else f" below {hi}"),
+           repr(v))
 
 
 def expect_slack(v, name: str = "slack") -> float:

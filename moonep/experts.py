@@ -37,7 +37,7 @@ from torch.func import functional_call
 from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
-from .handles import Fetched, Routed
+from .handles import Dispatched, Fetched
 from .replicas import track_zero_slots
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -586,16 +586,16 @@ class Replicas:
         return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
 
 
-def fetch_op(h: Routed, weights: list) -> list:
-    """``moonep::prefetch_replicas`` of a :class:`moonep.handles.Routed` step: one collective for every
+def fetch_op(h: Dispatched, weights: list) -> list:
+    """``moonep::prefetch_replicas`` of a step: one collective for every
     ``[epn, *D]`` home tensor -> a :class:`moonep.handles.Fetched` each (fresh replica slots)."""
     reps = torch.ops.moonep.prefetch_replicas([w.detach() for w in weights], h.step, h.op_id)
     return [Fetched(h, w, r) for w, r in zip(weights, reps)]
 
 
-def expert_matmul_op(h: Routed, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
+def expert_matmul_op(h: Dispatched, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
                      cu_seqlens=None):
-    """``moonep::expert_matmul`` of a :class:`moonep.handles.Routed` step (``replicas`` and ``bias_replicas``
+    """``moonep::expert_matmul`` of a step (``replicas`` and ``bias_replicas``
     the fetched tensors; ``cu_seqlens`` the slots' rows, default ``h.cu_seqlens``): ``a [cap, D]`` ->
     ``[cap, N]``."""
     cu = h.cu_seqlens if cu_seqlens is None else cu_seqlens
@@ -694,9 +694,9 @@ class ReplicaPool:
                 shape in different layers do.
         Returns:
             :class:`Replicas` for :func:`expert_matmul` (and :func:`expert_bias`); a list of them, in order,
-            for a list of tensors.  With the :class:`moonep.ops.Routed` of a compiled dispatch (under
-            ``torch.compile``): :class:`moonep.ops.Fetched`, fresh slots from one ``moonep::prefetch_replicas``
-            (no pool buffer: a compiled graph holds its own), kept until the backward (``backward="keep"``).
+            for a list of tensors.  Under ``torch.compile``: :class:`moonep.ops.Fetched`, fresh slots from one
+            ``moonep::prefetch_replicas`` (no pool buffer: a compiled graph holds its own), kept until the
+            backward (``backward="keep"``).
         """
         many = isinstance(home_weight, (list, tuple))
         weights, names = (list(home_weight), name) if many else ([home_weight], [name])

@@ -172,7 +172,7 @@ def as_float_rows(a, dtype: torch.dtype) -> torch.Tensor:
     """The expert GEMMs' fp8 input: ``a`` the handle of an fp8 dispatch (differentiable, see
     :func:`dequantize_rows`) or a pair ``(tokens fp8 [cap, H], scales float32 [cap, H/128])`` (not
     differentiable) -> ``dtype`` ``[cap, H]``; any other ``a`` is returned unchanged."""
-    if getattr(a, "scales", None) is not None and hasattr(a, "grad_rows"):  # a handle (moonep.ops.Routed too)
+    if getattr(a, "scales", None) is not None and hasattr(a, "grad_rows"):  # a Dispatched handle
         return dequantize_rows(a, dtype=dtype)
     if isinstance(a, (tuple, list)):
         expect(len(a) == 2, "a", "a tensor, a Dispatched or a pair (fp8 tokens, scales)", f"{len(a)} items")

@@ -5,15 +5,17 @@ path travel as:
 
 * **the instance**: an int (``ExpertParallel.op_id``, given at construction).  A compiled graph holds it as a
   constant; the instance lives as long as its owner keeps it (a weak reference here).
-* **the step** (the plan and the backend's :class:`moonep.handles.StepState` of one dispatch): a *step
-  token*, an int64 tensor that ``moonep::dispatch`` returns and every later op of the step takes as an
-  input (host backends: ``[1]``; NVLink: the step's device state itself, see ``moonep.ops``).  The entry is
-  keyed by the token's data address and holds only a *weak* reference to the token's storage (and, for
-  NVLink, no tensor at all): nothing here keeps device memory alive, so a CUDA graph's memory pool holds
-  no allocation that is not an output of the graph.  An entry is dropped at the next stored step once the
-  token's storage died (the compiled graph and autograd let go of it after the step's backward); until
-  then a lookup at its address still finds it (a graph replay makes a new tensor at the recorded address
-  and runs no Python, so a backward recorded after a replayed forward finds the step that way).
+* **the step** (the :class:`moonep.handles.Step` of one dispatch: its plan and the backend's state): a
+  *step token*, an int64 tensor that ``moonep::dispatch`` returns and every later op of the step takes as
+  an input (``[1]``; compiled on NVLink, the step's device state itself, see ``moonep.ops``).  The entry is
+  keyed by the token's data address and holds only a *weak* reference to the token's storage.  A compiled
+  NVLink step's entry holds no tensor at all, so a CUDA graph's memory pool holds no allocation that is
+  not an output of the graph; an eager step's entry holds the step (its device tables on NVLink) until it
+  is dropped.  An entry is dropped at the next stored step once the token's storage died (the handle,
+  the compiled graph and autograd let go of it after the step's backward), and an instance's entries when
+  it is closed; until then a lookup at its address still finds it (a graph replay makes a new tensor at
+  the recorded address and runs no Python, so a backward recorded after a replayed forward finds the step
+  that way).
 
 Also here, for every custom op of moonep (``moonep.ops``, ``moonep.eager_math``): :func:`fresh_output`, as an
 op may return a tensor (never one sharing memory with its inputs).
@@ -73,6 +75,12 @@ def step(token: torch.Tensor, op_id: int):
         raise ValueError("h.step: expected the step token that moonep::dispatch returned for this ExpertParallel, "
                          f"got {'an unknown token' if ent is None else f'a token of op id {ent[1]}'}")
     return ent[2]
+
+
+def drop_steps(op_id: int) -> None:
+    """Forget every step of instance ``op_id`` (it was closed)."""
+    for key in [k for k, (_, i, _) in _STEPS.items() if i == int(op_id)]:
+        del _STEPS[key]
 
 
 def live_steps() -> int:

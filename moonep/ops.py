@@ -46,7 +46,7 @@ from .op_state import fresh_output as _fresh
 from .ep import combine_grads, dispatch_grads, prefetch_grad
 from .errors import expect, fail
 from .fp8 import grad_anchor
-from .handles import Fetched, Routed, weights_key  # noqa: F401  (Fetched: part of this module's API)
+from .handles import Dispatched, Fetched, Routed, weights_key  # noqa: F401  (Fetched, Routed: this module's API)
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
                       expert_bias_grad, expert_matmul_grads, expert_matmul_op, fetch_op, kept_replicas,
                       slot_matmul_grads)
@@ -191,6 +191,7 @@ def _dispatch_fake(x, topk_idx, topk_weights, x_scales, num_global_tokens, op_id
     E, R, epn, cap, H = num_experts, world_size, num_experts // world_size, capacity, x.shape[1]
     words = state_words + 2 * x.shape[0] * topk_idx.shape[1] if state_words and graph else 1
     i64 = dict(dtype=torch.int64)
+    token = x.new_empty(words, **i64) if graph else torch.empty(1, dtype=torch.int64)  # (eager: on the host)
     if fp8:
         tokens, scales = x.new_empty(cap, H, dtype=torch.float8_e4m3fn), x.new_empty(cap, H // 128, dtype=torch.float32)
     else:
@@ -198,7 +199,7 @@ def _dispatch_fake(x, topk_idx, topk_weights, x_scales, num_global_tokens, op_id
     anchor = grad_anchor(cap, H, dtype, x.device) if fp8 and tracked else x.new_empty(0)
     return (tokens, topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
             x.new_empty(2 * epn, **i64), x.new_empty(E, R, **i64), x.new_empty(R, epn, **i64), x.new_empty(R, **i64),
-            x.new_empty(words, **i64), scales, anchor)
+            token, scales, anchor)
 
 
 dispatch_op = _define(
@@ -227,11 +228,27 @@ def _dispatch_setup(ctx, inputs, output):
     ctx.fp8 = inputs[10]
     if ctx.fp8:  # the fp8 rows and their scales carry no gradient: it comes back through grad_rows
         ctx.mark_non_differentiable(output[0], output[8])
-    ctx.save_for_backward(output[7])
+    _save(ctx, output[7], inputs[12])
+
+
+def _save(ctx, token, graph: bool, *tensors) -> None:
+    """``ctx.save_for_backward(*tensors)``, and the step token.  Eagerly the token is an attribute: the registry
+    finds the step by the token's address, which a saved-tensor hook that copies (``save_on_cpu``) would
+    change; a compiled graph saves it as an activation (on NVLink it is the step's device state)."""
+    if graph:
+        ctx.save_for_backward(*tensors, token)
+    else:
+        ctx.save_for_backward(*tensors)
+        ctx.token = token
+
+
+def _saved(ctx) -> tuple:
+    """What :func:`_save` kept: ``(*tensors, token)``."""
+    return ctx.saved_tensors + ((ctx.token,) if hasattr(ctx, "token") else ())
 
 
 def _dispatch_bwd(ctx, g_tokens, g_weights, *rest):
-    (token,) = ctx.saved_tensors
+    (token,) = _saved(ctx)
     if ctx.fp8:  # the dequantised rows' gradient, straight through
         g_tokens = rest[-1]
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
@@ -270,7 +287,7 @@ dispatch_backward_op = _define(
 _autograd(dispatch_op, _dispatch_setup, _dispatch_bwd, inputs=(0, 2), tracked=13)
 
 
-def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Routed:
+def dispatch(ep, x: Tensor, topk_idx: Tensor, topk_weights: Tensor) -> Dispatched:
     """:meth:`moonep.ExpertParallel.dispatch` (the op ``moonep::dispatch``). Collective."""
     return ep.dispatch(x, topk_idx, topk_weights)
 
@@ -291,11 +308,11 @@ combine_op = _define(
 def _combine_setup(ctx, inputs, output):
     expert_out, weights, token, op_id = inputs[:4]
     ctx.op_id = op_id
-    ctx.save_for_backward(expert_out, weights, token)
+    _save(ctx, token, inputs[5], expert_out, weights)
 
 
 def _combine_bwd(ctx, gy):
-    expert_out, weights, token = ctx.saved_tensors
+    expert_out, weights, token = _saved(ctx)
     want_o, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     with _backward_only():
         g_out, g_w = combine_backward_op(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
@@ -322,33 +339,33 @@ combine_backward_op = _define(
 _autograd(combine_op, _combine_setup, _combine_bwd, inputs=(0, 1), tracked=6)
 
 
-def combine(expert_out: Tensor, h: Routed) -> Tensor:
+def combine(expert_out: Tensor, h: Dispatched) -> Tensor:
     """:meth:`moonep.ExpertParallel.combine` of ``h``'s instance: the op ``moonep::combine``. Collective."""
     weights = h.weights.detach() if h.scaled else h.weights  # scaled at dispatch: no weights' gradient here
     return combine_op(expert_out, weights, h.step, h.op_id, h.num_tokens, torch.compiler.is_compiling(), 0)
 
 
 # --------------------------------------------------------------------------------------------- weights
-def _prefetch(local_weight, token, op_id, tracked):
+def _prefetch(local_weight, token, op_id, graph, tracked):
     """``ExpertParallel._prefetch_body``: ``[epn, *D]`` -> ``[2*epn, *D]``. Collective."""
     return _fresh(op_state.instance(op_id)._prefetch_body(local_weight, token, tracked), local_weight)
 
 
 prefetch_op = _define(
-    "prefetch(Tensor local_weight, Tensor step, int op_id, int tracked) -> Tensor", _prefetch,
-    lambda local_weight, token, op_id, tracked: local_weight.new_empty(2 * local_weight.shape[0],
-                                                                       *local_weight.shape[1:]))
+    "prefetch(Tensor local_weight, Tensor step, int op_id, bool graph, int tracked) -> Tensor", _prefetch,
+    lambda local_weight, token, op_id, graph, tracked: local_weight.new_empty(2 * local_weight.shape[0],
+                                                                              *local_weight.shape[1:]))
 
 
 def _prefetch_setup(ctx, inputs, output):
     ctx.op_id = inputs[2]
-    ctx.save_for_backward(inputs[1])
+    _save(ctx, inputs[1], inputs[3])
 
 
 def _prefetch_bwd(ctx, g):
-    (token,) = ctx.saved_tensors
+    (token,) = _saved(ctx)
     with _backward_only():
-        return prefetch_backward_op(g, token, ctx.op_id), None, None, None
+        return prefetch_backward_op(g, token, ctx.op_id), None, None, None, None
 
 
 def _prefetch_backward(g, token, op_id):
@@ -359,14 +376,14 @@ def _prefetch_backward(g, token, op_id):
 
 prefetch_backward_op = _define("prefetch_backward(Tensor g, Tensor step, int op_id) -> Tensor", _prefetch_backward,
                                lambda g, token, op_id: g.new_empty(g.shape[0] // 2, *g.shape[1:]))
-_autograd(prefetch_op, _prefetch_setup, _prefetch_bwd, inputs=(0,), tracked=3)
+_autograd(prefetch_op, _prefetch_setup, _prefetch_bwd, inputs=(0,), tracked=4)
 
 
-def prefetch(h: Routed, local_weight: Tensor) -> Tensor:
+def prefetch(h: Dispatched, local_weight: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.prefetch` (the op ``moonep::prefetch``): ``local_weight [epn, *D]`` ->
     ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).  Differentiable (the backward is
     ``reduce_grad``). Collective."""
-    return prefetch_op(local_weight, h.step, h.op_id, 0)
+    return prefetch_op(local_weight, h.step, h.op_id, torch.compiler.is_compiling(), 0)
 
 
 @_collective("moonep::prefetch_replicas")
@@ -383,7 +400,7 @@ def _(local_weights, token, op_id):
     return [w.new_empty(w.shape) for w in local_weights]
 
 
-def prefetch_replicas(h: Routed, *local_weights: Tensor) -> list:
+def prefetch_replicas(h: Dispatched, *local_weights: Tensor) -> list:
     """The replica slots of each ``local_weight [epn, *D]`` (one collective for all) -> a list of ``[epn, *D]``
     (slot ``j``: expert ``h.slot_experts[epn+j]``, zero if ``-1``).  Not differentiable:
     :func:`expert_matmul` sends the replica rows' gradient home."""
@@ -402,7 +419,7 @@ def _(grad, token, op_id):
     return grad.new_empty(grad.shape[0] // 2, *grad.shape[1:])
 
 
-def reduce_grad(h: Routed, grad: Tensor) -> Tensor:
+def reduce_grad(h: Dispatched, grad: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.reduce_grad` as ``moonep::reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``.
     Collective; not differentiable."""
     return _reduce_grad(grad, h.step, h.op_id)
@@ -420,7 +437,7 @@ def _(home_grad, replica_grad, token, op_id):
     return home_grad.new_empty(home_grad.shape)
 
 
-def reduce_replicas(h: Routed, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
+def reduce_replicas(h: Dispatched, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.reduce_replicas` as ``moonep::reduce_replicas``. Collective."""
     return _reduce_replicas(home_grad, replica_grad, h.step, h.op_id)
 
@@ -493,7 +510,7 @@ def _(g, a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, 
             home_bias.new_empty(home_bias.shape) if want_b else a.new_empty(0))
 
 
-def expert_matmul(h: Routed, a: Tensor, home_weight: Tensor, replicas: Tensor, *, transpose: bool = False,
+def expert_matmul(h: Dispatched, a: Tensor, home_weight: Tensor, replicas: Tensor, *, transpose: bool = False,
                   impl: str = "auto", bias: Optional[Tensor] = None, bias_replicas: Optional[Tensor] = None) -> Tensor:
     """:func:`moonep.expert_matmul` as ``moonep::expert_matmul``, with :func:`moonep.expert_bias` folded in.
 

@@ -1,7 +1,7 @@
 """What a backend provides to :class:`moonep.ExpertParallel`: one screen, every stage of the data path.
 
-``ExpertParallel`` checks arguments, checks the call order across ranks, owns the autograd Functions and
-calls these methods; a backend moves the rows.  The backward passes reuse the forward ones: the backward of
+``ExpertParallel`` (the bodies of the ops in ``moonep/ops.py``) checks arguments, checks the call order across
+ranks and calls these methods; a backend moves the rows.  The backward passes reuse the forward ones: the backward of
 dispatch is a combine of the rows' gradients (:meth:`dispatch_backward`), the backward of combine is a
 dispatch of ``dy`` over the same step (:meth:`combine_backward`), the backward of prefetch is
 :meth:`reduce_grad`.  Every method that moves data is collective: all ranks call it in the same order.

@@ -107,8 +107,8 @@ class LatentExperts(ShardedExperts, nn.Module):
         data-parallel ranks) gathers them for exactly this call."""
         dt = z.dtype
         w_in, w_out = (w if w.dtype == dt else w.to(dt) for w in map(self.expert_weight, ("w_in", "w_out")))
-        # one code path, eager and compiled: under torch.compile each collective is one node of the graph
-        # (moonep/ops.py), and h a moonep.ops.Routed
+        # one code path, eager and compiled: each collective is an op of moonep/ops.py (one node of a compiled
+        # graph)
         h = ep.dispatch(z, topk_idx, topk_weights)
         # both projections' replicas into the shared pool (CUDA: overlapping the first home-rows GEMM)
         pool = pool or default_pool()

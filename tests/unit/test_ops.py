@@ -1,5 +1,6 @@
 """moonep.ops in one process (local backend): the custom ops give the eager bits, eagerly and compiled
 (aot_eager), and release each step's state after its backward."""
+import contextlib
 import gc
 
 import pytest
@@ -381,4 +382,62 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch, request, d
     calls.clear()
     compiled(x, idx, w).sum().backward()
     assert sorted(calls) == ["combine", "combine_grads", "dispatch_grads"], calls
+    ep.close()
+
+
+def test_saved_tensor_hooks_that_copy_keep_the_backward_working():
+    """A saved-tensor hook that copies what autograd saves (as torch.autograd.graph.save_on_cpu does) must not
+    lose the step: the eager ops keep the step token out of the saved tensors.  Gradients as without it."""
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
+    got = []
+    for hooked in (False, True):
+        x, idx, w = _problem(9, 9)
+        W.grad = None
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t) if hooked else \
+            contextlib.nullcontext()
+        with hooks:
+            h = ep.dispatch(x, idx, w)
+            y = ep.combine(moonep.slot_matmul(h.tokens, h.cu_seqlens, ep.prefetch(h, W)), h)
+        y.square().sum().backward()
+        got.append((y.detach(), x.grad, w.grad, W.grad))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    ep.close()
+
+
+def test_what_the_op_cannot_take_is_refused_by_name():
+    """Arguments that would not reach the op's body (a meta tensor runs the fake implementation) are refused
+    before it, naming them; an eager combine of a compiled step checks the weights' shape; the instance works
+    afterwards."""
+    from moonep.quant import quantize_fp8
+
+    Hq = 128
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=Hq, max_tokens=S, dtype=torch.bfloat16, device="cpu",
+                               dispatch_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(9, Hq, generator=g, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(9)])
+    w = torch.rand(9, K, generator=g)
+    q, sc = quantize_fp8(x)
+    with pytest.raises(ValueError, match="x"):
+        ep.dispatch((q, sc.to("meta")), idx, w)
+    h = ep.dispatch((q, sc), idx, w)
+    with pytest.raises(ValueError, match="h.step"):
+        ep.combine(moonep.fp8.dequantize_rows(h), h._replace(step=h.step.to("meta")))
+    with pytest.raises(ValueError, match="num_global_tokens"):
+        ep.dispatch(x, idx, w, num_global_tokens=2 ** 63)
+    y = ep.combine(moonep.fp8.dequantize_rows(h), h)
+    assert y.shape == (9, Hq)
+    ep.close()
+    assert all(entry[1] != ep.op_id for entry in op_state._STEPS.values())  # close() forgot its steps
+
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    compiled = torch.compile(lambda x, idx, w: ep.dispatch(x, idx, w), backend="aot_eager", fullgraph=True)
+    x, idx, w = _problem(9, 9)
+    h = compiled(x, idx, w)
+    with pytest.raises(ValueError, match="h.weights: expected shape"):
+        ep.combine(h.tokens, h._replace(weights=h.weights[:-1]))
+    assert torch.equal(ep.combine(h.tokens, h), ep.combine(h.tokens, ep.dispatch(x, idx, w)))
     ep.close()
