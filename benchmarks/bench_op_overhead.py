@@ -60,7 +60,7 @@ def _library_ops():
     torch.library.register_autograd("moonep_bench::pair_reg", lambda ctx, a, b: (a, b, None), setup_context=_setup,
                                     lib=_LIB)
     own = _define("pair_own(Tensor x, Tensor w, int i) -> (Tensor, Tensor)", _body, _fake, collective=False, lib=_LIB)
-    _autograd(own, _setup, lambda ctx, a, b: (a, b, None), inputs=(0, 1), tracked=2, lib=_LIB)
+    _autograd(own, _body, _setup, lambda ctx, a, b: (a, b, None), inputs=(0, 1), tracked=2, lib=_LIB)
     return reg, own
 
 
