@@ -530,9 +530,11 @@ class ExpertParallel:
         (the backward collectives that will run: every rank must agree).  ``graph``: under ``torch.compile``,
         rows of their own (a compiled graph keeps them past the next dispatch).  Returns ``(step, tokens,
         weights, scales, grad_rows)``; ``scales`` for fp8 dispatch, ``grad_rows`` when it is also tracked."""
-        pre, total = x_scales is not None, None if ngt < 0 else ngt
+        pre, total = x_scales is not None, None if ngt == -1 else ngt  # (-1: not given)
         xin = (x, x_scales) if pre else x
         err = self._routing_error(xin, topk_idx, topk_weights)
+        if err is None and total is not None and total < 0:  # (compiled code passes the int unchecked)
+            err = f"num_global_tokens: expected an int >= 0, got {total}"
         wire = None
         if err is None and self.fp8 and not self._backend.lazy_input_errors:
             # host backends quantise before the call's header: a non-finite x is refused on every rank

@@ -164,8 +164,9 @@ def test_pre_quantised_pair_and_num_global_tokens_compile():
     got = compiled(q, sc, idx, w, 9)
     got.float().sum().backward()
     assert torch.equal(got, want) and torch.equal(w.grad, dw)
-    with pytest.raises(ValueError, match="num_global_tokens"):
-        compiled(q, sc, idx, w, 10)
+    for bad in (10, -5):
+        with pytest.raises(ValueError, match="num_global_tokens"):
+            compiled(q, sc, idx, w, bad)
     assert torch.equal(compiled(q, sc, idx, w, 9), want)
     ep.close()
 
