@@ -124,6 +124,21 @@ def prefetch_grad(ep, plan, g):
         return ep._backend.reduce_grad(plan, g.contiguous())
 
 
+def call_combine(expert_out, h: Dispatched):
+    """``moonep::combine`` of ``h``'s step and instance (``ExpertParallel.combine`` after its checks, and
+    ``moonep.ops.combine``): ``expert_out [cap, H]`` -> ``[s, H]``."""
+    # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
+    weights = h.weights.detach() if h.scaled else h.weights
+    return torch.ops.moonep.combine.default(expert_out, weights, h.step, h.op_id, h.num_tokens,
+                                            torch.compiler.is_compiling(), 0)
+
+
+def call_prefetch(h: Dispatched, local_weight):
+    """``moonep::prefetch`` of ``h``'s step and instance (``ExpertParallel.prefetch`` after its checks, and
+    ``moonep.ops.prefetch``): ``[epn, *D]`` -> ``[2*epn, *D]``."""
+    return torch.ops.moonep.prefetch.default(local_weight, h.step, h.op_id, torch.compiler.is_compiling(), 0)
+
+
 def _tensor_pair(x) -> bool:
     return isinstance(x, (tuple, list)) and len(x) == 2 and all(isinstance(t, torch.Tensor) for t in x)
 
@@ -435,16 +450,19 @@ class ExpertParallel:
         return step
 
     def _step_of(self, h) -> Step:
-        """The :class:`Step` of handle ``h`` (or ``h`` itself, a Step of this instance; raises ``ValueError``)."""
+        """The :class:`Step` of handle ``h``, of step token ``h`` (a tensor), or ``h`` itself (a Step of this
+        instance); raises ``ValueError``."""
         if isinstance(h, Step):
             self._check_step(h)
             return h
+        if isinstance(h, torch.Tensor):
+            return self._token_step(h)
         self._check_routed(h)
         return self._token_step(h.step)
 
     def _lookup(self, h):
-        """``(step, None)``, or ``(None, why)`` when ``h`` is no step of this instance: the caller's collective
-        refuses it on every rank."""
+        """``(step, None)``, or ``(None, why)`` when ``h`` (what :meth:`_step_of` takes) is no step of this
+        instance: the caller's collective refuses it on every rank."""
         try:
             return self._step_of(h), None
         except ValueError as exc:
@@ -503,16 +521,15 @@ class ExpertParallel:
         The op ``moonep::dispatch``, eagerly and as one node of a ``torch.compile`` graph.
         """
         xs, x_scales = (x[0], x[1]) if _tensor_pair(x) else (x, None)
-        err = None
+        err, graph = None, torch.compiler.is_compiling()
         given = (xs, topk_idx, topk_weights) + (() if x_scales is None else (x_scales,))
         if not all(isinstance(t, torch.Tensor) and not t.is_meta for t in given):  # (meta: the fake would run)
             err = self._routing_error(x, topk_idx, topk_weights) or \
                 f"x: expected a tensor or a pair (x_fp8, scales), got {type(x).__name__}"
-        elif num_global_tokens is not None and not torch.compiler.is_compiling():  # (compiled: an int input)
+        elif num_global_tokens is not None and not graph:  # (compiled: an int input, checked in the body)
             err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0, 2 ** 62)
         if err is not None:
             self.refuse("dispatch", err)
-        graph = torch.compiler.is_compiling()
         out = torch.ops.moonep.dispatch.default(
             xs, topk_idx, topk_weights, x_scales, -1 if num_global_tokens is None else int(num_global_tokens),
             self.op_id, self.capacity, self.num_experts, self.world_size, self._backend.token_state_words,
@@ -633,15 +650,12 @@ class ExpertParallel:
         err = self._handle_error(h, expert_out=expert_out)
         if err is not None:
             self.refuse("combine", err)
-        # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
-        weights = h.weights.detach() if h.scaled else h.weights
-        return torch.ops.moonep.combine.default(expert_out, weights, h.step, self.op_id, h.num_tokens,
-                                                torch.compiler.is_compiling(), 0)
+        return call_combine(expert_out, h)
 
     def _combine_body(self, expert_out, weights, token, tracked: int, graph: bool):
         """The body of ``moonep::combine``: ``expert_out [cap, H]`` -> ``[s, H]`` (``tracked``: bit 0, autograd
         records it for ``expert_out``; bit 1, for ``weights``)."""
-        step, err = self._lookup_token(token)
+        step, err = self._lookup(token)
         err = err or _local_error(self._check_combine, expert_out, step, weights, graph)
         sig, describe = (), None
         if err is None:
@@ -656,13 +670,6 @@ class ExpertParallel:
                                       step.routing, expert_out.dtype)
         self._after_call()
         return y
-
-    def _lookup_token(self, token):
-        """``(step, None)`` for a step token of this instance, or ``(None, why)``."""
-        try:
-            return self._token_step(token), None
-        except ValueError as exc:
-            return None, str(exc)
 
     def prefetch(self, h: Dispatched, local_weight: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Weights of all ``2*epn`` slots: this rank's home experts, then the replicas the plan placed here.
@@ -686,12 +693,12 @@ class ExpertParallel:
                    f"{type(out).__name__}")
         if err is not None:
             self.refuse("prefetch", err)
-        return torch.ops.moonep.prefetch.default(local_weight, h.step, self.op_id, torch.compiler.is_compiling(), 0)
+        return call_prefetch(h, local_weight)
 
     def _prefetch_body(self, local_weight, token, tracked: int):
         """The body of ``moonep::prefetch``: ``[epn, *D]`` -> ``[2*epn, *D]`` (``tracked``: the backward reduce
         will run)."""
-        step, err = self._lookup_token(token)
+        step, err = self._lookup(token)
         err = err or _local_error(self._check_prefetch, step, local_weight)
         sig, describe = (), None
         if err is None:

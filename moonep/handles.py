@@ -14,7 +14,7 @@ Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``K`` top-k, ``s`` token
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -41,14 +41,12 @@ class Step:
     Attributes:
         cu_seqlens: int32 ``[2*epn + 1]``, slot ``j`` owns rows ``cu_seqlens[j]:cu_seqlens[j+1]``.
         slot_experts: int64 ``[2*epn]``, the global expert of each slot (``-1``: an empty replica slot).
-        num_rows: ``cu_seqlens[-1]``: an int on the host backends, a 0-d int64 device tensor on NVLink.
         plan: the :class:`moonep.planner.Plan` of the step (NVLink, restored from a token: its replica tables).
         routing: the backend's :class:`StepState` (opaque: combine and the backward passes read it).
     """
 
     cu_seqlens: Optional[torch.Tensor]
     slot_experts: Optional[torch.Tensor]
-    num_rows: Union[int, torch.Tensor, None]
     plan: Any  # moonep.planner.Plan (not imported: this module depends on nothing of moonep)
     routing: StepState
 

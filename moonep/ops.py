@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import op_state
 from .op_state import fresh_output as _fresh
-from .ep import combine_grads, dispatch_grads, prefetch_grad
+from .ep import call_combine, call_prefetch, combine_grads, dispatch_grads, prefetch_grad
 from .errors import expect, fail
 from .fp8 import grad_anchor
 from .handles import Dispatched, Fetched, Routed, weights_key  # noqa: F401  (Fetched, Routed: this module's API)
@@ -352,8 +352,7 @@ _autograd(combine_op, _combine, _combine_setup, _combine_bwd, inputs=(0, 1), tra
 
 def combine(expert_out: Tensor, h: Dispatched) -> Tensor:
     """:meth:`moonep.ExpertParallel.combine` of ``h``'s instance: the op ``moonep::combine``. Collective."""
-    weights = h.weights.detach() if h.scaled else h.weights  # scaled at dispatch: no weights' gradient here
-    return combine_op(expert_out, weights, h.step, h.op_id, h.num_tokens, torch.compiler.is_compiling(), 0)
+    return call_combine(expert_out, h)
 
 
 # --------------------------------------------------------------------------------------------- weights
@@ -394,7 +393,7 @@ def prefetch(h: Dispatched, local_weight: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.prefetch` (the op ``moonep::prefetch``): ``local_weight [epn, *D]`` ->
     ``[2*epn, *D]`` (home experts, then replicas; empty slots zero).  Differentiable (the backward is
     ``reduce_grad``). Collective."""
-    return prefetch_op(local_weight, h.step, h.op_id, torch.compiler.is_compiling(), 0)
+    return call_prefetch(h, local_weight)
 
 
 @_collective("moonep::prefetch_replicas")

@@ -56,7 +56,7 @@ class Backend:
         return fp8.quantize_wire(x, pow2_scales=pow2_scales, check_finite=True)
 
     def slots(self, plan, st):
-        """``(cu_seqlens int32 [2*epn+1], slot_experts int64 [2*epn], num_rows)`` of this rank."""
+        """``(cu_seqlens int32 [2*epn+1], slot_experts int64 [2*epn])`` of this rank."""
         raise NotImplementedError
 
     def dispatch(self, x, topk_weights, st, tracked: bool):

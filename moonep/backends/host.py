@@ -89,8 +89,7 @@ class HostBackend(Backend):
         return plan, st
 
     def slots(self, plan, st):
-        return (layout.cu_seqlens(plan, self.rank, align=self.align), layout.slot_experts(plan, self.rank),
-                int(plan.recv_counts[self.rank]))
+        return layout.cu_seqlens(plan, self.rank, align=self.align), layout.slot_experts(plan, self.rank)
 
     # -- rows --------------------------------------------------------------------------------------
     def dispatch(self, x, topk_weights, st, tracked):

@@ -439,7 +439,7 @@ class NVLinkBackend(Backend):
 
     # -- dispatch --------------------------------------------------------------------------------------
     def slots(self, plan, st):
-        return st.cu, layout.slot_experts(plan, self.rank), plan.recv_counts[self.rank]
+        return st.cu, layout.slot_experts(plan, self.rank)
 
     def dispatch(self, x, topk_weights, st, tracked):
         # zero_copy "auto": views of the receive buffer unless autograd keeps the rows for the backward

@@ -67,7 +67,7 @@ class StepToken:
         has_tokfirst = st.tokfirst is not None
         st.dst_rank = st.dst_row = st.row_first = st.rec = st.src = st.tokfirst = st.w32 = st.cu = None
         st.issued = None  # a compiled graph's weights are its own tensors: not checked against dispatch's
-        return Kept(Step(None, None, None, None, st), has_tokfirst)
+        return Kept(Step(None, None, None, st), has_tokfirst)
 
     def unpack(self, kept: Kept, token: torch.Tensor) -> Step:
         """The step, its tensors views of ``token`` (what :meth:`pack` wrote); its ``plan`` has the replica
@@ -87,4 +87,4 @@ class StepToken:
         st.dst_rank, st.dst_row = token[o:o + s * K].view(s, K), token[o + s * K:o + 2 * s * K].view(s, K)
         plan = SimpleNamespace(replica_experts=token[L:L + R * epn].view(R, epn),
                                replica_source=token[L + R * epn:self.state_words])
-        return Step(None, None, None, plan, st)
+        return Step(None, None, plan, st)

@@ -234,7 +234,7 @@ def _nvlink_like(s, tokfirst, seed):
                     w32=torch.rand(s, Kn, generator=g), cu=i32(2 * En // R + 1))
     st.step, st.instance = 7, 3
     plan = SimpleNamespace(replica_experts=i64(R, En // R), replica_source=i64(R))
-    h = Step(st.cu, i64(2 * En // R), torch.tensor(9), plan, st)
+    h = Step(st.cu, i64(2 * En // R), plan, st)
     return ep, h
 
 
