@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-import zlib
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -35,7 +34,7 @@ from .config import Tuning
 from .errors import (MoonepError, RefusedEverywhere, expect, expect_device, expect_int, expect_same, expect_slack,
                      expect_tensor, fail, raise_together, valid_timeout)
 from .guard import CollectiveGuard, OrderMismatch, mark_failed
-from .handles import Dispatched, Step, check_issued
+from .handles import Dispatched, Step, check_issued, names_key
 from .op_state import register_instance
 from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
@@ -615,7 +614,13 @@ class ExpertParallel:
         usable.  For layers whose own input checks run before the collective (``LatentMoE``)."""
         expect(op in ("dispatch", "combine", "prefetch", "reduce_grad"), "op",
                '"dispatch", "combine", "prefetch" or "reduce_grad"', repr(op))
-        with self._collective(op, error=str(message)):
+        self.refuse_in(op, message)
+
+    @torch.compiler.disable  # a refusal: host work only, never part of a graph
+    def refuse_in(self, op: str, message: str, backward: bool = False) -> None:
+        """:meth:`refuse` for moonep's own calls, also in a backward (``op`` ``"prefetch.backward"``: the
+        header is exchanged only where the backend checks backward passes, as the call's own would be)."""
+        with self._collective(op, error=str(message), backward=backward):
             pass
 
     def _handle_error(self, h, **tensors):
@@ -720,14 +725,13 @@ class ExpertParallel:
                     "(pool.fetch(ep, h, home_weight, name), the pool made once per model)")
         return self._fetch_replicas(h, [local_weight], [out], in_backward=in_backward)[0]
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
-    def _fetch_replicas(self, h: Dispatched, local_weights: list, outs: list, *, in_backward: bool = False,
+    def _fetch_replicas(self, h, local_weights: list, outs: list, *, in_backward: bool = False,
                         fresh: bool = False, names=None) -> list:
-        """This step's replica slots of several projections, in one collective: the building block of
-        :class:`moonep.ReplicaPool` and ``moonep.ops``.
+        """This step's replica slots of several projections, in one collective (``moonep::fetch_replicas``): the
+        building block of :class:`moonep.ReplicaPool` and ``moonep.ops``.
 
         Args:
-            h: the :class:`Dispatched` of the step.
+            h: the :class:`Dispatched` of the step (inside an op's body also its :class:`Step`).
             local_weights: ``[epn, *D_i]`` this rank's home expert weights of each projection; only read (the
                 home rows of a slot GEMM multiply them in place).
             outs: ``[epn, *D_i]`` buffers like them (contiguous, not requiring grad): slot ``j`` receives the
@@ -742,36 +746,68 @@ class ExpertParallel:
         Returns:
             ``outs``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
-        h, err = self._lookup(h)
+        names = list(names or ())
+        if isinstance(h, Step):  # inside an op's body: the step is at hand
+            return self._fetch_body(list(local_weights), list(outs), h, fresh, in_backward, names)
+        op = "prefetch.backward" if in_backward else "prefetch"
+        err = self._handle_error(h, **{f"local_weights[{i}]": w for i, w in enumerate(local_weights)},
+                                 **{f"out[{i}]": o for i, o in enumerate(outs)})
+        if err is not None:
+            self.refuse_in(op, err, in_backward)
+        torch.ops.moonep.fetch_replicas.default(list(local_weights), list(outs), h.step, h.op_id, fresh,
+                                                in_backward, names)
+        return list(outs)
+
+    def _fetch_body(self, local_weights: list, outs: list, token, fresh: bool, in_backward: bool,
+                    names: list) -> list:
+        """The body of ``moonep::fetch_replicas`` (``token``: the step token, or the :class:`Step` itself)."""
+        h, err = self._lookup(token)
+        if err is None and len(outs) != len(local_weights):
+            err = f"out: expected {len(local_weights)} tensors (one per local weight), got {len(outs)}"
         for w, out in zip(local_weights, outs):
             err = err or _local_error(self._check_replicas, w, out, "out")
         sig, describe = (), None
         if err is None:
             step = h.routing.step
             shapes = tuple((_dt(w), _shape_key(w.shape)) for w in local_weights)
-            sig = (len(local_weights), _shape_key(shapes), step, zlib.crc32("\0".join(names or ()).encode()))
+            sig = (len(local_weights), _shape_key(shapes), step, names_key(names))
             describe = lambda: [("local_weights", f"{len(local_weights)} projections"),  # noqa: E731
                                 ("local_weights", "dtypes and shapes " + ", ".join(
                                     f"{w.dtype} {list(w.shape)}" for w in local_weights)),
-                                ("h", f"dispatch #{step}"), ("name", f"projections {list(names or ())}")]
+                                ("h", f"dispatch #{step}"), ("name", f"projections {names}")]
         op = "prefetch.backward" if in_backward else "prefetch"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
-            return self._backend.prefetch_replicas(h.plan, list(local_weights), list(outs), fresh=fresh)
+            return self._backend.prefetch_replicas(h.plan, local_weights, outs, fresh=fresh)
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def reduce_replicas(self, h: Dispatched, home_grad: torch.Tensor, replica_grad: torch.Tensor, *,
                         in_backward: bool = False) -> torch.Tensor:
         """:meth:`reduce_grad` with the halves apart: ``home_grad [epn, *D]`` (this rank's home slots) plus
         the replica slots' gradients of every rank (``replica_grad [epn, *D]`` here) that belong to this
-        rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective.
-        ``in_backward``: called from a backward (named so in errors) with ``home_grad`` that backward's own
-        scratch, which may hold the sum (no copy of the home gradients)."""
-        h, err = self._lookup(h)
+        rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective
+        (``moonep::reduce_replicas``).  ``in_backward``: called from a backward (named so in errors) with
+        ``home_grad`` that backward's own scratch, which then holds the sum (no copy of the home gradients)."""
+        if isinstance(h, Step):  # inside an op's body: the step is at hand
+            return self._reduce_body(home_grad, replica_grad, h, in_backward)
+        op = "prefetch.backward" if in_backward else "reduce_grad"
+        err = self._handle_error(h, home_grad=home_grad, replica_grad=replica_grad)
+        if err is not None:
+            self.refuse_in(op, err, in_backward)
+        home = home_grad if in_backward else home_grad.detach().clone()
+        torch.ops.moonep.reduce_replicas.default(home, replica_grad, h.step, h.op_id, in_backward)
+        return home
+
+    def _reduce_body(self, home_grad, replica_grad, token, in_backward: bool):
+        """The body of ``moonep::reduce_replicas``: the sum made in ``home_grad`` (``token``: the step token, or
+        the :class:`Step` itself); returns it."""
+        h, err = self._lookup(token)
         err = err or _local_error(self._check_replicas, home_grad, replica_grad, "replica_grad")
         sig, describe = _weights_signature("home_grad", home_grad, h) if err is None else ((), None)
         op = "prefetch.backward" if in_backward else "reduce_grad"
         with self._collective(op, error=err, sig=sig, describe=describe, backward=in_backward):
-            return self._backend.reduce_replicas(h.plan, home_grad, replica_grad, scratch=in_backward)
+            out = self._backend.reduce_replicas(h.plan, home_grad, replica_grad, scratch=True)
+        if out.data_ptr() != home_grad.data_ptr():  # (the backend summed a contiguous copy)
+            home_grad.copy_(out.view(home_grad.shape))
+        return home_grad
 
     def _check_replicas(self, home, other, name: str) -> None:
         """``home [epn, *D]`` and ``other`` (named ``name``) of the same shape, dtype and device."""
@@ -792,17 +828,24 @@ class ExpertParallel:
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
-        """Sum replica gradients into their home experts: ``[2*epn, *D] -> [epn, *D]``. Collective.
+        """Sum replica gradients into their home experts: ``[2*epn, *D] -> [epn, *D]``. Collective
+        (``moonep::reduce_grad``).
 
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
         """
-        h, err = self._lookup(h)
+        err = self._handle_error(h, grad_view=grad_view)
+        if err is not None:
+            self.refuse("reduce_grad", err)
+        return torch.ops.moonep.reduce_grad.default(grad_view, h.step, h.op_id)
+
+    def _reduce_grad_body(self, grad_view, token):
+        """The body of ``moonep::reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]`` (a tensor of its own)."""
+        h, err = self._lookup(token)
         err = err or _local_error(self._check_reduce_grad, grad_view)
         sig, describe = _weights_signature("grad_view", grad_view, h) if err is None else ((), None)
         with self._collective("reduce_grad", error=err, sig=sig, describe=describe):
-            return self._backend.reduce_grad(h.plan, grad_view)
+            return op_state.fresh_output(self._backend.reduce_grad(h.plan, grad_view), grad_view)
 
     def _check_reduce_grad(self, grad_view) -> None:
         expect_tensor(grad_view, "grad_view", device=self.device)

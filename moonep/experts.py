@@ -586,11 +586,13 @@ class Replicas:
         return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
 
 
-def fetch_op(h: Dispatched, weights: list) -> list:
-    """``moonep::prefetch_replicas`` of a step: one collective for every
-    ``[epn, *D]`` home tensor -> a :class:`moonep.handles.Fetched` each (fresh replica slots)."""
-    reps = torch.ops.moonep.prefetch_replicas([w.detach() for w in weights], h.step, h.op_id)
-    return [Fetched(h, w, r) for w, r in zip(weights, reps)]
+def fetch_op(h: Dispatched, weights: list, names=None) -> list:
+    """``moonep::fetch_replicas`` of a step into fresh slots: one collective for every ``[epn, *D]`` home tensor
+    -> a :class:`moonep.handles.Fetched` each."""
+    outs = [torch.empty(w.shape, dtype=w.dtype, device=w.device) for w in weights]
+    torch.ops.moonep.fetch_replicas.default([w.detach() for w in weights], outs, h.step, h.op_id, True, False,
+                                            list(names or ()))
+    return [Fetched(h, w, r) for w, r in zip(weights, outs)]
 
 
 def expert_matmul_op(h: Dispatched, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
@@ -605,18 +607,20 @@ def expert_matmul_op(h: Dispatched, a, home_weight, replicas, transpose: bool, i
 
 def kept_replicas(ep, h, home: torch.Tensor, buffer: torch.Tensor) -> "Replicas":
     """:class:`Replicas` outside any pool: ``buffer [epn, *D]`` holds the step's replicas of ``home`` and is
-    kept until the backward (index -1: no refetch); ``h`` the step's eager :class:`moonep.Dispatched`."""
+    kept until the backward (index -1: no refetch); ``h`` the step's :class:`moonep.Dispatched` (in an op's body,
+    its :class:`moonep.handles.Step`)."""
     return Replicas(None, None, -1, ep, h, home, buffer, 0)
 
 
 @torch.compiler.disable  # builds host objects around a compiled step: runs eagerly (one graph break)
 def _eager_replicas(r: Fetched) -> "Replicas":
     """The :class:`Replicas` of a compiled fetch, for the calls that have no op (:func:`module_slots`,
-    :func:`expert_bias`): its slots kept, its step the eager handle found by the token."""
+    :func:`expert_bias`): its slots kept until the backward, which reduces through the step's token."""
     from .op_state import instance
 
     ep = instance(r.h.op_id)
-    return kept_replicas(ep, ep._step_of(r.h), r.home, r.replicas)
+    ep._check_routed(r.h)
+    return kept_replicas(ep, r.h, r.home, r.replicas)
 
 
 _DEFAULT: list = []
@@ -711,7 +715,7 @@ class ReplicaPool:
             return []
         if torch.compiler.is_compiling():  # one node of the graph (fresh slots: a compiled graph holds its own)
             ep._check_routed(h)
-            out = fetch_op(h, weights)
+            out = fetch_op(h, weights, names)
             return out if many else out[0]
         return self._fetch(ep, h, weights, names, many)
 

@@ -186,6 +186,15 @@ class Fetched(NamedTuple):
 
 
 # -- what dispatch handed out ------------------------------------------------------------------------------
+def names_key(names) -> int:
+    """A checksum of the replica pool's projection names (``None``: none), which the peers compare (FNV-1a:
+    the same in every process, and traced by Dynamo as a constant)."""
+    key = 2166136261
+    for c in "\0".join(names or ()):
+        key = ((key ^ ord(c)) * 16777619) & 0xFFFFFFFF
+    return key
+
+
 def weights_key(t):
     """What identifies a tensor's memory and layout: a replaced or sliced tensor differs in one of them."""
     if not isinstance(t, torch.Tensor):

@@ -396,18 +396,17 @@ def prefetch(h: Dispatched, local_weight: Tensor) -> Tensor:
     return call_prefetch(h, local_weight)
 
 
-@_collective("moonep::prefetch_replicas")
-def _prefetch_replicas(local_weights: list[Tensor], token: Tensor, op_id: int) -> list[Tensor]:
-    """The replica slots of each weight ``[epn, *D]``, into fresh ``[epn, *D]`` tensors, in one collective
-    (every empty slot zeroed: zero whatever the memory held, also at a CUDA graph replay)."""
-    ep, h = _lookup(token, op_id)
-    outs = [torch.empty(w.shape, dtype=w.dtype, device=w.device) for w in local_weights]
-    return ep._fetch_replicas(h, local_weights, outs, fresh=True)
+def _fetch_replicas(local_weights, outs, token, op_id, fresh, backward, names):
+    op_state.instance(op_id)._fetch_body(local_weights, outs, token, fresh, backward, names)
 
 
-@_prefetch_replicas.register_fake
-def _(local_weights, token, op_id):
-    return [w.new_empty(w.shape) for w in local_weights]
+fetch_replicas_op = _define(
+    "fetch_replicas(Tensor[] local_weights, Tensor(a!)[] outs, Tensor token, int op_id, bool fresh, bool backward, "
+    "str[] names) -> ()", _fetch_replicas, lambda *args: None)
+fetch_replicas_op.__doc__ = """``moonep::fetch_replicas``: the replica slots of each ``local_weights[i] [epn, *D_i]`` into
+``outs[i]`` (like it, contiguous), in one collective (``ExpertParallel._fetch_replicas``).  ``fresh``: ``outs`` are
+new tensors (every empty slot zeroed), else a pool's buffers; ``backward``: called from a backward; ``names``:
+the projections' names (or none), checked with the peers."""
 
 
 def prefetch_replicas(h: Dispatched, *local_weights: Tensor) -> list:
@@ -417,39 +416,40 @@ def prefetch_replicas(h: Dispatched, *local_weights: Tensor) -> list:
     return [f.replicas for f in fetch_op(h, list(local_weights))]
 
 
-@_collective("moonep::reduce_grad")
-def _reduce_grad(grad: Tensor, token: Tensor, op_id: int) -> Tensor:
-    """``ExpertParallel.reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``. Collective."""
-    ep, h = _lookup(token, op_id)
-    return _fresh(ep.reduce_grad(h, grad), grad)
+def _reduce_grad(grad, token, op_id):
+    return op_state.instance(op_id)._reduce_grad_body(grad, token)
 
 
-@_reduce_grad.register_fake
-def _(grad, token, op_id):
-    return grad.new_empty(grad.shape[0] // 2, *grad.shape[1:])
+reduce_grad_op = _define("reduce_grad(Tensor grad, Tensor token, int op_id) -> Tensor", _reduce_grad,
+                         lambda grad, token, op_id: grad.new_empty(grad.shape[0] // 2, *grad.shape[1:]))
+reduce_grad_op.__doc__ = """``moonep::reduce_grad``: ``ExpertParallel.reduce_grad``, ``[2*epn, *D]`` -> ``[epn, *D]``.
+Collective; not differentiable."""
 
 
 def reduce_grad(h: Dispatched, grad: Tensor) -> Tensor:
-    """:meth:`moonep.ExpertParallel.reduce_grad` as ``moonep::reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]``.
+    """:meth:`moonep.ExpertParallel.reduce_grad` (``moonep::reduce_grad``): ``[2*epn, *D]`` -> ``[epn, *D]``.
     Collective; not differentiable."""
-    return _reduce_grad(grad, h.step, h.op_id)
+    return reduce_grad_op(grad, h.step, h.op_id)
 
 
-@_collective("moonep::reduce_replicas")
-def _reduce_replicas(home_grad: Tensor, replica_grad: Tensor, token: Tensor, op_id: int) -> Tensor:
-    """``ExpertParallel.reduce_replicas``: ``[epn, *D]`` twice -> ``[epn, *D]``. Collective."""
-    ep, h = _lookup(token, op_id)
-    return _fresh(ep.reduce_replicas(h, home_grad, replica_grad), home_grad, replica_grad)
+def _reduce_replicas(home_grad, replica_grad, token, op_id, backward):
+    op_state.instance(op_id)._reduce_body(home_grad, replica_grad, token, backward)
 
 
-@_reduce_replicas.register_fake
-def _(home_grad, replica_grad, token, op_id):
-    return home_grad.new_empty(home_grad.shape)
+reduce_replicas_op = _define(
+    "reduce_replicas(Tensor(a!) home_grad, Tensor replica_grad, Tensor token, int op_id, bool backward) -> ()",
+    _reduce_replicas, lambda *args: None)
+reduce_replicas_op.__doc__ = """``moonep::reduce_replicas``: ``home_grad [epn, *D]`` plus every rank's replica gradients
+(``replica_grad [epn, *D]``) of this rank's experts, summed in ``home_grad`` (``ExpertParallel.reduce_replicas``).
+Collective."""
 
 
 def reduce_replicas(h: Dispatched, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
-    """:meth:`moonep.ExpertParallel.reduce_replicas` as ``moonep::reduce_replicas``. Collective."""
-    return _reduce_replicas(home_grad, replica_grad, h.step, h.op_id)
+    """:meth:`moonep.ExpertParallel.reduce_replicas` (``moonep::reduce_replicas``): ``[epn, *D]`` twice ->
+    ``[epn, *D]``, a tensor of its own. Collective."""
+    home = home_grad.clone()
+    reduce_replicas_op(home, replica_grad, h.step, h.op_id, False)
+    return home
 
 
 # --------------------------------------------------------------------------------------------- GEMMs

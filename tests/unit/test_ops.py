@@ -171,9 +171,9 @@ def test_pre_quantised_pair_and_num_global_tokens_compile():
     ep.close()
 
 
-def test_calls_without_an_op_take_a_compiled_handle():
-    """reduce_grad and reduce_replicas, given the Routed of a compiled dispatch, run eagerly (a graph break)
-    on its step, found by the token, with eager's values; a handle of another instance is refused."""
+def test_reduces_compile_as_ops():
+    """reduce_grad and reduce_replicas of a compiled dispatch compile whole (``moonep::reduce_grad``,
+    ``moonep::reduce_replicas``) with eager's values; a handle of another instance is refused."""
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
     other = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
@@ -181,17 +181,60 @@ def test_calls_without_an_op_take_a_compiled_handle():
 
     def step(x, idx, w):
         h = ep.dispatch(x, idx, w)
-        return ep.reduce_grad(h, g2), ep.reduce_replicas(h, g2[:E], g2[E:]), h
+        return ep.reduce_grad(h, g2), ep.reduce_replicas(h, g2[:E], g2[E:]), ops.reduce_replicas(h, g2[:E], g2[E:]), h
 
     x, idx, w = _problem(9, 9)
     want = step(x, idx, w)
-    got = torch.compile(step, backend="aot_eager")(x, idx, w)
-    assert isinstance(got[2], ops.Routed)
-    for a, b in zip(want[:2], got[:2]):
+    g2_before = g2.clone()
+    got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, idx, w)
+    assert isinstance(got[3], ops.Routed)
+    for a, b in zip(want[:3], got[:3]):
         assert torch.equal(a, b)
+    assert torch.equal(g2, g2_before)  # the public reduces return tensors of their own
     with pytest.raises(ValueError, match="h: expected a Dispatched of this ExpertParallel"):
-        other.reduce_grad(got[2], g2)
+        other.reduce_grad(got[3], g2)
     ep.close(), other.close()
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the moonep ops that reach the dispatcher's Python key."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "moonep":
+            self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_collectives_are_the_ops():
+    """Eager code runs every collective as moonep's op, forward and backward: dispatch, the pool's replica fetch
+    (``moonep::fetch_replicas``, into the pool's buffers), combine, the replica gradient reduce and
+    ``reduce_grad``; values as without the log."""
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    g = torch.Generator().manual_seed(3)
+    w_in = torch.randn(E, H, H, generator=g, dtype=torch.float64, requires_grad=True)
+    pool = moonep.ReplicaPool()
+
+    def run():
+        x, idx, w = _problem(9, 9)
+        w_in.grad = None
+        h = ep.dispatch(x, idx, w)
+        r = pool.fetch(ep, h, w_in, "w_in")
+        y = ep.combine(moonep.expert_matmul(h.tokens, h.cu_seqlens, w_in, r), h)
+        y.square().sum().backward()
+        return y.detach(), x.grad, w_in.grad, ep.reduce_grad(h, torch.ones(2 * E, 3, dtype=torch.float64))
+
+    want = run()
+    with _OpLog() as log:
+        got = run()
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    assert log.names == ["dispatch", "fetch_replicas", "combine", "combine_backward", "reduce_replicas",
+                         "dispatch_backward", "reduce_grad"], log.names
+    ep.close()
 
 
 def test_bad_input_under_compile_is_refused_and_the_next_call_works():
