@@ -282,7 +282,8 @@ def expert_matmul_grads(g, a, w_home, cu, rep, transpose: bool, impl: str, want_
         gh, gr = _run(impl, _wgrad_grouped, _wgrad_loop, a, g, cu, epn, unoccupied)
         if transpose:
             gh, gr = gh.mT, gr.mT
-        gw = rep.reduce(gh.to(w_home.dtype), gr.to(w_home.dtype))
+        # contiguous (transpose: a copy), so that the reduce sums in place and returns w_home's layout
+        gw = rep.reduce(gh.to(w_home.dtype).contiguous(), gr.to(w_home.dtype).contiguous())
     return ga, gw
 
 

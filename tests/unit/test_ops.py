@@ -171,6 +171,36 @@ def test_pre_quantised_pair_and_num_global_tokens_compile():
     ep.close()
 
 
+def test_transposed_expert_matmul_with_bias_compiles():
+    """The nn.Linear layout (``transpose=True``) with biases, as the transformers experts use it, under inductor:
+    the backward op's gradients have the layout its fake implementation promises (contiguous, like the
+    weights), and values agree with eager's."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(E, 2 * H, H, generator=g, dtype=torch.float64, requires_grad=True)  # [epn, N, D]
+    b = torch.randn(E, 2 * H, generator=g, dtype=torch.float64, requires_grad=True)
+    pool = moonep.ReplicaPool()
+
+    def layer(x, idx, tw):
+        h = ep.dispatch(x, idx, tw)
+        rw, rb = pool.fetch(ep, h, [w, b], ["w", "b"])
+        out = moonep.expert_matmul(h.tokens, h.cu_seqlens, w, rw, transpose=True, bias=b, bias_replicas=rb)
+        return ep.combine(out[:, :H] * out[:, H:], h)
+
+    got = []
+    for fn in (layer, torch.compile(layer, fullgraph=True)):
+        x, idx, tw = _problem(9, 9)
+        w.grad = b.grad = None
+        y = fn(x, idx, tw)
+        y.square().sum().backward()
+        got.append((y.detach(), x.grad, tw.grad, w.grad, b.grad))
+    for a, c in zip(*got):
+        torch.testing.assert_close(a, c, rtol=1e-12, atol=1e-12)
+    assert got[1][3].is_contiguous()
+    ep.close()
+
+
 def test_reduces_compile_as_ops():
     """reduce_grad and reduce_replicas of a compiled dispatch compile whole (``moonep::reduce_grad``,
     ``moonep::reduce_replicas``) with eager's values; a handle of another instance is refused."""
