@@ -68,6 +68,19 @@ def main() -> int:
         # the backend that plans each step (its attribute name differs between versions of ep.py)
         eng = next(b for b in (getattr(ep, n, None) for n in ("backend", "_backend", "_engine")) if b is not None)
         res["plan_step_host_us"] = round(host_us(lambda: eng.plan_step(x, idx, w)), 1)
+        # the layers of an eager no-grad dispatch, where the version has them: the op (its dispatcher pass and
+        # kernel), the op's body, and the call with Python's garbage collector off
+        if hasattr(torch.ops.moonep, "dispatch") and hasattr(ep, "_dispatch_body"):
+            op = torch.ops.moonep.dispatch.default
+            args = (x, idx, w, None, -1, ep.op_id, ep.capacity, ep.num_experts, ep.world_size,
+                    eng.token_state_words, ep.fp8, ep.dtype, False, 0)
+            res["dispatch_op_host_us"] = round(host_us(lambda: op(*args)), 1)
+            res["dispatch_body_host_us"] = round(host_us(lambda: ep._dispatch_body(x, idx, w, None, -1, 0, False)), 1)
+        import gc
+        gc.disable()
+        res["dispatch_host_us_gc_off"] = round(host_us(lambda: ep.dispatch(x, idx, w)), 1)
+        gc.enable()
+        res["dispatch_host_us_again"] = round(host_us(lambda: ep.dispatch(x, idx, w)), 1)
 
         def step():  # one dispatch + combine, eager and then replayed from a CUDA graph
             hs = ep.dispatch(x, idx, w)
@@ -108,6 +121,10 @@ def main() -> int:
         rows.sort(key=lambda r: -r[2])
         res["dispatch_wall_us"] = round((t1 - t0) / 20 / 1e3, 1)
         res["dispatch_gpu_kernels_us_per_call"] = rows[:25]
+        cpu = [(ev.key[:70], round(ev.count / 20, 2), round(ev.self_cpu_time_total / 20, 2))
+               for ev in prof.key_averages() if ev.self_cpu_time_total > 0]
+        cpu.sort(key=lambda r: -r[2])
+        res["dispatch_cpu_ops_us_per_call"] = cpu[:30]
         ep.synchronize()
     if rt.rank == 0:
         print(json.dumps({k: v for k, v in res.items() if not k.endswith("profile")}, indent=0))
