@@ -1,20 +1,21 @@
 """moonep's data path as ``torch.library`` custom ops (namespace ``moonep``): what ``torch.compile`` sees.
 
     h = moonep.ops.dispatch(ep, x, topk_idx, topk_weights)         # moonep::dispatch
-    r_in, r_out = moonep.ops.prefetch_replicas(h, w_in, w_out)      # moonep::prefetch_replicas
+    r_in, r_out = moonep.ops.prefetch_replicas(h, w_in, w_out)      # moonep::fetch_replicas
     a = act(moonep.ops.expert_matmul(h, h.tokens, w_in, r_in))      # moonep::expert_matmul
     y = moonep.ops.combine(moonep.ops.expert_matmul(h, a, w_out, r_out), h)   # moonep::combine
 
-``ExpertParallel.dispatch``, ``combine`` and ``prefetch`` call ``moonep::dispatch``, ``combine`` and ``prefetch``
-in eager and compiled code alike (the wrappers here call the same ops).  Each op's body is
+``ExpertParallel.dispatch``, ``combine``, ``prefetch``, ``reduce_grad``, ``reduce_replicas`` and ``ReplicaPool.fetch``
+call ``moonep::dispatch``, ``combine``, ``prefetch``, ``reduce_grad``, ``reduce_replicas`` and ``fetch_replicas`` in
+eager and compiled code alike (the wrappers here call the same ops).  Each op's body is
 :class:`moonep.ExpertParallel`'s (argument checks, the call header with the peers, the backend), so Dynamo never
 traces host work, host syncs or kernel launches: the op is one node of the graph, whatever the backend.  Its
 fake implementation gives the static output shapes (``cap = moonep.layout.capacity(max_tokens, topk, R, E,
 align, slack)`` rows).  Each backward is an op too, whose body runs the one backward rule
 (``moonep.ep.dispatch_grads``, ``combine_grads``, ``prefetch_grad``; ``moonep.experts.expert_matmul_grads``,
-``expert_bias_grad``, ``slot_matmul_grads``).  The ops of the eager path are defined with :func:`_define` and
-:func:`_autograd` (``register_autograd``'s contract, at a lower cost per call); those only compiled code calls
-(the replica fetch and reduces, the GEMMs) with ``custom_op``.  The ops that make a collective are
+``expert_bias_grad``, ``slot_matmul_grads``).  The collectives are defined with :func:`_define` (and
+:func:`_autograd`: ``register_autograd``'s contract, at a lower cost per call); the ops only compiled code calls
+(the GEMMs, the planner) with ``custom_op``.  The ops that make a collective are
 side-effecting: a compiler never drops one whose output nothing reads (a rank with no tokens), which would
 leave its peers waiting.
 
@@ -26,7 +27,7 @@ tables: ``Backend.pack_step``, :mod:`moonep.backends.nvlink_token`), which the l
 (:func:`_lookup`): every device tensor that outlives an op is an output of the op that made it and an input of
 the ops that read it, as CUDA graph trees require; nothing on the host holds one.
 
-What only compiled code does, for the compiler's sake: the replica fetch returns fresh tensors (no pool
+What only compiled code does, for the compiler's sake: the replica fetch fills fresh tensors (no pool
 buffers), and :func:`expert_matmul` keeps the step's replicas until its backward instead of refetching them
 (the same values, so the same bits); the NVLink backend copies the rows out of its receive buffer (as eager
 training does), and the handle's tables are tensors of their own.  With ``apply_weights="dispatch"`` the op
