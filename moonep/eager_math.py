@@ -54,6 +54,12 @@ def bitwise():
         _BITWISE[0] = prev
 
 
+def as_ops() -> bool:
+    """Whether :func:`keep_eager` functions run as ``moonep::eager_math`` ops here: compiled inside
+    :func:`bitwise` (elsewhere they are plain code, eager or fused)."""
+    return _BITWISE[0] and torch.compiler.is_compiling()
+
+
 def is_bitwise() -> bool:
     """Whether code compiled now keeps the wrapped functions at eager's bits (inside :func:`bitwise`)."""
     return _BITWISE[0]

@@ -52,8 +52,8 @@ def fused_expert_maths(ex: nn.Module, rows: torch.Tensor, cu_seqlens: torch.Tens
                               t)
     h = lin(rows, up)
     key = getattr(ex, "moonep_act_key", None)
-    # compiled: the activation through eager_math (bitwise() keeps eager's rounding); eagerly the module's own
-    h = eager_math.call(key, h)[0] if key is not None and torch.compiler.is_compiling() else _act(ex, h)
+    # compiled inside bitwise(): the activation as eager_math's op (eager's rounding); else the module's own code
+    h = eager_math.call(key, h)[0] if key is not None and eager_math.as_ops() else _act(ex, h)
     out = lin(h, "down_proj")
     if getattr(ex, "has_post_expert_norm", False):
         out = ex.post_expert_norm(out)

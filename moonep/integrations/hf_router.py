@@ -36,8 +36,7 @@ def _router_fn(template: nn.Module, names: list):
 def _router_class(base: type) -> type:
     if base not in _CLASSES:
         def forward(self, *args, **kwargs):
-            if (kwargs or not torch.compiler.is_compiling() or not eager_math.is_bitwise()
-                    or not all(isinstance(a, Tensor) for a in args)):
+            if kwargs or not eager_math.as_ops() or not all(isinstance(a, Tensor) for a in args):
                 return base.forward(self, *args, **kwargs)
             state = dict(self.named_parameters())
             state.update(self.named_buffers())
