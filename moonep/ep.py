@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 
-from . import fp8, layout, op_state
+from . import eager_math, fp8, layout, op_state
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype, product_grads
 from .config import Tuning
@@ -107,13 +107,29 @@ def dispatch_grads(ep, st, g_tokens, g_weights, want_x: bool, want_w: bool, x_dt
         return ep._backend.dispatch_backward(g_tokens, g_weights, st, want_x, want_w, x_dtype, w_dtype)
 
 
-def combine_grads(ep, st, gy, expert_out, weights, want_out: bool, want_w: bool):
-    """The backward of a combine: ``gy [s, H]`` dispatched over step ``st``, then the product rule ->
-    ``(g_out like expert_out or None, g_w like weights or None)`` (``weights [cap]``, or ``None`` for the
-    plain sum). Collective."""
+def combine_grads(ep, st, gy, own: bool):
+    """The backward of a combine, up to its products: ``gy [s, H]`` dispatched over step ``st`` -> each row's
+    gradient ``g_rows [cap, H]`` in ``gy``'s dtype, from which :func:`combine_products` makes the inputs'
+    gradients (``own``: a tensor of its own; else it may be a view of a receive buffer, read before the next
+    collective). Collective."""
     with ep._collective("combine.backward", backward=True):
-        g_rows = ep._backend.combine_backward(gy, st)
-    return product_grads(g_rows, expert_out, weights, want_out, want_w)
+        return ep._backend.combine_backward(gy, st, own)
+
+
+# compiled inside eager_math.bitwise(): the weights' gradient (a sum over H) summed as eager sums it
+_weights_grad = eager_math.keep_eager(
+    lambda g_rows, expert_out, weights: product_grads(g_rows, expert_out, weights, False, True)[1],
+    "combine.weights_grad")
+
+
+def combine_products(g_rows, expert_out, weights, want_out: bool, want_w: bool):
+    """The product rule of combine's backward: ``g_rows [cap, H]`` (:func:`combine_grads`) -> ``(g_out like
+    expert_out or None, g_w like weights or None)`` (``weights [cap]``, or ``None`` for the plain sum).  Graph
+    code under ``torch.compile``, which fuses it (the weights' gradient within float32 rounding of eager's,
+    bitwise inside ``eager_math.bitwise()``); eagerly :func:`moonep.combine.product_grads`'s kernels."""
+    g_out = product_grads(g_rows, expert_out, weights, want_out, False)[0]
+    g_w = _weights_grad(g_rows, expert_out, weights) if want_w and weights is not None else None
+    return g_out, g_w
 
 
 def prefetch_grad(ep, plan, g):

@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import op_state
 from .op_state import fresh_output as _fresh
-from .ep import call_combine, call_prefetch, combine_grads, dispatch_grads, prefetch_grad
+from .ep import call_combine, call_prefetch, combine_grads, combine_products, dispatch_grads, prefetch_grad
 from .errors import expect, fail
 from .fp8 import grad_anchor
 from .handles import Dispatched, Fetched, Routed, weights_key  # noqa: F401  (Fetched, Routed: this module's API)
@@ -319,35 +319,33 @@ combine_op = _define(
 
 def _combine_setup(ctx, inputs, output):
     expert_out, weights, token, op_id = inputs[:4]
-    ctx.op_id = op_id
-    _save(ctx, token, inputs[5], expert_out, weights)
+    ctx.op_id, ctx.graph = op_id, inputs[5]
+    # apply_weights="dispatch": a plain sum (combine's weights are not an input then: no gradient reaches them)
+    ctx.weighted = op_state.instance(op_id).apply_weights == "combine"
+    _save(ctx, token, ctx.graph, expert_out, weights)
 
 
 def _combine_bwd(ctx, gy):
     expert_out, weights, token = _saved(ctx)
     want_o, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     with _backward_only():
-        g_out, g_w = combine_backward_op(gy, expert_out, weights, token, ctx.op_id, want_o, want_w)
-    return _none_or(g_out, want_o), _none_or(g_w, want_w), None, None, None, None, None
+        g_rows = combine_backward_op(gy, token, ctx.op_id, expert_out.shape[0], ctx.graph)
+    # the products outside the op: compiled, inductor fuses them (one pass over the rows)
+    g_out, g_w = combine_products(g_rows, expert_out, weights if ctx.weighted else None, want_o, want_w)
+    return g_out, g_w, None, None, None, None, None
 
 
-def _combine_backward(gy, expert_out, weights, token, op_id, want_out, want_w):
-    """``combine_grads``: ``gy [s, H]`` -> (``g_out [cap, H]``, ``g_w [cap]``); an unwanted gradient is an
-    empty placeholder. Collective."""
+def _combine_backward(gy, token, op_id, capacity, graph):
+    """``combine_grads``: ``gy [s, H]`` -> the rows' gradient ``[cap, H]`` in ``gy``'s dtype (``graph``: a
+    tensor of its own; eagerly it may be a view of the backend's receive buffer, which the products read
+    at once). Collective."""
     ep, step = _lookup(token, op_id)
-    # apply_weights="dispatch": a plain sum (combine's weights are not an input then: want_w is False)
-    g_out, g_w = combine_grads(ep, step.routing, gy, expert_out, weights if ep.apply_weights == "combine" else None,
-                               want_out, want_w)
-    return (_fresh(g_out, gy, expert_out) if want_out else expert_out.new_empty(0),
-            _fresh(g_w, weights) if want_w else weights.new_empty(0))
+    return _fresh(combine_grads(ep, step.routing, gy, graph), gy)
 
 
 combine_backward_op = _define(
-    "combine_backward(Tensor gy, Tensor expert_out, Tensor weights, Tensor step, int op_id, bool want_out, "
-    "bool want_w) -> (Tensor, Tensor)", _combine_backward,
-    lambda gy, expert_out, weights, token, op_id, want_out, want_w: (
-        expert_out.new_empty(expert_out.shape if want_out else (0,)),
-        weights.new_empty(weights.shape if want_w else (0,))))
+    "combine_backward(Tensor gy, Tensor step, int op_id, int capacity, bool graph) -> Tensor", _combine_backward,
+    lambda gy, token, op_id, capacity, graph: gy.new_empty(capacity, gy.shape[1]))
 _autograd(combine_op, _combine, _combine_setup, _combine_bwd, inputs=(0, 1), tracked=6)
 
 

@@ -78,8 +78,9 @@ class Backend:
         """Backward of dispatch: ``(gx [s, H] or None, gw [s, K] or None)`` from the rows' gradients."""
         raise NotImplementedError
 
-    def combine_backward(self, gy, st):
-        """Backward of combine: ``gy [s, H]`` sent over the step's routing -> ``[cap, H]`` (dy of each row)."""
+    def combine_backward(self, gy, st, own: bool = False):
+        """Backward of combine: ``gy [s, H]`` sent over the step's routing -> ``[cap, H]`` (dy of each row);
+        ``own``: a tensor of its own (else it may be a view of a buffer that the next collective reuses)."""
         raise NotImplementedError
 
     def prefetch(self, plan, local_weight):

@@ -113,7 +113,7 @@ class HostBackend(Backend):
             gw = sum_choices_by_rank(back, st).to(w_dtype)
         return gx, gw
 
-    def combine_backward(self, gy, st):
+    def combine_backward(self, gy, st, own: bool = False):
         return expand(send_tokens(gy.contiguous(), st, self.transport), st.recv_rows, st.capacity)
 
     # -- replica weights ---------------------------------------------------------------------------

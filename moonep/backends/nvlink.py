@@ -614,8 +614,9 @@ class NVLinkBackend(Backend):
         gx, gw = self._combine_rows(g_tokens, None, gw_in, st, x_dtype, want_gw=want_w)
         return (gx if want_x else None), (gw.to(w_dtype) if want_w else None)
 
-    def combine_backward(self, gy, st):
-        return self.dispatch_grad(gy, st)
+    def combine_backward(self, gy, st, own: bool = False):
+        g_rows = self.dispatch_grad(gy, st)
+        return g_rows.clone() if own else g_rows
 
     def _combine_rows(self, out, weights, gw_in, st: NVLinkStep, y_dtype, want_gw: bool = False):
         """``out [cap, H]`` -> ``y [s, H]`` in ``y_dtype`` (fp32 accumulation, fixed order).
