@@ -333,8 +333,8 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
             expect(bias.dim() == 2 and bias.shape[1] == (home_weight.shape[-2] if transpose else
                                                           home_weight.shape[-1]),
                    "bias", "shape [epn, N] (N: the product's width)", list(bias.shape))
-        return expert_matmul_op(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
-                                None if bias is None else bias_replicas.replicas, cu_seqlens)
+        return call_expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
+                                  None if bias is None else bias_replicas.replicas, cu_seqlens)
     if bias is not None:
         return expert_bias(expert_matmul(a, cu_seqlens, home_weight, replicas, transpose=transpose, impl=impl),
                            cu_seqlens, bias, bias_replicas)
@@ -596,7 +596,7 @@ def fetch_op(h: Dispatched, weights: list, names=None) -> list:
     return [Fetched(h, w, r) for w, r in zip(weights, outs)]
 
 
-def expert_matmul_op(h: Dispatched, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
+def call_expert_matmul(h: Dispatched, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
                      cu_seqlens=None):
     """``moonep::expert_matmul`` of a step (``replicas`` and ``bias_replicas``
     the fetched tensors; ``cu_seqlens`` the slots' rows, default ``h.cu_seqlens``): ``a [cap, D]`` ->

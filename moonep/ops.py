@@ -13,10 +13,9 @@ traces host work, host syncs or kernel launches: the op is one node of the graph
 fake implementation gives the static output shapes (``cap = moonep.layout.capacity(max_tokens, topk, R, E,
 align, slack)`` rows).  Each backward is an op too, whose body runs the one backward rule
 (``moonep.ep.dispatch_grads``, ``combine_grads``, ``prefetch_grad``; ``moonep.experts.expert_matmul_grads``,
-``expert_bias_grad``, ``slot_matmul_grads``).  The collectives are defined with :func:`_define` (and
-:func:`_autograd`: ``register_autograd``'s contract, at a lower cost per call); the ops only compiled code calls
-(the GEMMs, the planner) with ``custom_op``.  The ops that make a collective are
-side-effecting: a compiler never drops one whose output nothing reads (a rank with no tokens), which would
+``expert_bias_grad``, ``slot_matmul_grads``).  Every op is defined with :func:`_define`, and the differentiable
+ones' autograd with :func:`_autograd` (``register_autograd``'s contract, at a lower cost per call).  The ops
+that make a collective are side-effecting: a compiler never drops one whose output nothing reads (a rank with no tokens), which would
 leave its peers waiting.
 
 State (see docs/design.md, "moonep under torch.compile"): the instance is the int ``ep.op_id``; the step
@@ -50,7 +49,7 @@ from .errors import expect, fail
 from .fp8 import grad_anchor
 from .handles import Dispatched, Fetched, Routed, weights_key  # noqa: F401  (Fetched, Routed: this module's API)
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
-                      expert_bias_grad, expert_matmul_grads, expert_matmul_op, fetch_op, kept_replicas,
+                      expert_bias_grad, expert_matmul_grads, call_expert_matmul, fetch_op, kept_replicas,
                       slot_matmul_grads)
 
 __all__ = ["Routed", "Fetched", "Planned", "dispatch", "combine", "prefetch", "prefetch_replicas", "reduce_grad",
@@ -79,14 +78,15 @@ def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.libr
     return op
 
 
-def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: int,
+def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Optional[int],
               lib: torch.library.Library = _LIB) -> None:
     """Register the autograd of ``op``: ``setup_context(ctx, inputs, output)`` and ``backward(ctx, *grads)``,
     with ``torch.library.register_autograd``'s contract, as the op's ``Autograd`` kernel.
 
     ``inputs``: the positions of the differentiable tensor arguments; ``tracked``: the position of the int
     argument through which the kernel tells the body which of them autograd records (bit ``i``:
-    ``inputs[i]``), so that every rank agrees on the backward collectives that will run.  A compiled graph's
+    ``inputs[i]``), so that every rank agrees on the backward collectives that will run (``None``: an op
+    without one, whose body does not need to know).  A compiled graph's
     forward keeps the bits its trace saw.  On plain tensors with no dispatch mode active (not tracing), the
     kernel runs ``body`` (the op's kernel) itself: the same work without a second pass through the dispatcher
     (docs/performance.md, "Eager calls through custom ops": a few µs per eager call over an
@@ -108,7 +108,7 @@ def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: int,
                 if args[k] is not None and args[k].requires_grad:
                     bits |= 1 << i
         if bits:
-            return node.apply(*args[:tracked], bits, *args[tracked + 1:])
+            return node.apply(*args) if tracked is None else node.apply(*args[:tracked], bits, *args[tracked + 1:])
         return body(*args) if _eager(args[inputs[0]]) else _below_autograd(op, args)
 
     lib.impl(name, kernel, "Autograd")
@@ -122,16 +122,6 @@ def _eager(t) -> bool:
 def _below_autograd(op, args):
     with torch._C._AutoDispatchBelowAutograd():
         return op(*args)
-
-
-def _collective(name: str):
-    """``torch.library.custom_op(name)`` for an op that makes a collective, registered as side-effecting (see
-    :func:`_define`): the ops that only compiled code calls."""
-    def define(fn):
-        op = torch.library.custom_op(name, mutates_args=())(fn)
-        torch.fx.node.has_side_effect(op._opoverload)
-        return op
-    return define
 
 
 def _none_or(t: Tensor, wanted: bool):
@@ -452,9 +442,7 @@ def reduce_replicas(h: Dispatched, home_grad: Tensor, replica_grad: Tensor) -> T
 
 
 # --------------------------------------------------------------------------------------------- GEMMs
-@torch.library.custom_op("moonep::expert_matmul", mutates_args=())
-def _expert_matmul(a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor, home_bias: Optional[Tensor],
-                   bias_replicas: Optional[Tensor], token: Tensor, op_id: int, transpose: bool, impl: str) -> Tensor:
+def _expert_matmul(a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl):
     """``moonep.expert_matmul``'s product: ``a [cap, D]`` -> ``[cap, N]`` in ``a``'s dtype (home rows times
     ``home_weight``, replica rows times ``replicas``, both ``[epn, D, N]`` or ``[epn, N, D]`` transposed),
     plus each row's slot bias when ``home_bias [epn, N]`` (and ``bias_replicas``) are given."""
@@ -465,9 +453,11 @@ def _expert_matmul(a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas:
     return out
 
 
-@_expert_matmul.register_fake
-def _(a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl):
-    return a.new_empty(a.shape[0], home_weight.shape[-2] if transpose else home_weight.shape[-1])
+expert_matmul_op = _define(
+    "expert_matmul(Tensor a, Tensor cu_seqlens, Tensor home_weight, Tensor replicas, Tensor? home_bias, "
+    "Tensor? bias_replicas, Tensor step, int op_id, bool transpose, str impl) -> Tensor", _expert_matmul,
+    lambda a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl:
+    a.new_empty(a.shape[0], home_weight.shape[-2] if transpose else home_weight.shape[-1]), collective=False)
 
 
 def _expert_matmul_setup(ctx, inputs, output):
@@ -481,20 +471,17 @@ def _expert_matmul_bwd(ctx, g):
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     want_b = hb is not None and ctx.needs_input_grad[4]
     with _backward_only():
-        ga, gw, gb = _expert_matmul_backward(g, a, cu, home, rep, hb, rb, token, ctx.op_id, ctx.transpose, ctx.impl,
-                                             want_a, want_w, want_b)
+        ga, gw, gb = expert_matmul_backward_op(g, a, cu, home, rep, hb, rb, token, ctx.op_id, ctx.transpose,
+                                               ctx.impl, want_a, want_w, want_b)
     return (_none_or(ga, want_a), None, _none_or(gw, want_w), None, _none_or(gb, want_b), None, None, None, None,
             None)
 
 
-_expert_matmul.register_autograd(_expert_matmul_bwd, setup_context=_expert_matmul_setup)
+_autograd(expert_matmul_op, _expert_matmul, _expert_matmul_setup, _expert_matmul_bwd, inputs=(0, 2, 4), tracked=None)
 
 
-@_collective("moonep::expert_matmul_backward")
-def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weight: Tensor, replicas: Tensor,
-                            home_bias: Optional[Tensor], bias_replicas: Optional[Tensor], token: Tensor, op_id: int,
-                            transpose: bool, impl: str, want_a: bool, want_w: bool,
-                            want_b: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _expert_matmul_backward(g, a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id,
+                            transpose, impl, want_a, want_w, want_b):
     """``expert_matmul_grads``, then ``expert_bias_grad``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw`` like
     ``home_weight``, ``gb`` like ``home_bias``), the replica slots' parts added at home (collective: the
     weights', then the biases', in one op so that no compiler can order them differently on two ranks); an
@@ -512,11 +499,16 @@ def _expert_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, home_weigh
             _fresh(gb, home_bias, bias_replicas) if want_b else a.new_empty(0))
 
 
-@_expert_matmul_backward.register_fake
-def _(g, a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl, want_a,
-      want_w, want_b):
+def _expert_matmul_backward_fake(g, a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id,
+                                 transpose, impl, want_a, want_w, want_b):
     return (a.new_empty(a.shape if want_a else (0,)), home_weight.new_empty(home_weight.shape if want_w else (0,)),
             home_bias.new_empty(home_bias.shape) if want_b else a.new_empty(0))
+
+
+expert_matmul_backward_op = _define(
+    "expert_matmul_backward(Tensor g, Tensor a, Tensor cu_seqlens, Tensor home_weight, Tensor replicas, "
+    "Tensor? home_bias, Tensor? bias_replicas, Tensor step, int op_id, bool transpose, str impl, bool want_a, "
+    "bool want_w, bool want_b) -> (Tensor, Tensor, Tensor)", _expert_matmul_backward, _expert_matmul_backward_fake)
 
 
 def expert_matmul(h: Dispatched, a: Tensor, home_weight: Tensor, replicas: Tensor, *, transpose: bool = False,
@@ -539,18 +531,16 @@ def expert_matmul(h: Dispatched, a: Tensor, home_weight: Tensor, replicas: Tenso
     expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
            f"bias {'given' if bias is not None else 'None'}, bias_replicas "
            f"{'given' if bias_replicas is not None else 'None'}")
-    return expert_matmul_op(h, a, home_weight, replicas, transpose, impl, bias, bias_replicas)
+    return call_expert_matmul(h, a, home_weight, replicas, transpose, impl, bias, bias_replicas)
 
 
-@torch.library.custom_op("moonep::slot_matmul", mutates_args=())
-def _slot_matmul(a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str) -> Tensor:
+def _slot_matmul(a, cu_seqlens, w, impl):
     """``moonep.slot_matmul``: ``a [cap, D]``, ``w [G, D, N]`` -> ``[cap, N]`` in ``a``'s dtype."""
     return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
 
 
-@_slot_matmul.register_fake
-def _(a, cu_seqlens, w, impl):
-    return a.new_empty(a.shape[0], w.shape[-1])
+slot_matmul_op = _define("slot_matmul(Tensor a, Tensor cu_seqlens, Tensor w, str impl) -> Tensor", _slot_matmul,
+                         lambda a, cu_seqlens, w, impl: a.new_empty(a.shape[0], w.shape[-1]), collective=False)
 
 
 def _slot_matmul_setup(ctx, inputs, output):
@@ -562,31 +552,30 @@ def _slot_matmul_setup(ctx, inputs, output):
 def _slot_matmul_bwd(ctx, g):
     a, cu, w = ctx.saved_tensors
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    ga, gw = _slot_matmul_backward(g, a, cu, w, ctx.impl, want_a, want_w)
+    ga, gw = slot_matmul_backward_op(g, a, cu, w, ctx.impl, want_a, want_w)
     return _none_or(ga, want_a), None, _none_or(gw, want_w), None
 
 
-_slot_matmul.register_autograd(_slot_matmul_bwd, setup_context=_slot_matmul_setup)
+_autograd(slot_matmul_op, _slot_matmul, _slot_matmul_setup, _slot_matmul_bwd, inputs=(0, 2), tracked=None)
 
 
-@torch.library.custom_op("moonep::slot_matmul_backward", mutates_args=())
-def _slot_matmul_backward(g: Tensor, a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str, want_a: bool,
-                          want_w: bool) -> tuple[Tensor, Tensor]:
+def _slot_matmul_backward(g, a, cu_seqlens, w, impl, want_a, want_w):
     """``slot_matmul_grads``: ``g [cap, N]`` -> (``ga [cap, D]``, ``gw [G, D, N]``), empty when unwanted."""
     ga, gw = slot_matmul_grads(g, a, w, cu_seqlens, impl, want_a, want_w)
     return (_fresh(ga, g, a) if want_a else a.new_empty(0), _fresh(gw, w) if want_w else w.new_empty(0))
 
 
-@_slot_matmul_backward.register_fake
-def _(g, a, cu_seqlens, w, impl, want_a, want_w):
-    return a.new_empty(a.shape if want_a else (0,)), w.new_empty(w.shape if want_w else (0,))
+slot_matmul_backward_op = _define(
+    "slot_matmul_backward(Tensor g, Tensor a, Tensor cu_seqlens, Tensor w, str impl, bool want_a, bool want_w) -> "
+    "(Tensor, Tensor)", _slot_matmul_backward, lambda g, a, cu_seqlens, w, impl, want_a, want_w: (
+        a.new_empty(a.shape if want_a else (0,)), w.new_empty(w.shape if want_w else (0,))), collective=False)
 
 
 def slot_matmul(a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str = "auto") -> Tensor:
     """:func:`moonep.slot_matmul` as ``moonep::slot_matmul`` (``a [cap, D]``, int32 ``cu_seqlens [G+1]``,
     ``w [G, D, N]`` -> ``[cap, N]``); differentiable with respect to ``a`` and ``w``.  Not collective."""
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
-    return _slot_matmul(a, cu_seqlens, w, impl)
+    return slot_matmul_op(a, cu_seqlens, w, impl)
 
 
 # --------------------------------------------------------------------------------------------- planner
@@ -610,9 +599,7 @@ class Planned(NamedTuple):
     error: Tensor
 
 
-@torch.library.custom_op("moonep::plan_and_destinations", mutates_args=())
-def _plan_and_destinations(counts: Tensor, topk_idx: Tensor, rank: int, slack: float, align: int) -> tuple[
-        Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _plan_and_destinations(counts, topk_idx, rank, slack, align):
     """``moonep.layout.plan_and_destinations`` (one kernel launch on CUDA); fresh outputs (on CUDA the plan's
     tensors share one workspace, and a custom op's outputs may not alias)."""
     from .layout import plan_and_destinations as run
@@ -623,13 +610,18 @@ def _plan_and_destinations(counts: Tensor, topk_idx: Tensor, rank: int, slack: f
          dst_rank, dst_row, err.reshape(()))))
 
 
-@_plan_and_destinations.register_fake
-def _(counts, topk_idx, rank, slack, align):
+def _plan_and_destinations_fake(counts, topk_idx, rank, slack, align):
     R, E = counts.shape
     i64 = dict(dtype=torch.int64, device=counts.device)
     return (torch.empty(E, R, **i64), torch.empty(R, E // R, **i64), torch.empty(R, **i64), torch.empty(R, **i64),
             torch.empty(E, **i64), torch.empty(topk_idx.shape, **i64), torch.empty(topk_idx.shape, **i64),
             torch.empty((), dtype=torch.int32, device=counts.device))
+
+
+plan_and_destinations_op = _define(
+    "plan_and_destinations(Tensor counts, Tensor topk_idx, int rank, float slack, int align) -> "
+    "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _plan_and_destinations,
+    _plan_and_destinations_fake, collective=False)
 
 
 def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack: float = 0.0,
@@ -644,13 +636,11 @@ def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack:
     Returns:
         :class:`Planned`.  Not differentiable.
     """
-    return Planned(*_plan_and_destinations(counts, topk_idx, int(rank), float(slack), int(align)))
+    return Planned(*plan_and_destinations_op(counts, topk_idx, int(rank), float(slack), int(align)))
 
 
 # --------------------------------------------------------------------------------------------- balancer
-@torch.library.custom_op("moonep::qb_record", mutates_args=("lo", "width", "counts", "work"))
-def _qb_record(raw: Tensor, values: Tensor, bias: Tensor, lo: Tensor, width: Tensor, counts: Tensor, work: Tensor,
-               balancer_id: int, first: bool, check: bool) -> None:
+def _qb_record(raw, values, bias, lo, width, counts, work, balancer_id, first, check):
     """``QuantileBalancer._record_cuda`` (one kernel, CUDA): required biases of ``raw [s, E]`` (cutoffs in
     column K of ``values [s, K+1]``) into ``counts`` int32 ``[E*B+1+31]``; ``first``: this micro-batch sets the
     range ``lo``/``width`` (0-d) from ``bias [E]``; ``check``: count bad scores (flags in ``work``)."""
@@ -658,9 +648,10 @@ def _qb_record(raw: Tensor, values: Tensor, bias: Tensor, lo: Tensor, width: Ten
     op_state.instance(balancer_id).record_kernel(raw, values, check, bias, lo, width, counts, work, first)
 
 
-@_qb_record.register_fake
-def _(raw, values, bias, lo, width, counts, work, balancer_id, first, check):
-    return None
+qb_record_op = _define(
+    "qb_record(Tensor raw, Tensor values, Tensor bias, Tensor(a!) lo, Tensor(b!) width, Tensor(c!) counts, "
+    "Tensor(d!) work, int balancer_id, bool first, bool check) -> ()", _qb_record, lambda *args: None,
+    collective=False)
 
 
 def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
@@ -670,6 +661,6 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
     Args:
         raw: ``[s, E]`` scores (float32/bf16/fp16/fp64); values: ``[s, K+1]`` top-(K+1) biased scores.
     """
-    _qb_record(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
+    qb_record_op(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
                balancer._op_id, not balancer._recording, bool(check))
     balancer._recording = True

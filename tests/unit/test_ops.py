@@ -433,7 +433,7 @@ def test_collectives_run_when_nothing_reads_their_output(monkeypatch, request, d
     """Inductor drops a kernel whose output nothing reads, and a load from a zero-element buffer reads
     nothing: a rank with no tokens would skip its combine (seen on CUDA, the peers then wait for it), and in
     training its dispatch's backward, whose gradients are empty too.  The collective ops are registered as
-    side-effecting (``ops._collective``), so they always run.  Inductor's caches do not key on that
+    side-effecting (``ops._define``), so they always run.  Inductor's caches do not key on that
     registration: they are off here, so that an artifact compiled without it cannot answer."""
     no_caches = torch.compiler.config.patch(force_disable_caches=True)  # (monkeypatch cannot restore it)
     no_caches.__enter__()
