@@ -38,6 +38,7 @@ from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
+from .op_state import replicas_id
 from .replicas import track_zero_slots
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -201,21 +202,6 @@ def _run(impl: str, grouped, loop, a, *args):
     return loop(a, *args)
 
 
-class _SlotMatmul(torch.autograd.Function):
-    """:func:`slot_matmul` with padding rows zero in the gradient of ``a`` too."""
-
-    @staticmethod
-    def forward(ctx, a, w, cu, impl):
-        ctx.impl = impl
-        ctx.save_for_backward(a, w, cu)
-        return _run(impl, _rows_grouped, _rows_loop, a, cu, w)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, w, cu = ctx.saved_tensors
-        return (*slot_matmul_grads(g, a, w, cu, ctx.impl, *ctx.needs_input_grad[:2]), None, None)
-
-
 def slot_matmul_grads(g, a, w, cu, impl: str, want_a: bool, want_w: bool):
     """The backward of :func:`slot_matmul` (eager and ``moonep::slot_matmul``): ``g [cap, N]`` ->
     ``(ga [cap, D] or None, gw [G, D, N] or None)``."""
@@ -239,32 +225,12 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
         ``[cap, N]`` in ``a.dtype``; padding rows are zero, and so is their gradient.  Differentiable with
         respect to ``a`` and ``w``.  For expert weights use :func:`expert_matmul`, which reads the home
         weights in place instead of a ``[2*epn]`` copy.
+
+    The op ``moonep::slot_matmul``, eagerly and compiled.
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
-    if torch.compiler.is_compiling():  # one node of the graph
-        return torch.ops.moonep.slot_matmul(a, cu_seqlens, w, impl)
-    if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
-        return _SlotMatmul.apply(a, w, cu_seqlens, impl)
-    return _run(impl, _rows_grouped, _rows_loop, a, cu_seqlens, w)
-
-
-class _ExpertMatmul(torch.autograd.Function):
-    """``a @ W`` per slot with ``W`` = home weights, then replicas; the replica part of the weight gradient
-    goes home through ``ep.reduce_replicas``."""
-
-    @staticmethod
-    def forward(ctx, a, w_home, cu, rep, transpose, impl):
-        wh, wr = _operands(w_home, rep.weights(), transpose)
-        ctx.rep, ctx.transpose, ctx.impl = rep, transpose, impl
-        ctx.save_for_backward(a, w_home, cu)
-        return _run(impl, _two_grouped, _two_loop, a, cu, wh, wr)
-
-    @staticmethod
-    def backward(ctx, g):
-        a, w_home, cu = ctx.saved_tensors
-        ga, gw = expert_matmul_grads(g, a, w_home, cu, ctx.rep, ctx.transpose, ctx.impl, *ctx.needs_input_grad[:2])
-        return ga, gw, None, None, None, None
+    return torch.ops.moonep.slot_matmul.default(a, cu_seqlens, w, impl)  # eagerly and compiled
 
 
 def expert_matmul_grads(g, a, w_home, cu, rep, transpose: bool, impl: str, want_a: bool, want_w: bool):
@@ -306,15 +272,16 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
         transpose: multiply by ``home_weight[j].T``.
         impl: ``"auto"`` (grouped GEMMs on CUDA when they take the operands), ``"grouped"`` or ``"loop"``.
         bias: optional ``[epn, N]`` home experts' biases, with ``bias_replicas`` (what ``ReplicaPool.fetch``
-            returned for them): then :func:`expert_bias` of the product (compiled: one op for both, so that
-            the backward's two reduces keep their order on every rank).
+            returned for them): added to each row by its slot in the same op (as :func:`expert_bias` does), so
+            that the backward's two reduces keep their order on every rank.
     Returns:
         ``[cap, N]`` in ``a.dtype``; padding rows are zero, and so are their gradients.  Differentiable with
         respect to ``a`` and ``home_weight`` (and ``bias``): the replica rows' weight gradient is added to its
         home expert's on the home rank (collective in the backward).
 
-    With the :class:`moonep.ops.Fetched` replicas of a compiled step: ``moonep::expert_matmul`` (``cu_seqlens``
-    must be that step's ``h.cu_seqlens``).
+    The op ``moonep::expert_matmul``, eagerly and compiled.  Eagerly its backward asks the pool for the replicas
+    again (fetched again when a later layer reused the slots); with the :class:`moonep.ops.Fetched` replicas of
+    a compiled step they are kept until the backward.
     """
     expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
            f"bias {'given' if bias is not None else 'None'}, bias_replicas "
@@ -322,29 +289,24 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     expect(tuple(cu_seqlens.shape) == (2 * home_weight.shape[0] + 1,), "cu_seqlens",
            f"shape [2*epn+1={2 * home_weight.shape[0] + 1}]", list(cu_seqlens.shape))
-    if isinstance(replicas, Fetched):  # a compiled step's: one node of the graph
-        expect(replicas.home is home_weight, "replicas", "what ReplicaPool.fetch returned for this home_weight",
-               "the replicas of another tensor")
-        a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first (in the graph)
-        if bias is not None:
-            expect(isinstance(bias_replicas, Fetched) and bias_replicas.home is bias
-                   and bias_replicas.h is replicas.h, "bias_replicas",
-                   "what ReplicaPool.fetch returned for this bias in the same step", type(bias_replicas).__name__)
-            expect(bias.dim() == 2 and bias.shape[1] == (home_weight.shape[-2] if transpose else
-                                                          home_weight.shape[-1]),
-                   "bias", "shape [epn, N] (N: the product's width)", list(bias.shape))
+    kept = isinstance(replicas, Fetched)  # a compiled step's: the slots are kept until the backward
+    kind = Fetched if kept else Replicas
+    expect(isinstance(replicas, kind) and replicas.home is home_weight, "replicas",
+           "what ReplicaPool.fetch returned for this home_weight", type(replicas).__name__)
+    if bias is not None:
+        expect(isinstance(bias_replicas, kind) and bias_replicas.home is bias and bias_replicas.h is replicas.h,
+               "bias_replicas", "what ReplicaPool.fetch returned for this bias in the same step",
+               type(bias_replicas).__name__)
+        expect(bias.dim() == 2 and bias.shape[1] == (home_weight.shape[-2] if transpose else home_weight.shape[-1]),
+               "bias", "shape [epn, N] (N: the product's width)", list(bias.shape))
+    a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
+    if kept:
         return call_expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
                                   None if bias is None else bias_replicas.replicas, cu_seqlens)
-    if bias is not None:
-        return expert_bias(expert_matmul(a, cu_seqlens, home_weight, replicas, transpose=transpose, impl=impl),
-                           cu_seqlens, bias, bias_replicas)
-    expect(isinstance(replicas, Replicas) and replicas.home is home_weight, "replicas",
-           "the Replicas that ReplicaPool.fetch returned for this home_weight", type(replicas).__name__)
-    a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
-    if torch.is_grad_enabled() and (a.requires_grad or home_weight.requires_grad):
-        return _ExpertMatmul.apply(a, home_weight, cu_seqlens, replicas, transpose, impl)
-    wh, wr = _operands(home_weight, replicas.weights(), transpose)
-    return _run(impl, _two_grouped, _two_loop, a, cu_seqlens, wh, wr)
+    # an eager pool's slots (the current stream waits for their fetch); the op's backward finds them by id
+    ids = (replicas_id(replicas), -1 if bias is None else replicas_id(bias_replicas))
+    return call_expert_matmul(replicas.h, a, home_weight, replicas.weights(), transpose, impl, bias,
+                              None if bias is None else bias_replicas.weights(), cu_seqlens, ids)
 
 
 def _row_slots(cu: torch.Tensor, cap: int) -> torch.Tensor:
@@ -597,13 +559,13 @@ def fetch_op(h: Dispatched, weights: list, names=None) -> list:
 
 
 def call_expert_matmul(h: Dispatched, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
-                     cu_seqlens=None):
-    """``moonep::expert_matmul`` of a step (``replicas`` and ``bias_replicas``
-    the fetched tensors; ``cu_seqlens`` the slots' rows, default ``h.cu_seqlens``): ``a [cap, D]`` ->
-    ``[cap, N]``."""
+                       cu_seqlens=None, ids=(-1, -1)):
+    """``moonep::expert_matmul`` of a step (``replicas`` and ``bias_replicas`` the fetched tensors; ``cu_seqlens``
+    the slots' rows, default ``h.cu_seqlens``; ``ids``: of an eager pool's :class:`Replicas`, see the op):
+    ``a [cap, D]`` -> ``[cap, N]``."""
     cu = h.cu_seqlens if cu_seqlens is None else cu_seqlens
-    return torch.ops.moonep.expert_matmul(a, cu, home_weight, replicas, bias, bias_replicas, h.step, h.op_id,
-                                          transpose, impl)
+    return torch.ops.moonep.expert_matmul.default(a, cu, home_weight, replicas, bias, bias_replicas, h.step, h.op_id,
+                                                  transpose, impl, *ids)
 
 
 def kept_replicas(ep, h, home: torch.Tensor, buffer: torch.Tensor) -> "Replicas":

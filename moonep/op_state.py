@@ -60,6 +60,28 @@ def instance(op_id: int):
     return ep
 
 
+_REPLICAS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_REPLICA_IDS = itertools.count(1)
+
+
+def replicas_id(rep) -> int:
+    """A process-unique id for ``rep`` (a :class:`moonep.Replicas` of an eager pool fetch), by which
+    ``moonep::expert_matmul``'s autograd finds it again (its backward refetches reused slots)."""
+    rid = getattr(rep, "_op_id", None)
+    if rid is None:
+        rid = rep._op_id = next(_REPLICA_IDS)
+        _REPLICAS[rid] = rep
+    return rid
+
+
+def replicas(rid: int):
+    """The :class:`moonep.Replicas` of ``rid`` (raises ``ValueError`` when it was garbage collected)."""
+    rep = _REPLICAS.get(int(rid))
+    if rep is None:
+        raise ValueError(f"replicas: expected the live Replicas of id {rid}, got none (it was deleted)")
+    return rep
+
+
 def put_step(token: torch.Tensor, op_id: int, handle) -> None:
     """Remember ``handle`` (the step's host state, see ``moonep.ops``) under ``token`` (int64) and drop
     entries whose tokens died."""

@@ -442,7 +442,8 @@ def reduce_replicas(h: Dispatched, home_grad: Tensor, replica_grad: Tensor) -> T
 
 
 # --------------------------------------------------------------------------------------------- GEMMs
-def _expert_matmul(a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl):
+def _expert_matmul(a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl,
+                   replicas_id, bias_replicas_id):
     """``moonep.expert_matmul``'s product: ``a [cap, D]`` -> ``[cap, N]`` in ``a``'s dtype (home rows times
     ``home_weight``, replica rows times ``replicas``, both ``[epn, D, N]`` or ``[epn, N, D]`` transposed),
     plus each row's slot bias when ``home_bias [epn, N]`` (and ``bias_replicas``) are given."""
@@ -455,26 +456,40 @@ def _expert_matmul(a, cu_seqlens, home_weight, replicas, home_bias, bias_replica
 
 expert_matmul_op = _define(
     "expert_matmul(Tensor a, Tensor cu_seqlens, Tensor home_weight, Tensor replicas, Tensor? home_bias, "
-    "Tensor? bias_replicas, Tensor step, int op_id, bool transpose, str impl) -> Tensor", _expert_matmul,
-    lambda a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl:
+    "Tensor? bias_replicas, Tensor step, int op_id, bool transpose, str impl, int replicas_id, "
+    "int bias_replicas_id) -> Tensor", _expert_matmul,
+    lambda a, cu_seqlens, home_weight, replicas, home_bias, bias_replicas, token, op_id, transpose, impl, *ids:
     a.new_empty(a.shape[0], home_weight.shape[-2] if transpose else home_weight.shape[-1]), collective=False)
+expert_matmul_op.__doc__ = """``moonep::expert_matmul``: see :func:`_expert_matmul`.  ``replicas_id``, ``bias_replicas_id``:
+``op_state.replicas_id`` of an eager pool's :class:`moonep.Replicas` (whose backward fetches reused slots
+again), or -1: ``replicas`` and ``bias_replicas`` are kept until the backward (compiled code)."""
 
 
 def _expert_matmul_setup(ctx, inputs, output):
-    a, cu, home, rep, hb, rb, token, op_id, transpose, impl = inputs
+    a, cu, home, rep, hb, rb, token, op_id, transpose, impl, rep_id, bias_rep_id = inputs
     ctx.op_id, ctx.transpose, ctx.impl = op_id, transpose, impl
-    ctx.save_for_backward(a, cu, home, rep, hb, rb, token)
+    if rep_id >= 0:  # an eager pool's slots: the backward asks the pool again (a later layer may reuse them)
+        ctx.pool_replicas = (op_state.replicas(rep_id), op_state.replicas(bias_rep_id) if hb is not None else None)
+        _save(ctx, token, False, a, cu, home, hb)
+    else:  # kept until the backward
+        ctx.pool_replicas = None
+        _save(ctx, token, True, a, cu, home, rep, hb, rb)
 
 
 def _expert_matmul_bwd(ctx, g):
-    a, cu, home, rep, hb, rb, token = ctx.saved_tensors
+    if ctx.pool_replicas is None:
+        a, cu, home, rep, hb, rb, token = _saved(ctx)
+    else:
+        a, cu, home, hb, token = _saved(ctx)
+        r, br = ctx.pool_replicas
+        # the weights' slots again (fetched again if reused: collective); the bias slots are not read
+        rep, rb = r.weights_for_backward(), None if br is None else br.weights()
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     want_b = hb is not None and ctx.needs_input_grad[4]
     with _backward_only():
         ga, gw, gb = expert_matmul_backward_op(g, a, cu, home, rep, hb, rb, token, ctx.op_id, ctx.transpose,
                                                ctx.impl, want_a, want_w, want_b)
-    return (_none_or(ga, want_a), None, _none_or(gw, want_w), None, _none_or(gb, want_b), None, None, None, None,
-            None)
+    return (_none_or(ga, want_a), None, _none_or(gw, want_w), None, _none_or(gb, want_b)) + (None,) * 7
 
 
 _autograd(expert_matmul_op, _expert_matmul, _expert_matmul_setup, _expert_matmul_bwd, inputs=(0, 2, 4), tracked=None)

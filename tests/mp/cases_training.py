@@ -374,19 +374,20 @@ def case_autocast_matches_the_unpatched_model(rt):
     implementation: F.linear autocasts), GPT-OSS included: logits and gradients within bf16 round-off.  bf16
     activations into fp32 experts behave as the unpatched module: its grouped_mm implementation computes in
     the weights' dtype and returns bf16; its eager implementation refuses the mix."""
-    from moonep import experts as ex_mod
+    from moonep import experts as ex_mod, ops as ops_mod
 
     for kind in [k for k in _kinds() if k != "latent"]:
         ref, mine = twins(kind, rt, eager=True)
         ids = batch(3, rt.rank, device=rt.device)
         dev = rt.device.type
         seen, real = [], ex_mod._run
-        ex_mod._run = lambda impl, g, lp, a, *args: seen.append(a.dtype) or real(impl, g, lp, a, *args)
+        # (the expert GEMM op's body runs the one in moonep.ops)
+        ex_mod._run = ops_mod._run = lambda impl, g, lp, a, *args: seen.append(a.dtype) or real(impl, g, lp, a, *args)
         try:
             with torch.autocast(dev, dtype=torch.bfloat16):
                 lm = loss_of(mine, ids)
         finally:
-            ex_mod._run = real
+            ex_mod._run = ops_mod._run = real
         assert seen and set(seen) == {torch.bfloat16}, (kind, set(seen))
         with torch.autocast(dev, dtype=torch.bfloat16):
             lr = loss_of(ref, ids)

@@ -169,14 +169,17 @@ def test_latent_moe_under_autocast_computes_its_experts_in_bf16(device):
     want.square().sum().backward()
     want_g = {k: v.grad.clone() for k, v in m.named_parameters()}
     m.zero_grad()
+    from moonep import ops as ops_mod
+
     seen = []
     real = ex_mod._run
-    ex_mod._run = lambda impl, grouped, loop, a, *args: seen.append(a.dtype) or real(impl, grouped, loop, a, *args)
+    spy = lambda impl, grouped, loop, a, *args: seen.append(a.dtype) or real(impl, grouped, loop, a, *args)  # noqa: E731
+    ex_mod._run = ops_mod._run = spy  # (the expert GEMM op's body runs the one in moonep.ops)
     try:
         with torch.autocast(device, dtype=torch.bfloat16):
             got = m(x)
     finally:
-        ex_mod._run = real
+        ex_mod._run = ops_mod._run = real
     assert got.dtype == torch.bfloat16 and seen and set(seen) == {torch.bfloat16}, seen
     assert any(key[2] == torch.bfloat16 for key in m._ep._cache), list(m._ep._cache)  # rows moved in bf16
     scale = float(want.detach().abs().max())

@@ -241,8 +241,8 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
 
 def test_eager_collectives_are_the_ops():
     """Eager code runs every collective as moonep's op, forward and backward: dispatch, the pool's replica fetch
-    (``moonep::fetch_replicas``, into the pool's buffers), combine, the replica gradient reduce and
-    ``reduce_grad``; values as without the log."""
+    (``moonep::fetch_replicas``, into the pool's buffers), the expert GEMM (whose backward reduces the replica
+    gradients), combine and ``reduce_grad``; values as without the log."""
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
     g = torch.Generator().manual_seed(3)
     w_in = torch.randn(E, H, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -262,8 +262,9 @@ def test_eager_collectives_are_the_ops():
         got = run()
     for a, b in zip(want, got):
         assert torch.equal(a, b)
-    assert log.names == ["dispatch", "fetch_replicas", "combine", "combine_backward", "reduce_replicas",
-                         "dispatch_backward", "reduce_grad"], log.names
+    # (the replica gradient reduce runs inside expert_matmul's backward op)
+    assert log.names == ["dispatch", "fetch_replicas", "expert_matmul", "combine", "combine_backward",
+                         "expert_matmul_backward", "dispatch_backward", "reduce_grad"], log.names
     ep.close()
 
 
