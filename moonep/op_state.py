@@ -1,7 +1,7 @@
 """What moonep's custom ops (:mod:`moonep.ops`) look up at run time: instances by integer id, steps by token.
 
-A ``torch.library`` op takes tensors and a few Python scalars, so the two pieces of host state of the data
-path travel as:
+A ``torch.library`` op takes tensors and a few Python scalars, so the pieces of host state of the data path
+travel as:
 
 * **the instance**: an int (``ExpertParallel.op_id``, given at construction).  A compiled graph holds it as a
   constant; the instance lives as long as its owner keeps it (a weak reference here).
@@ -16,6 +16,8 @@ path travel as:
   it is closed; until then a lookup at its address still finds it (a graph replay makes a new tensor at
   the recorded address and runs no Python, so a backward recorded after a replayed forward finds the step
   that way).
+* **an eager pool's replicas** (:class:`moonep.Replicas`): an int too (:func:`replicas_id`), by which
+  ``moonep::expert_matmul``'s autograd finds them again in the backward (a weak reference here).
 
 Also here, for every custom op of moonep (``moonep.ops``, ``moonep.eager_math``): :func:`fresh_output`, as an
 op may return a tensor (never one sharing memory with its inputs).
@@ -30,8 +32,30 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-_INSTANCES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_IDS = itertools.count(1)
+
+class _Registry:
+    """Objects by a process-unique int, held weakly (their owners keep them alive)."""
+
+    def __init__(self, arg: str, what: str, label: str):
+        self._objs: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+        self._ids, self._arg, self._what, self._label = itertools.count(1), arg, what, label
+
+    def add(self, obj) -> int:
+        i = next(self._ids)
+        self._objs[i] = obj
+        return i
+
+    def get(self, i: int):
+        """The object of ``i`` (raises ``ValueError`` when it was garbage collected)."""
+        obj = self._objs.get(int(i))
+        if obj is None:
+            raise ValueError(f"{self._arg}: expected a live {self._what} for {self._label} {i}, got none (it was "
+                             "deleted)")
+        return obj
+
+
+_INSTANCES = _Registry("ep", "ExpertParallel", "op id")
+_REPLICAS = _Registry("replicas", "Replicas", "id")
 _STEPS: dict = {}  # token data_ptr -> (weak ref of the token's storage, instance id, host state)
 
 
@@ -47,39 +71,25 @@ def fresh_output(out: torch.Tensor, *inputs) -> torch.Tensor:
 
 def register_instance(ep) -> int:
     """A process-unique id for ``ep`` (an :class:`moonep.ExpertParallel`), resolvable by :func:`instance`."""
-    i = next(_IDS)
-    _INSTANCES[i] = ep
-    return i
+    return _INSTANCES.add(ep)
 
 
 def instance(op_id: int):
     """The ExpertParallel of ``op_id`` (raises ``ValueError`` when it was garbage collected)."""
-    ep = _INSTANCES.get(int(op_id))
-    if ep is None:
-        raise ValueError(f"ep: expected a live ExpertParallel for op id {op_id}, got none (it was deleted)")
-    return ep
-
-
-_REPLICAS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_REPLICA_IDS = itertools.count(1)
+    return _INSTANCES.get(op_id)
 
 
 def replicas_id(rep) -> int:
     """A process-unique id for ``rep`` (a :class:`moonep.Replicas` of an eager pool fetch), by which
     ``moonep::expert_matmul``'s autograd finds it again (its backward refetches reused slots)."""
-    rid = getattr(rep, "_op_id", None)
-    if rid is None:
-        rid = rep._op_id = next(_REPLICA_IDS)
-        _REPLICAS[rid] = rep
-    return rid
+    if getattr(rep, "_op_id", None) is None:
+        rep._op_id = _REPLICAS.add(rep)
+    return rep._op_id
 
 
 def replicas(rid: int):
     """The :class:`moonep.Replicas` of ``rid`` (raises ``ValueError`` when it was garbage collected)."""
-    rep = _REPLICAS.get(int(rid))
-    if rep is None:
-        raise ValueError(f"replicas: expected the live Replicas of id {rid}, got none (it was deleted)")
-    return rep
+    return _REPLICAS.get(rid)
 
 
 def put_step(token: torch.Tensor, op_id: int, handle) -> None:
