@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .errors import expect
 from .op_state import fresh_output
@@ -163,6 +164,12 @@ def call(key: int, *args):
     return _eager_math(tensors, key, consts)
 
 
+def _traced(t) -> bool:
+    """``t`` is being traced (a tensor subclass or a dispatch mode): AOTAutograd traces a backward this way,
+    where ``torch.compiler.is_compiling()`` is False on some torch versions (2.11)."""
+    return type(t) is not Tensor or _get_current_dispatch_mode() is not None
+
+
 def keep_eager(fn: Callable, name: str) -> Callable:
     """``fn(*tensors, *consts) -> Tensor``, run as eager runs it when compiled inside :func:`bitwise`.
 
@@ -177,7 +184,7 @@ def keep_eager(fn: Callable, name: str) -> Callable:
     key = register(fn, name)
 
     def wrapper(*args):
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() or _traced(args[0])):
             return fn(*args)
         return call(key, *args)[0]
 

@@ -303,7 +303,13 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     if kept:
         return call_expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
                                   None if bias is None else bias_replicas.replicas, cu_seqlens)
-    # an eager pool's slots (the current stream waits for their fetch); the op's backward finds them by id
+    return _pool_matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas)
+
+
+@torch.compiler.disable  # an eager pool's Replicas (host objects) inside compiled code: eagerly, one graph break
+def _pool_matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas):
+    """``moonep::expert_matmul`` over an eager pool's slots (the current stream waits for their fetch); the op's
+    autograd finds the :class:`Replicas` by id, and its backward asks the pool for them again."""
     ids = (replicas_id(replicas), -1 if bias is None else replicas_id(bias_replicas))
     return call_expert_matmul(replicas.h, a, home_weight, replicas.weights(), transpose, impl, bias,
                               None if bias is None else bias_replicas.weights(), cu_seqlens, ids)
@@ -662,7 +668,7 @@ class ReplicaPool:
         Returns:
             :class:`Replicas` for :func:`expert_matmul` (and :func:`expert_bias`); a list of them, in order,
             for a list of tensors.  Under ``torch.compile``: :class:`moonep.ops.Fetched`, fresh slots from one
-            ``moonep::prefetch_replicas`` (no pool buffer: a compiled graph holds its own), kept until the
+            ``moonep::fetch_replicas`` (no pool buffer: a compiled graph holds its own), kept until the
             backward (``backward="keep"``).
         """
         many = isinstance(home_weight, (list, tuple))

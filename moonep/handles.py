@@ -13,6 +13,7 @@ Notation: ``R`` ranks, ``E`` experts, ``epn = E // R``, ``K`` top-k, ``s`` token
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -187,12 +188,9 @@ class Fetched(NamedTuple):
 
 # -- what dispatch handed out ------------------------------------------------------------------------------
 def names_key(names) -> int:
-    """A checksum of the replica pool's projection names (``None``: none), which the peers compare (FNV-1a:
-    the same in every process, and traced by Dynamo as a constant)."""
-    key = 2166136261
-    for c in "\0".join(names or ()):
-        key = ((key ^ ord(c)) * 16777619) & 0xFFFFFFFF
-    return key
+    """A checksum of the replica pool's projection names (``None``: none), which the peers compare (the same
+    in every process)."""
+    return zlib.crc32("\0".join(names or ()).encode())
 
 
 def weights_key(t):

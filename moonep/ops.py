@@ -13,7 +13,8 @@ traces host work, host syncs or kernel launches: the op is one node of the graph
 fake implementation gives the static output shapes (``cap = moonep.layout.capacity(max_tokens, topk, R, E,
 align, slack)`` rows).  Each backward is an op too, whose body runs the one backward rule
 (``moonep.ep.dispatch_grads``, ``combine_grads``, ``prefetch_grad``; ``moonep.experts.expert_matmul_grads``,
-``expert_bias_grad``, ``slot_matmul_grads``).  Every op is defined with :func:`_define`, and the differentiable
+``expert_bias_grad``, ``slot_matmul_grads``); combine's product rule (``moonep.ep.combine_products``) runs after
+its op, as graph code that inductor fuses.  Every op is defined with :func:`_define`, and the differentiable
 ones' autograd with :func:`_autograd` (``register_autograd``'s contract, at a lower cost per call).  The ops
 that make a collective are side-effecting: a compiler never drops one whose output nothing reads (a rank with no tokens), which would
 leave its peers waiting.
@@ -42,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import op_state
+from . import experts, op_state
 from .op_state import fresh_output as _fresh
 from .ep import call_combine, call_prefetch, combine_grads, combine_products, dispatch_grads, prefetch_grad
 from .errors import expect, fail
@@ -67,7 +68,9 @@ def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.libr
     ``collective``: registered as side-effecting.  Every rank must run each collective, also a rank whose result
     nothing reads: with no tokens its outputs are empty, inductor's loads from an empty buffer are no-ops, and it
     would drop the op as dead code (docs/design.md, "Collectives are never dead code"); FX's and inductor's
-    dead-code elimination keep an op registered with ``torch.fx.node.has_side_effect``."""
+    dead-code elimination keep an op registered with ``torch.fx.node.has_side_effect``.  An op that mutates an
+    argument (``Tensor(a!)`` in ``schema``) does not bump its version counter: no autograd graph may save what
+    such an op writes (the replica pool's buffers, a backward's own gradient, the balancer's state)."""
     name = schema.split("(", 1)[0]
     lib.define(schema)
     lib.impl(name, body, "CompositeExplicitAutograd")
@@ -436,7 +439,7 @@ Collective."""
 def reduce_replicas(h: Dispatched, home_grad: Tensor, replica_grad: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.reduce_replicas` (``moonep::reduce_replicas``): ``[epn, *D]`` twice ->
     ``[epn, *D]``, a tensor of its own. Collective."""
-    home = home_grad.clone()
+    home = home_grad.detach().clone()  # (the op sums in place, without autograd)
     reduce_replicas_op(home, replica_grad, h.step, h.op_id, False)
     return home
 
@@ -473,7 +476,7 @@ def _expert_matmul_setup(ctx, inputs, output):
         _save(ctx, token, False, a, cu, home, hb)
     else:  # kept until the backward
         ctx.pool_replicas = None
-        _save(ctx, token, True, a, cu, home, rep, hb, rb)
+        _save(ctx, token, not _eager(a), a, cu, home, rep, hb, rb)
 
 
 def _expert_matmul_bwd(ctx, g):
@@ -482,9 +485,12 @@ def _expert_matmul_bwd(ctx, g):
     else:
         a, cu, home, hb, token = _saved(ctx)
         r, br = ctx.pool_replicas
-        # the weights' slots again (fetched again if reused: collective); the bias slots are not read
-        rep, rb = r.weights_for_backward(), None if br is None else br.weights()
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if ctx.pool_replicas is not None:
+        # the weights' slots again where a gradient reads them (fetched again if reused: collective); the bias
+        # slots are not read
+        rep = r.weights_for_backward() if want_a or want_w else r.buffer
+        rb = None if br is None else br.buffer
     want_b = hb is not None and ctx.needs_input_grad[4]
     with _backward_only():
         ga, gw, gb = expert_matmul_backward_op(g, a, cu, home, rep, hb, rb, token, ctx.op_id, ctx.transpose,
@@ -502,7 +508,8 @@ def _expert_matmul_backward(g, a, cu_seqlens, home_weight, replicas, home_bias, 
     weights', then the biases', in one op so that no compiler can order them differently on two ranks); an
     unwanted gradient is an empty placeholder."""
     ep, h = _lookup(token, op_id)
-    # the forward's replicas, kept (no refetch), and the collective reduce of their gradients
+    # the replicas as the forward read them (kept, or fetched again by the caller), and the collective reduce
+    # of their gradients
     ga, gw = expert_matmul_grads(g, a, home_weight, cu_seqlens, kept_replicas(ep, h, home_weight, replicas),
                                  transpose, impl, want_a, want_w)
     gb = None
@@ -589,8 +596,7 @@ slot_matmul_backward_op = _define(
 def slot_matmul(a: Tensor, cu_seqlens: Tensor, w: Tensor, impl: str = "auto") -> Tensor:
     """:func:`moonep.slot_matmul` as ``moonep::slot_matmul`` (``a [cap, D]``, int32 ``cu_seqlens [G+1]``,
     ``w [G, D, N]`` -> ``[cap, N]``); differentiable with respect to ``a`` and ``w``.  Not collective."""
-    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
-    return slot_matmul_op(a, cu_seqlens, w, impl)
+    return experts.slot_matmul(a, cu_seqlens, w, impl)
 
 
 # --------------------------------------------------------------------------------------------- planner

@@ -516,3 +516,64 @@ def test_what_the_op_cannot_take_is_refused_by_name():
         ep.combine(h.tokens, h._replace(weights=h.weights[:-1]))
     assert torch.equal(ep.combine(h.tokens, h), ep.combine(h.tokens, ep.dispatch(x, idx, w)))
     ep.close()
+
+
+def test_combine_weights_grad_inside_bitwise_is_eager_bits():
+    """Combine's product rule runs after its backward op as graph code.  Compiled with inductor inside
+    ``eager_math.bitwise()`` the weights' gradient (a sum over H, which inductor would sum in its own order) is
+    eager's, bit for bit, also on a torch whose AOTAutograd traces the backward with ``is_compiling()`` False
+    (2.11); outside it, inductor's sum, within float32 rounding."""
+    from moonep import eager_math
+
+    torch._dynamo.reset()
+    Hb = 1024
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=Hb, max_tokens=S, dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(S, Hb, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S)])
+    w0 = torch.rand(S, K, generator=g)
+    gy = torch.randn(S, Hb, generator=g)
+
+    def step(x, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(h.tokens * 2.0, h)  # (exact: the only rounding is moonep's)
+
+    def grads(fn):
+        w = w0.clone().requires_grad_()
+        xg = x.clone().requires_grad_()
+        fn(xg, w).backward(gy)
+        return w.grad, xg.grad
+
+    want = grads(step)
+    with eager_math.bitwise():
+        got = grads(torch.compile(step, fullgraph=True))
+    for a, b in zip(want, got):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+    fused = grads(torch.compile(step, fullgraph=True))
+    for a, b in zip(want, fused):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    ep.close()
+
+
+def test_eager_pool_replicas_inside_compiled_code_run_eagerly():
+    """A pool fetched eagerly, its ``Replicas`` handed to compiled code: ``expert_matmul`` runs them eagerly
+    (one graph break), with eager's values and gradients, step after step (no recompile per step)."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    w_in = torch.randn(E, H, H, dtype=torch.float64, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    pool = moonep.ReplicaPool()
+    gemm = lambda h, r: moonep.expert_matmul(h.tokens, h.cu_seqlens, w_in, r).relu()  # noqa: E731
+    compiled = torch.compile(gemm, backend="aot_eager")
+    for s in (9, 9, 14):
+        got = []
+        for fn in (gemm, compiled):
+            x, idx, w = _problem(s, s)
+            w_in.grad = None
+            h = ep.dispatch(x, idx, w)
+            y = ep.combine(fn(h, pool.fetch(ep, h, w_in, "w_in")), h)
+            y.square().sum().backward()
+            got.append((y.detach(), x.grad, w.grad, w_in.grad))
+        for a, b in zip(*got):
+            assert torch.equal(a, b), s
+    ep.close()
