@@ -253,6 +253,18 @@ def expert_matmul_grads(g, a, w_home, cu, rep, transpose: bool, impl: str, want_
     return ga, gw
 
 
+def check_matmul_args(home_weight, transpose: bool, impl: str, bias, bias_replicas) -> None:
+    """The arguments of :func:`expert_matmul` (and ``moonep.ops.expert_matmul``) that need no step: ``impl``,
+    and ``bias [epn, N]`` given exactly with its replicas (raises ``ValueError``)."""
+    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
+           f"bias {'given' if bias is not None else 'None'}, bias_replicas "
+           f"{'given' if bias_replicas is not None else 'None'}")
+    if bias is not None:
+        expect(bias.dim() == 2 and bias.shape[1] == (home_weight.shape[-2] if transpose else home_weight.shape[-1]),
+               "bias", "shape [epn, N] (N: the product's width)", list(bias.shape))
+
+
 def _operands(w_home, w_rep, transpose: bool):
     return (w_home.mT, w_rep.mT) if transpose else (w_home, w_rep)
 
@@ -283,10 +295,7 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     again (fetched again when a later layer reused the slots); with the :class:`moonep.ops.Fetched` replicas of
     a compiled step they are kept until the backward.
     """
-    expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
-           f"bias {'given' if bias is not None else 'None'}, bias_replicas "
-           f"{'given' if bias_replicas is not None else 'None'}")
-    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
+    check_matmul_args(home_weight, transpose, impl, bias, bias_replicas)
     expect(tuple(cu_seqlens.shape) == (2 * home_weight.shape[0] + 1,), "cu_seqlens",
            f"shape [2*epn+1={2 * home_weight.shape[0] + 1}]", list(cu_seqlens.shape))
     kept = isinstance(replicas, Fetched)  # a compiled step's: the slots are kept until the backward
@@ -297,8 +306,6 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
         expect(isinstance(bias_replicas, kind) and bias_replicas.home is bias and bias_replicas.h is replicas.h,
                "bias_replicas", "what ReplicaPool.fetch returned for this bias in the same step",
                type(bias_replicas).__name__)
-        expect(bias.dim() == 2 and bias.shape[1] == (home_weight.shape[-2] if transpose else home_weight.shape[-1]),
-               "bias", "shape [epn, N] (N: the product's width)", list(bias.shape))
     a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
     if kept:
         return call_expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,

@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from . import experts, op_state
 from .op_state import fresh_output as _fresh
 from .ep import call_combine, call_prefetch, combine_grads, combine_products, dispatch_grads, prefetch_grad
-from .errors import expect, fail
+from .errors import fail
 from .fp8 import grad_anchor
 from .handles import Dispatched, Fetched, Routed, weights_key  # noqa: F401  (Fetched, Routed: this module's API)
 from .experts import (_gather_slots, _operands, _row_slots, _rows_grouped, _rows_loop, _run, _two_grouped, _two_loop,
@@ -549,10 +549,7 @@ def expert_matmul(h: Dispatched, a: Tensor, home_weight: Tensor, replicas: Tenso
         ``[cap, N]`` in ``a.dtype``; padding rows zero.  Differentiable with respect to ``a``, ``home_weight``
         and ``bias`` (the replica rows' gradients are added at home: collective in the backward).
     """
-    expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
-    expect((bias is None) == (bias_replicas is None), "bias_replicas", "given exactly when bias is",
-           f"bias {'given' if bias is not None else 'None'}, bias_replicas "
-           f"{'given' if bias_replicas is not None else 'None'}")
+    experts.check_matmul_args(home_weight, transpose, impl, bias, bias_replicas)
     return call_expert_matmul(h, a, home_weight, replicas, transpose, impl, bias, bias_replicas)
 
 
