@@ -630,10 +630,10 @@ class ExpertParallel:
         usable.  For layers whose own input checks run before the collective (``LatentMoE``)."""
         expect(op in ("dispatch", "combine", "prefetch", "reduce_grad"), "op",
                '"dispatch", "combine", "prefetch" or "reduce_grad"', repr(op))
-        self.refuse_in(op, message)
+        self._refuse(op, message)
 
     @torch.compiler.disable  # a refusal: host work only, never part of a graph
-    def refuse_in(self, op: str, message: str, backward: bool = False) -> None:
+    def _refuse(self, op: str, message: str, backward: bool = False) -> None:
         """:meth:`refuse` for moonep's own calls, also in a backward (``op`` ``"prefetch.backward"``: the
         header is exchanged only where the backend checks backward passes, as the call's own would be)."""
         with self._collective(op, error=str(message), backward=backward):
@@ -747,7 +747,7 @@ class ExpertParallel:
         building block of :class:`moonep.ReplicaPool` and ``moonep.ops``.
 
         Args:
-            h: the :class:`Dispatched` of the step (inside an op's body also its :class:`Step`).
+            h: the :class:`Dispatched` of the step.
             local_weights: ``[epn, *D_i]`` this rank's home expert weights of each projection; only read (the
                 home rows of a slot GEMM multiply them in place).
             outs: ``[epn, *D_i]`` buffers like them (contiguous, not requiring grad): slot ``j`` receives the
@@ -762,16 +762,13 @@ class ExpertParallel:
         Returns:
             ``outs``. Not differentiable by itself (see :func:`moonep.expert_matmul`). Collective.
         """
-        names = list(names or ())
-        if isinstance(h, Step):  # inside an op's body: the step is at hand
-            return self._fetch_body(list(local_weights), list(outs), h, fresh, in_backward, names)
         op = "prefetch.backward" if in_backward else "prefetch"
         err = self._handle_error(h, **{f"local_weights[{i}]": w for i, w in enumerate(local_weights)},
                                  **{f"out[{i}]": o for i, o in enumerate(outs)})
         if err is not None:
-            self.refuse_in(op, err, in_backward)
+            self._refuse(op, err, in_backward)
         torch.ops.moonep.fetch_replicas.default(list(local_weights), list(outs), h.step, h.op_id, fresh,
-                                                in_backward, names)
+                                                in_backward, list(names or ()))
         return list(outs)
 
     def _fetch_body(self, local_weights: list, outs: list, token, fresh: bool, in_backward: bool,
@@ -807,7 +804,7 @@ class ExpertParallel:
         op = "prefetch.backward" if in_backward else "reduce_grad"
         err = self._handle_error(h, home_grad=home_grad, replica_grad=replica_grad)
         if err is not None:
-            self.refuse_in(op, err, in_backward)
+            self._refuse(op, err, in_backward)
         home = home_grad if in_backward else home_grad.detach().clone()
         torch.ops.moonep.reduce_replicas.default(home, replica_grad, h.step, h.op_id, in_backward)
         return home

@@ -38,7 +38,7 @@ from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
-from .op_state import replicas_id
+from .op_state import instance, replicas_id
 from .replicas import track_zero_slots
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -592,8 +592,6 @@ def kept_replicas(ep, h, home: torch.Tensor, buffer: torch.Tensor) -> "Replicas"
 def _eager_replicas(r: Fetched) -> "Replicas":
     """The :class:`Replicas` of a compiled fetch, for the calls that have no op (:func:`module_slots`,
     :func:`expert_bias`): its slots kept until the backward, which reduces through the step's token."""
-    from .op_state import instance
-
     ep = instance(r.h.op_id)
     ep._check_routed(r.h)
     return kept_replicas(ep, r.h, r.home, r.replicas)
