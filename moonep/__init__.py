@@ -14,7 +14,8 @@ from .layers import LatentMoE
 from . import ops  # noqa: F401,E402  registers the custom ops (torch.ops.moonep.*) that compiled code runs
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
+from .work import Work
 
 __all__ = ["init", "Runtime", "MoonepError", "plan_balanced", "Plan", "ExpertParallel", "Dispatched", "Tuning",
-           "slot_matmul", "slot_apply", "ReplicaPool", "Replicas", "expert_matmul", "expert_bias", "module_slots", "QuantileBalancer", "LatentMoE"]
+           "slot_matmul", "slot_apply", "ReplicaPool", "Replicas", "expert_matmul", "expert_bias", "module_slots", "QuantileBalancer", "LatentMoE", "Work"]
 __version__ = "0.1.0"

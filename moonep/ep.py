@@ -38,6 +38,7 @@ from .handles import Dispatched, Step, check_issued, names_key
 from .op_state import register_instance
 from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
+from .work import Overlap, Work
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 TRANSPORTS = ("auto", "mpi", "torch", "nvlink", "local")
@@ -248,7 +249,9 @@ class ExpertParallel:
         self._closed = False
         self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
         self._side_event = None  # work of this instance queued on another stream (ReplicaPool's fetch), unjoined
+        self._streams = False  # CUDA: collectives of this instance run on more than one stream (see _collective)
         self._left = None  # why a call was left part way on this rank: every later call is refused
+        self._overlap = Overlap(self.device)  # where async_op=True calls run (moonep/work.py)
         expect(transport != "local" or self.rt.group is None, "transport",
                '"local" only in a process without a process group', f"a group of {R} rank(s)")
         # the transport waits at most `timeout` from the first exchange on (construction included); a bad
@@ -315,8 +318,12 @@ class ExpertParallel:
                               f"this ExpertParallel failed or was left part way on this rank ({self._left[:300]}); "
                               "its peers may still be waiting in it or sending into it, so this instance cannot "
                               f"be used any more: build a new ExpertParallel{self._rebuild_hint()}")
+        self._overlap.join()  # a call made beside the worker thread runs after the calls queued on it
+        checked = not backward or self._backend.checks_backward_order
+        if checked and error is None:  # the order guard: a Work dropped unwaited refuses this call everywhere
+            error = self._overlap.take_dropped()
         try:
-            if not backward or self._backend.checks_backward_order:
+            if checked:
                 got = self._guard.enter(op, exchange=self._backend.order_exchange, refused=error is not None,
                                         sig=sig)
                 self._backend.label(f"{op} #{self._guard.seq}")
@@ -335,6 +342,8 @@ class ExpertParallel:
         try:
             self._join_side_stream()
             yield
+            if self._streams:  # the next collective, on whichever stream, runs after this one
+                self.queued_on(torch.cuda.current_stream(self.device))
         except _UNIFORM_EXITS:  # raised by every rank at the same point of the call
             raise
         except OrderMismatch:
@@ -362,10 +371,12 @@ class ExpertParallel:
         """This instance's last collective was launched on ``stream`` (not the current one): the next
         collective's kernels wait for it.  The NVLink kernels pair each rank's launches in order, so two
         collectives must never run concurrently on two streams (:class:`moonep.ReplicaPool` calls this
-        after fetching on its side stream)."""
+        after fetching on its side stream; async_op=True calls, their backward passes and the synchronous calls
+        between them keep each other in order this way too).  From the first such call on, every collective
+        records its event at its end."""
         ev = torch.cuda.Event()
         ev.record(stream)
-        self._side_event = ev
+        self._side_event, self._streams = ev, True
 
     def _join_side_stream(self) -> None:
         ev, self._side_event = self._side_event, None
@@ -407,7 +418,9 @@ class ExpertParallel:
         return self._backend.name
 
     def synchronize(self) -> None:
-        """Wait for this rank's queued work and raise any error the NVLink kernels recorded."""
+        """Wait for this rank's queued work (``async_op=True`` calls included) and raise any error the NVLink
+        kernels recorded."""
+        self._overlap.join()
         try:
             self._backend.synchronize()
         except MoonepError:
@@ -419,6 +432,8 @@ class ExpertParallel:
         the kernels recorded.  Idempotent.  Later collective calls raise ``ValueError``."""
         if self._closed:
             return
+        if getattr(self, "_overlap", None) is not None:
+            self._overlap.close()  # the queued async_op=True calls finish first
         self._closed = True
         if hasattr(self, "op_id"):  # (a constructor that failed registered none)
             op_state.drop_steps(self.op_id)
@@ -516,7 +531,8 @@ class ExpertParallel:
             return str(exc)
         return None
 
-    def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None) -> Dispatched:
+    def dispatch(self, x, topk_idx, topk_weights, *, num_global_tokens=None, async_op: bool = False,
+                 previous_event=None) -> Dispatched | Work:
         """Send every token to the ranks of its experts, into its final slot rows there. Collective.
 
         Args:
@@ -527,6 +543,7 @@ class ExpertParallel:
             topk_idx: int32/int64 ``[s, K]`` expert ids, distinct per token; ``-1`` masks a choice.
             topk_weights: float ``[s, K]`` finite routing weights.
             num_global_tokens: optional sum of ``s`` over ranks; checked when given.
+            async_op, previous_event: see :meth:`_launch`.
         Returns:
             :class:`Dispatched`; ``tokens`` and ``weights`` are differentiable with respect to ``x`` and
             ``topk_weights``.  fp8 dispatch: ``h.tokens`` float8_e4m3fn ``[cap, H]`` and ``h.scales`` float32
@@ -535,6 +552,11 @@ class ExpertParallel:
 
         The op ``moonep::dispatch``, eagerly and as one node of a ``torch.compile`` graph.
         """
+        if async_op is not False or previous_event is not None:
+            def call():  # rows of their own: the next dispatch must not overwrite rows still being read
+                with self._backend.copied_rows():
+                    return self.dispatch(x, topk_idx, topk_weights, num_global_tokens=num_global_tokens)
+            return self._launch("dispatch", async_op, previous_event, call, (x, topk_idx, topk_weights))
         xs, x_scales = (x[0], x[1]) if _tensor_pair(x) else (x, None)
         err, graph = None, torch.compiler.is_compiling()
         given = (xs, topk_idx, topk_weights) + (() if x_scales is None else (x_scales,))
@@ -614,6 +636,36 @@ class ExpertParallel:
         anchor = fp8.grad_anchor(rows.shape[0], self.hidden, self.dtype, rows.device) if tracked else None
         return step, q, weights, scales, anchor
 
+    def _launch(self, op: str, async_op, previous_event, call, inputs):
+        """Run ``call()`` (one collective call) now or asynchronously: what ``async_op`` and ``previous_event``
+        mean for every collective method.
+
+        Args:
+            async_op: ``True``: return a :class:`moonep.Work` at once; ``work.wait()`` returns the call's result
+                (see :mod:`moonep.work`).  On CUDA the call's kernels run on the instance's communication
+                stream, on the host backends on its worker thread, in the order the calls were made.
+            previous_event: CUDA only, a ``torch.cuda.Event`` the call's kernels wait for (default: the current
+                stream's work so far).  ``None`` on CPU tensors.
+        Bad values are refused on every rank (``ValueError``); so is the call after a :class:`moonep.Work` was
+        dropped without ``wait()``."""
+        err = None
+        if not isinstance(async_op, bool):
+            err = f"async_op: expected True or False, got {async_op!r}"
+        elif previous_event is not None and self.device.type != "cuda":
+            err = (f"previous_event: expected None on {self.device} (a CUDA event orders GPU streams), "
+                   f"got {type(previous_event).__name__}")
+        elif previous_event is not None and not isinstance(previous_event, torch.cuda.Event):
+            err = f"previous_event: expected None or a torch.cuda.Event, got {type(previous_event).__name__}"
+        elif torch.compiler.is_compiling() and async_op:
+            err = "async_op: expected False under torch.compile (the compiled graph orders its own streams)"
+        if err is not None:
+            self.refuse(op, err)
+        if not async_op:
+            torch.cuda.current_stream(self.device).wait_event(previous_event)
+            return call()
+        self._streams = self._streams or self.device.type == "cuda"  # the communication stream joins in
+        return self._overlap.submit(op, call, inputs, previous_event)
+
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:
         """A collective that moves nothing: every rank reaches this point of its calls together, or every rank
@@ -655,12 +707,14 @@ class ExpertParallel:
             return str(exc)
         return None
 
-    def combine(self, expert_out: torch.Tensor, h: Dispatched) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, h: Dispatched, *, async_op: bool = False,
+                previous_event=None) -> torch.Tensor | Work:
         """Return each token's weighted sum of its experts' outputs. Collective.
 
         Args:
             expert_out: ``[cap, H]`` (any float dtype), row ``i`` is the expert output for ``h.tokens[i]``.
             h: the :class:`Dispatched` of the same step.
+            async_op, previous_event: see :meth:`_launch`.
         Returns:
             ``[s, H]`` in ``expert_out``'s dtype; ``sum_k w_k * out_k`` (or the plain sum with
             ``apply_weights="dispatch"``). Rows of tokens whose choices are all masked are zero.
@@ -668,6 +722,9 @@ class ExpertParallel:
 
         The op ``moonep::combine``, eagerly and as one node of a ``torch.compile`` graph.
         """
+        if async_op is not False or previous_event is not None:
+            return self._launch("combine", async_op, previous_event, lambda: self.combine(expert_out, h),
+                                (expert_out, h))
         err = self._handle_error(h, expert_out=expert_out)
         if err is not None:
             self.refuse("combine", err)
@@ -793,12 +850,18 @@ class ExpertParallel:
             return self._backend.prefetch_replicas(h.plan, local_weights, outs, fresh=fresh)
 
     def reduce_replicas(self, h: Dispatched, home_grad: torch.Tensor, replica_grad: torch.Tensor, *,
-                        in_backward: bool = False) -> torch.Tensor:
+                        in_backward: bool = False, async_op: bool = False,
+                        previous_event=None) -> torch.Tensor | Work:
         """:meth:`reduce_grad` with the halves apart: ``home_grad [epn, *D]`` (this rank's home slots) plus
         the replica slots' gradients of every rank (``replica_grad [epn, *D]`` here) that belong to this
         rank's experts, added in rank order -> ``[epn, *D]`` in ``home_grad``'s dtype. Collective
         (``moonep::reduce_replicas``).  ``in_backward``: called from a backward (named so in errors) with
-        ``home_grad`` that backward's own scratch, which then holds the sum (no copy of the home gradients)."""
+        ``home_grad`` that backward's own scratch, which then holds the sum (no copy of the home gradients).
+        ``async_op``, ``previous_event``: see :meth:`_launch`."""
+        if async_op is not False or previous_event is not None:
+            return self._launch("reduce_grad", async_op, previous_event,
+                                lambda: self.reduce_replicas(h, home_grad, replica_grad, in_backward=in_backward),
+                                (h, home_grad, replica_grad))
         if isinstance(h, Step):  # inside an op's body: the step is at hand
             return self._reduce_body(home_grad, replica_grad, h, in_backward)
         op = "prefetch.backward" if in_backward else "reduce_grad"
@@ -841,12 +904,17 @@ class ExpertParallel:
         expect(local_weight.dim() >= 1 and local_weight.shape[0] == self.epn, "local_weight",
                f"shape [epn={self.epn}, ...]", list(local_weight.shape))
 
-    def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor) -> torch.Tensor:
+    def reduce_grad(self, h: Dispatched, grad_view: torch.Tensor, *, async_op: bool = False,
+                    previous_event=None) -> torch.Tensor | Work:
         """Sum replica gradients into their home experts: ``[2*epn, *D] -> [epn, *D]``. Collective
         (``moonep::reduce_grad``).
 
         Replica slot gradients are sent to their home rank and added to the home gradient in rank order.
+        ``async_op``, ``previous_event``: see :meth:`_launch`.
         """
+        if async_op is not False or previous_event is not None:
+            return self._launch("reduce_grad", async_op, previous_event, lambda: self.reduce_grad(h, grad_view),
+                                (h, grad_view))
         err = self._handle_error(h, grad_view=grad_view)
         if err is not None:
             self.refuse("reduce_grad", err)

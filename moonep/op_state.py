@@ -27,6 +27,7 @@ This module imports nothing of moonep, so ``moonep.ep`` can use it without an im
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 
 import torch
@@ -57,6 +58,7 @@ class _Registry:
 _INSTANCES = _Registry("ep", "ExpertParallel", "op id")
 _REPLICAS = _Registry("replicas", "Replicas", "id")
 _STEPS: dict = {}  # token data_ptr -> (weak ref of the token's storage, instance id, host state)
+_STEPS_LOCK = threading.Lock()  # async_op calls of two instances store steps from two worker threads
 
 
 def fresh_output(out: torch.Tensor, *inputs) -> torch.Tensor:
@@ -95,9 +97,10 @@ def replicas(rid: int):
 def put_step(token: torch.Tensor, op_id: int, handle) -> None:
     """Remember ``handle`` (the step's host state, see ``moonep.ops``) under ``token`` (int64) and drop
     entries whose tokens died."""
-    for key in [k for k, (r, _, _) in _STEPS.items() if r.expired()]:
-        del _STEPS[key]
-    _STEPS[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), int(op_id), handle)
+    with _STEPS_LOCK:
+        for key in [k for k, (r, _, _) in _STEPS.items() if r.expired()]:
+            del _STEPS[key]
+        _STEPS[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), int(op_id), handle)
 
 
 def step(token: torch.Tensor, op_id: int):
@@ -111,8 +114,9 @@ def step(token: torch.Tensor, op_id: int):
 
 def drop_steps(op_id: int) -> None:
     """Forget every step of instance ``op_id`` (it was closed)."""
-    for key in [k for k, (_, i, _) in _STEPS.items() if i == int(op_id)]:
-        del _STEPS[key]
+    with _STEPS_LOCK:
+        for key in [k for k, (_, i, _) in _STEPS.items() if i == int(op_id)]:
+            del _STEPS[key]
 
 
 def live_steps() -> int:

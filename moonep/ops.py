@@ -331,9 +331,10 @@ def _combine_bwd(ctx, gy):
 def _combine_backward(gy, token, op_id, capacity, graph):
     """``combine_grads``: ``gy [s, H]`` -> the rows' gradient ``[cap, H]`` in ``gy``'s dtype (``graph``: a
     tensor of its own; eagerly it may be a view of the backend's receive buffer, which the products read
-    at once). Collective."""
+    at once; also a tensor of its own once the instance's collectives run on several streams, as the next one
+    may run on another stream than the products). Collective."""
     ep, step = _lookup(token, op_id)
-    return _fresh(combine_grads(ep, step.routing, gy, graph), gy)
+    return _fresh(combine_grads(ep, step.routing, gy, graph or ep._streams), gy)
 
 
 combine_backward_op = _define(

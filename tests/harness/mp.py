@@ -149,10 +149,20 @@ def launch(cases_file: str, n: int, *, timeout: float = 600, case_timeout: float
     for f in sorted(Path(out).glob("rank*.jsonl")):
         for line in f.read_text().splitlines():
             if line.strip():
-                rec = json.loads(line)
+                rec = _record(line)
                 result.records.setdefault(rec["case"], []).append(rec)
     shutil.rmtree(out, ignore_errors=True)
     return result
+
+
+def _record(line: str) -> dict:
+    """One rank's JSON line; a line cut short (the job was aborted while a rank wrote it) is that case's failure,
+    its text as the message."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        head = line.split('"case": "', 1)[-1].split('"', 1)[0]
+        return {"case": head, "status": "failed", "rank": -1, "msg": f"(a line cut short) {line}"}
 
 
 def case_names(cases_file: str) -> list[str]:

@@ -1,0 +1,226 @@
+"""How much communication the two-micro-batch schedule (moonep.layers.overlap.two_batch_moe) hides.
+
+    mpirun -n 1 python3 benchmarks/bench_overlap.py --out benchmarks/results/h200x1_overlap.json     # GPU preset
+    mpiexec -n 2 python benchmarks/bench_overlap.py --device cpu --out benchmarks/results/cpu_overlap_np2.json
+
+One layer step of two micro-batches: router weights in, ``dispatch -> SwiGLU experts (ReplicaPool +
+moonep.expert_matmul) -> combine``, forward and backward (``--forward-only``: forward under no_grad).  In every
+timed iteration, one after the other (paired timing: a busy machine slows both alike):
+
+* ``serial``: the schedule with every call waited at once (``overlap=False``);
+* ``overlapped``: ``overlap=True``;
+* ``comm``: the same step with the experts replaced by a copy of the rows (communication and little else);
+* ``compute``: the experts alone, forward and backward, on both micro-batches' rows (no collective).
+
+``efficiency = (serial - overlapped) / min(comm, compute)``: 1 when the shorter of the two is hidden entirely.
+Also, on CUDA, the slowdown of one expert GEMM while a dispatch runs beside it on the communication stream
+(``--num-sms`` SMs), against the GEMM alone.  Times are medians (CUDA events on CUDA, wall clock on CPU; the
+slowest rank's), and each iteration's ratio is kept so its median and spread are reported too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import moonep
+from moonep.bench.provenance import command, git_commit, machine
+from moonep.layers.overlap import two_batch_moe
+
+PRESETS = {  # DeepSeek-V3's shape on one GPU; a CPU shape that a 2-core machine runs in seconds
+    "h200": dict(tokens=4096, hidden=7168, experts=256, topk=8, ffn=2048, dtype="bfloat16", device="cuda"),
+    "cpu": dict(tokens=1024, hidden=256, experts=8, topk=2, ffn=512, dtype="float32", device="cpu"),
+}
+_DT = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: h200 on CUDA, else cpu")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ap.add_argument("--tokens", type=int, help="tokens per micro-batch per rank")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--experts", type=int, help="experts in all (per rank on CPU: times the ranks)")
+    ap.add_argument("--topk", type=int)
+    ap.add_argument("--ffn", type=int, help="SwiGLU intermediate width of one expert")
+    ap.add_argument("--dtype", choices=sorted(_DT))
+    ap.add_argument("--num-sms", type=int, default=24, help="SMs of moonep's NVLink kernels (Tuning)")
+    ap.add_argument("--forward-only", action="store_true", help="forward under no_grad (inference)")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--out", default=None, help="JSON path")
+    args = ap.parse_args(argv)
+    preset = args.preset or ("h200" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+                             else "cpu")
+    for k, v in PRESETS[preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    args.preset = preset
+    return args
+
+
+class Timer:
+    """Elapsed milliseconds of a callable: CUDA events on CUDA (the slowest rank's via the caller), else wall."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def build(args, rt):
+    dev, dt = rt.device, _DT[args.dtype]
+    R = rt.world_size
+    E = args.experts * R if dev.type == "cpu" and args.experts < R else args.experts
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=args.topk, hidden=args.hidden, max_tokens=args.tokens,
+                               dtype=dt, tuning=moonep.Tuning(num_sms=args.num_sms) if dev.type == "cuda" else None)
+    g = torch.Generator(device="cpu").manual_seed(1234 + rt.rank)
+    epn = ep.epn
+    w1 = (torch.randn(epn, args.hidden, 2 * args.ffn, generator=g) / args.hidden ** 0.5).to(dev, dt).requires_grad_()
+    w2 = (torch.randn(epn, args.ffn, args.hidden, generator=g) / args.ffn ** 0.5).to(dev, dt).requires_grad_()
+    pool = moonep.ReplicaPool()
+
+    def experts(h):
+        r1, r2 = pool.fetch(ep, h, [w1, w2], ["w1", "w2"])
+        gate, up = moonep.expert_matmul(h.tokens, h.cu_seqlens, w1, r1).chunk(2, -1)
+        return moonep.expert_matmul(F.silu(gate) * up, h.cu_seqlens, w2, r2)
+
+    def batch():  # Zipf-skewed routing: the planner places replicas, the pool fetches them
+        x = torch.randn(args.tokens, args.hidden, generator=g).to(dev, dt)
+        logits = -1.2 * torch.log(torch.arange(1, E + 1, dtype=torch.float64)) + torch.rand(args.tokens, E,
+                                                                                            generator=g,
+                                                                                            dtype=torch.float64)
+        idx = logits.topk(args.topk, dim=1).indices.to(dev)
+        w = torch.softmax(torch.randn(args.tokens, args.topk, generator=g), -1).to(dev)
+        return x, idx, w
+
+    return ep, experts, (w1, w2), [batch(), batch()]
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    rt = moonep.init(device=args.device)
+    ep, experts, params, batches = build(args, rt)
+    train = not args.forward_only
+    timer = Timer(rt.device)
+
+    def inputs():
+        return [(x.detach().requires_grad_(train), i, w.detach().requires_grad_(train)) for x, i, w in batches]
+
+    def step(expert_fn, overlap):
+        def run():
+            for p in params:
+                p.grad = None
+            with torch.set_grad_enabled(train):
+                ys = two_batch_moe(ep, inputs(), expert_fn, params, overlap=overlap)
+                if train:
+                    (ys[0].float().sum() + ys[1].float().sum()).backward()
+        return run
+
+    def copy_rows(h):  # communication and a copy: the schedule without its compute
+        return h.tokens * 1
+
+    held = {}
+
+    def compute():  # the experts alone on both micro-batches' rows (dispatched once, outside the timing)
+        for p in params:
+            p.grad = None
+        with torch.set_grad_enabled(train):
+            for h in held["hs"]:
+                out = experts(h._replace(tokens=h.tokens.detach().requires_grad_(train)))
+                if train:
+                    out.float().sum().backward()
+
+    held["hs"] = [ep.dispatch(x, i, w) for x, i, w in batches]
+    cases = {"serial": step(experts, False), "overlapped": step(experts, True), "comm": step(copy_rows, True),
+             "compute": compute}
+    for _ in range(args.warmup):
+        for fn in cases.values():
+            fn()
+    times = {k: [] for k in cases}
+    for _ in range(args.iters):
+        for k, fn in cases.items():
+            ep.sync()
+            times[k].append(timer(fn))
+    # the slowest rank's time per iteration
+    gathered = ep.transport.all_gather_object(times)
+    slow = {k: [max(t[k][i] for t in gathered) for i in range(args.iters)] for k in cases}
+    med = {k: statistics.median(v) for k, v in slow.items()}
+    hidden = [(s - o) / max(min(c, m), 1e-9) for s, o, c, m in zip(slow["serial"], slow["overlapped"], slow["comm"],
+                                                                    slow["compute"])]
+    result = dict(
+        benchmark="bench_overlap", command=command(), git_commit=git_commit(), machine=machine(),
+        config=dict(vars(args), ranks=rt.world_size, num_experts=ep.num_experts, transport=ep.transport_name,
+                    step="forward+backward" if train else "forward (no_grad)"),
+        median_ms=med, per_iteration_ms=slow,
+        efficiency=(med["serial"] - med["overlapped"]) / max(min(med["comm"], med["compute"]), 1e-9),
+        efficiency_per_iteration=dict(median=statistics.median(hidden), min=min(hidden), max=max(hidden)),
+        overlapped_over_serial=med["overlapped"] / med["serial"],
+        compute_over_comm=med["compute"] / med["comm"],
+    )
+    if rt.device.type == "cuda":
+        result["gemm_beside_dispatch"] = gemm_slowdown(ep, batches, params[0], timer, args.iters)
+    if rt.rank == 0:
+        print(json.dumps({k: result[k] for k in ("median_ms", "efficiency", "efficiency_per_iteration",
+                                                  "overlapped_over_serial", "compute_over_comm")}, indent=1))
+        if "gemm_beside_dispatch" in result:
+            print(json.dumps(result["gemm_beside_dispatch"]))
+        if args.out:
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    ep.close()
+    return 0
+
+
+def gemm_slowdown(ep, batches, w1, timer, iters: int) -> dict:
+    """One expert GEMM's time alone, and beside a dispatch on the communication stream (DeepEP's trade-off: the
+    SMs the dispatch holds)."""
+    x, i, w = batches[0]
+    a = torch.randn(x.shape[0] * ep.topk, w1.shape[1], device=x.device, dtype=x.dtype)
+    b = w1[0].detach()
+
+    def gemm():
+        for _ in range(4):
+            a @ b
+
+    def both():
+        work = ep.dispatch(x, i, w, async_op=True)
+        gemm()
+        work.wait()
+
+    def dispatch_alone():
+        ep.dispatch(x, i, w, async_op=True).wait()
+
+    for fn in (gemm, both, dispatch_alone):
+        fn()
+    alone, beside, disp = [], [], []
+    for _ in range(iters):
+        alone.append(timer(gemm))
+        beside.append(timer(both))
+        disp.append(timer(dispatch_alone))
+    m = {k: statistics.median(v) for k, v in (("gemm_ms", alone), ("gemm_and_dispatch_ms", beside),
+                                              ("dispatch_ms", disp))}
+    m["slowdown"] = m["gemm_and_dispatch_ms"] / m["gemm_ms"]
+    m["note"] = ("gemm_and_dispatch: 4 GEMMs [T*K, H] x [H, 2F] on the current stream with one async dispatch beside "
+                 "them; slowdown = that / the GEMMs alone (1.0: the dispatch was free)")
+    return m
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

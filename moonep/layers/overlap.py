@@ -1,0 +1,145 @@
+"""Two micro-batches through one MoE layer, each one's communication hidden behind the other's expert compute.
+
+    forward                                     backward
+    dispatch A                                  combine.backward A, then B (queued)
+    dispatch B  ||  experts A                   experts A backward  ||  combine.backward B
+    combine A   ||  experts B                   dispatch.backward A ||  experts B backward
+    combine B                                   dispatch.backward B
+
+(``||``: at the same time; the collectives run as ``async_op=True`` calls, see :mod:`moonep.work`.)  The
+schedule is an autograd Function whose stages (dispatch, experts, combine of each micro-batch) are graphs of
+their own, so its backward can interleave them as above; every stage computes what the serial schedule
+computes, so outputs and gradients are bitwise the same (``overlap=False`` runs this very schedule with every
+call waited at once).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import expect
+
+
+def two_batch_moe(ep, batches, experts, params=(), *, overlap: bool = True) -> list:
+    """Run two micro-batches through ``dispatch -> experts -> combine`` with their communication overlapped.
+
+    Args:
+        ep: the :class:`moonep.ExpertParallel` (``dispatch_dtype`` its token dtype: fp8 dispatch is refused).
+        batches: two ``(x [s_i, H], topk_idx int [s_i, K], topk_weights float [s_i, K])``, as
+            :meth:`moonep.ExpertParallel.dispatch` takes them.
+        experts: ``experts(h) -> expert_out [cap, H]``: the expert compute of one micro-batch's
+            :class:`moonep.Dispatched` (it may fetch replicas and call :func:`moonep.expert_matmul`; collectives
+            it makes run in the schedule's order on every rank).  Called once per micro-batch, A then B.
+        params: the tensors ``experts`` differentiates (the experts' weights): their gradient, summed over
+            the micro-batches, reaches them as any other.
+        overlap: ``False`` waits for every call at once (the serial schedule; the same bits).
+    Returns:
+        ``[y_A, y_B]``, ``y_i [s_i, H]`` as :meth:`moonep.ExpertParallel.combine` returns them; differentiable
+        with respect to each ``x_i``, ``topk_weights_i`` and ``params``.
+    """
+    expect(isinstance(batches, (list, tuple)) and len(batches) == 2
+           and all(isinstance(b, (list, tuple)) and len(b) == 3 for b in batches), "batches",
+           "two (x, topk_idx, topk_weights) tuples", repr(type(batches).__name__))
+    expect(not getattr(ep, "fp8", False), "ep", "an ExpertParallel without fp8 dispatch", "dispatch_dtype=float8")
+    expect(isinstance(overlap, bool), "overlap", "True or False", repr(overlap))
+    params = tuple(params)
+    flat = [t for b in batches for t in b]
+    if not torch.is_grad_enabled():
+        return _forward(ep, batches, experts, overlap)[0]
+    ys = _TwoBatch.apply(ep, experts, overlap, len(params), *params, *flat)
+    return list(ys)
+
+
+def _waited(work, overlap: bool):
+    """A thunk giving ``work``'s result: waited for now (the serial schedule) or when the schedule needs it."""
+    if not overlap:
+        result = work.wait()
+        return lambda: result
+    return work.wait
+
+
+def _forward(ep, batches, experts, overlap: bool):
+    """The forward schedule.  Returns ``(ys, stages)``: per micro-batch ``(h, expert_out, y)``."""
+    (xa, ia, wa), (xb, ib, wb) = batches
+    ha = _waited(ep.dispatch(xa, ia, wa, async_op=True), overlap)()
+    hb = _waited(ep.dispatch(xb, ib, wb, async_op=True), overlap)  # moves while A's experts compute
+    oa = experts(ha)
+    hb = hb()
+    ya = _waited(ep.combine(oa, ha, async_op=True), overlap)       # moves while B's experts compute
+    ob = experts(hb)
+    ya = ya()
+    yb = _waited(ep.combine(ob, hb, async_op=True), overlap)()
+    return [ya, yb], [(ha, oa, ya), (hb, ob, yb)]
+
+
+class _TwoBatch(torch.autograd.Function):
+    """The schedule under autograd: each stage a graph of its own from detached inputs, joined by hand."""
+
+    @staticmethod
+    def forward(ctx, ep, experts, overlap, n_params, *args):
+        params, flat = args[:n_params], args[n_params:]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in flat]
+            batches = [leaves[0:3], leaves[3:6]]
+            stages = {}
+
+            def staged_experts(h):  # experts from the rows as a leaf: their backward is a stage of its own
+                i = len(stages)
+                rows = h.tokens.detach().requires_grad_(h.tokens.requires_grad)
+                out = experts(h._replace(tokens=rows))
+                stages[i] = (h.tokens, rows, out)
+                return out.detach().requires_grad_(out.requires_grad)
+
+            ys, parts = _forward(ep, batches, staged_experts, overlap)
+        ctx.ep, ctx.overlap, ctx.params = ep, overlap, params
+        ctx.batches, ctx.parts, ctx.stages = batches, parts, stages
+        return tuple(y.detach() for y in ys)
+
+    @staticmethod
+    def backward(ctx, gya, gyb):
+        overlap, params, sub = ctx.overlap, ctx.params, ctx.ep._overlap.submit
+    
+        def combine_back(i, gy):  # combine.backward: gy -> (g_out, g_weights)
+            h, out, y = ctx.parts[i]
+            ins = [out] + ([h.weights] if h.weights.requires_grad and not h.scaled else [])
+            return _waited(sub("combine.backward", lambda: _grad([y], ins, [gy]), [gy]), overlap)
+
+        def experts_back(i, g_out):  # experts.backward: g_out -> (g_rows, g_params...)
+            tokens, rows, out = ctx.stages[i]
+            return _grad([out], [rows, *params], [g_out])
+
+        def dispatch_back(i, g_rows, g_w):  # dispatch.backward: (g_rows, g_weights) -> (g_x, g_topk_weights)
+            h = ctx.parts[i][0]
+            x, _, w = ctx.batches[i]
+            outs, grads = [ctx.stages[i][0]], [g_rows]
+            if g_w is not None:
+                outs.append(h.weights)
+                grads.append(g_w)
+            return _waited(sub("dispatch.backward", lambda: _grad(outs, [x, w], grads), grads), overlap)
+
+        ca, cb = combine_back(0, gya), combine_back(1, gyb)
+        ga = ca()
+        ea = experts_back(0, ga[0])                                     # while B's combine.backward moves
+        gb = cb()
+        da = dispatch_back(0, ea[0], ga[1] if len(ga) > 1 else None)    # moves while B's experts.backward runs
+        eb = experts_back(1, gb[0])
+        db = dispatch_back(1, eb[0], gb[1] if len(gb) > 1 else None)
+        (gxa, gwa), (gxb, gwb) = da(), db()
+        gparams = [_add(a, b) for a, b in zip(ea[1:], eb[1:])]
+        return (None, None, None, None, *gparams, gxa, None, gwa, gxb, None, gwb)
+
+
+def _grad(outputs, inputs, grads):
+    """``torch.autograd.grad`` of the outputs that have a gradient, over the inputs that require grad (``None``
+    for the others, and for all when nothing flows)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    want = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not pairs or not want:
+        return [None] * len(inputs)
+    got = iter(torch.autograd.grad([o for o, _ in pairs], want, [g for _, g in pairs], allow_unused=True))
+    return [next(got) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs]
+
+
+def _add(a, b):
+    if a is None or b is None:
+        return b if a is None else a
+    return a + b

@@ -1,0 +1,192 @@
+"""Collectives in flight: what ``async_op=True`` returns, and where such a call runs meanwhile.
+
+    work = ep.dispatch(x_b, idx_b, w_b, async_op=True)   # B's rows move ...
+    out_a = experts(h_a)                                  # ... while A's experts compute
+    h_b = work.wait()
+
+One :class:`Overlap` per :class:`moonep.ExpertParallel` runs its asynchronous calls, in the order they were made:
+
+- **CUDA**: the call's kernels are queued on the instance's communication stream, after the caller's stream
+  (or after ``previous_event``).  ``wait()`` makes the current stream wait for them: stream order, no host
+  sync.  Tensors that cross streams are recorded on the stream that reads them (``record_stream``), so the
+  caching allocator never hands their memory out while a kernel on the other stream still uses it.
+- **Host backends** (CPU tensors, MPI or gloo): the call runs on the process's one worker thread, which
+  waits in the transport's polls with the GIL released.  ``wait()`` blocks until the call finished and raises
+  what it raised.  Every collective made from another thread (a synchronous call, a backward pass) first
+  waits for the queued ones, so every rank runs its collectives, of every instance, in the order it made
+  them (the call-order check compares them across instances too).
+
+The order guard: a :class:`Work` dropped without ``wait()`` is a bug in the caller (its result was never
+waited for).  The instance's next collective is then refused on every rank, naming the call, and the one
+after it works.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+
+import torch
+
+
+def tensors_in(obj) -> list:
+    """The tensors in ``obj`` (a tensor, or nested tuples/lists of them and other values)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in tensors_in(o)]
+    return []
+
+
+class Work:
+    """A collective call in flight (``async_op=True``).  ``wait()`` returns the call's result.
+
+    Attributes:
+        op: the call (``"dispatch"``, ``"combine"``, ...).
+        event: CUDA: a ``torch.cuda.Event`` recorded after the call's kernels on the communication stream
+            (for ``previous_event=`` of a later call, or a stream of the caller's own); ``None`` on the host.
+    """
+
+    def __init__(self, overlap: "Overlap", op: str, index: int, *, result=None, event=None,
+                 future: Future | None = None):
+        self.op, self.event = op, event
+        self._result, self._future, self._waited = result, future, False
+        self._device = overlap.device
+        self._finalizer = weakref.finalize(self, overlap.dropped, index, op)
+
+    def wait(self):
+        """The call's result, once the current stream (CUDA) or this thread (host) may read it.
+
+        CUDA: the current stream waits for the call's event (no host sync); the result's tensors are recorded on
+        the current stream.  Host: blocks until the worker thread finished the call; raises what it raised.
+        Waiting again returns the same result."""
+        self._finalizer.detach()
+        if self._future is not None:
+            self._result, self._future = self._future.result(), None
+        elif self.event is not None and not self._waited:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(self.event)
+            for t in tensors_in(self._result):
+                if t.is_cuda:
+                    t.record_stream(stream)
+        self._waited = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether the call finished (CUDA: its kernels ran; host: the worker thread returned).  Never blocks."""
+        if self._future is not None:
+            return self._future.done()
+        return self.event is None or self.event.query()
+
+
+class _Worker:
+    """The process's thread for asynchronous host calls (one FIFO for every instance: see the module)."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+
+    def submit(self, run) -> Future:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moonep-overlap")
+            fut = self._pool.submit(run)
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
+        return fut
+
+    def join(self) -> None:
+        if not self._pending or on_worker():
+            return
+        with self._lock:
+            pending, self._pending = self._pending, []
+        wait_futures(pending)
+
+
+_WORKER = _Worker()
+
+
+def on_worker() -> bool:
+    """Whether this thread is the worker (its calls run in queue order already)."""
+    return threading.current_thread().name.startswith("moonep-overlap")
+
+
+class Overlap:
+    """Where one ExpertParallel's asynchronous calls run (see the module's docstring).  ``device``: the
+    instance's device; CUDA gets a communication stream, anything else a worker thread."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._stream = None
+        self._dropped: list[tuple[int, str]] = []
+        self._count = 0  # async calls made so far
+        self._lock = threading.Lock()
+        self._local = threading.local()  # the worker's: the index of the call it runs
+
+    # -- the order guard -------------------------------------------------------------------------------
+    def dropped(self, index: int, op: str) -> None:
+        """The :class:`Work` of async call ``index`` (``op``) was garbage-collected without ``wait()``."""
+        with self._lock:
+            self._dropped.append((index, op))
+
+    def take_dropped(self) -> str | None:
+        """Why the collective now running must be refused (the Work of a call made before it was dropped
+        unwaited), once; else ``None``."""
+        before = getattr(self._local, "index", None) if on_worker() else None
+        with self._lock:
+            ops = [op for i, op in self._dropped if before is None or i < before]
+            if not ops:
+                return None
+            self._dropped = [(i, op) for i, op in self._dropped if not (before is None or i < before)]
+        return (f"async_op: every Work must be waited for (work.wait()) before its result is used, but the Work of "
+                f"{len(ops)} earlier call(s) ({', '.join(ops)}) was dropped without wait(); this call is refused "
+                "on every rank and the next one runs")
+
+    # -- running calls ---------------------------------------------------------------------------------
+    def join(self) -> None:
+        """Wait (without raising) for the queued host calls, unless this is the worker thread itself: a call made
+        from any other thread runs after them."""
+        _WORKER.join()
+
+    def submit(self, op: str, fn, inputs=(), previous_event=None) -> Work:
+        """Run ``fn()`` (one collective call of the instance) asynchronously; returns its :class:`Work`.
+        ``inputs``: the caller's tensors that the call reads (CUDA: recorded on the communication stream)."""
+        index, self._count = self._count, self._count + 1
+        if self.device.type == "cuda":
+            return self._submit_cuda(op, index, fn, inputs, previous_event)
+        if previous_event is not None:
+            raise ValueError(f"previous_event: expected None on a {self.device.type} device (CUDA events order "
+                             f"GPU streams only), got {type(previous_event).__name__}")
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def run():  # the caller's autograd modes are thread-local: carried into the worker
+            self._local.index = index
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return fn()
+
+        return Work(self, op, index, future=_WORKER.submit(run))
+
+    def _submit_cuda(self, op: str, index: int, fn, inputs, previous_event) -> Work:
+        caller = torch.cuda.current_stream(self.device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        comm = self._stream
+        if previous_event is not None:
+            if not isinstance(previous_event, torch.cuda.Event):
+                raise ValueError(f"previous_event: expected a torch.cuda.Event, got {type(previous_event).__name__}")
+            comm.wait_event(previous_event)
+        else:  # the caller's work so far (what made the inputs) comes first
+            comm.wait_stream(caller)
+        with torch.cuda.stream(comm):
+            result = fn()
+        event = torch.cuda.Event()
+        event.record(comm)
+        for t in tensors_in(inputs):  # the allocator must not reuse them before the communication stream read them
+            if t.is_cuda:
+                t.record_stream(comm)
+        return Work(self, op, index, result=result, event=event)
+
+    def close(self) -> None:
+        """Finish the queued calls (the instance is being closed)."""
+        self.join()
