@@ -90,9 +90,12 @@ def build(args, rt):
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=args.topk, hidden=args.hidden, max_tokens=args.tokens,
                                dtype=dt, tuning=moonep.Tuning(num_sms=args.num_sms) if dev.type == "cuda" else None)
     g = torch.Generator(device="cpu").manual_seed(1234 + rt.rank)
+    gd = torch.Generator(device=dev).manual_seed(1234 + rt.rank)  # the weights drawn where they live (GBs)
     epn = ep.epn
-    w1 = (torch.randn(epn, args.hidden, 2 * args.ffn, generator=g) / args.hidden ** 0.5).to(dev, dt).requires_grad_()
-    w2 = (torch.randn(epn, args.ffn, args.hidden, generator=g) / args.ffn ** 0.5).to(dev, dt).requires_grad_()
+    w1 = (torch.randn(epn, args.hidden, 2 * args.ffn, generator=gd, device=dev) / args.hidden ** 0.5).to(dt)
+    w2 = (torch.randn(epn, args.ffn, args.hidden, generator=gd, device=dev) / args.ffn ** 0.5).to(dt)
+    w1.requires_grad_()
+    w2.requires_grad_()
     pool = moonep.ReplicaPool()
 
     def experts(h):
