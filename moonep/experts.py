@@ -526,7 +526,8 @@ class Replicas:
         buffer: ``[epn, *D]`` the slots (slot ``j``: expert ``h.slot_experts[epn + j]``, zero if ``-1``).
         generation: the pool buffer's fetch count when this was fetched (it still holds these replicas while
             that is unchanged).
-        event: on CUDA with the side stream, recorded after the fetch; ``None`` otherwise.
+        event: on CUDA with the side stream, recorded after the fetch; the :class:`moonep.Work` of an
+            ``async_op=True`` fetch; ``None`` otherwise.
     """
 
     pool: "ReplicaPool"
@@ -540,10 +541,13 @@ class Replicas:
     event: object = field(default=None, repr=False)
 
     def weights(self) -> torch.Tensor:
-        """The slots, once the fetch finished (the current stream waits for the side stream)."""
-        if self.event is not None:
+        """The slots, once the fetch finished (the current stream waits for the side stream; an async fetch's
+        Work is waited for)."""
+        if isinstance(self.event, torch.cuda.Event):
             torch.cuda.current_stream(self.buffer.device).wait_event(self.event)
-            self.event = None
+        elif self.event is not None:
+            self.event.wait()
+        self.event = None
         return self.buffer
 
     def weights_for_backward(self) -> torch.Tensor:
@@ -658,7 +662,7 @@ class ReplicaPool:
             bufs.append(track_zero_slots(torch.zeros(home.shape, dtype=home.dtype, device=home.device)))
         return i, bufs[i]
 
-    def fetch(self, ep, h, home_weight, name):
+    def fetch(self, ep, h, home_weight, name, *, async_op: bool | None = None):
         """Fetch this step's replicas of one projection, or of several in one collective, into the pool.
 
         Args:
@@ -670,6 +674,9 @@ class ReplicaPool:
             name: the projection's name within the layer (``"w_in"``), or a list/tuple of names, one per
                 tensor: projections of one layer must not share slots, projections of the same name and
                 shape in different layers do.
+            async_op: ``None`` (default): on the NVLink backend the side stream of ``overlap=True``, else at once;
+                ``True``: as :meth:`moonep.ExpertParallel.dispatch`'s ``async_op`` on any backend (on CPU ranks the
+                worker thread), :meth:`Replicas.weights` (which :func:`expert_matmul` calls) waits for it.
         Returns:
             :class:`Replicas` for :func:`expert_matmul` (and :func:`expert_bias`); a list of them, in order,
             for a list of tensors.  Under ``torch.compile``: :class:`moonep.ops.Fetched`, fresh slots from one
@@ -691,10 +698,11 @@ class ReplicaPool:
             ep._check_routed(h)
             out = fetch_op(h, weights, names)
             return out if many else out[0]
-        return self._fetch(ep, h, weights, names, many)
+        expect(async_op in (None, True, False), "async_op", "None, True or False", repr(async_op))
+        return self._fetch(ep, h, weights, names, many, async_op)
 
     @torch.compiler.disable  # eager: one graph break in compiled code
-    def _fetch(self, ep, h, weights: list, names: list, many: bool):
+    def _fetch(self, ep, h, weights: list, names: list, many: bool, async_op=None):
         # whether home_weight itself requires grad does not matter: module_slots differentiates the experts'
         # parameters, views of a stacked home_weight that requires none
         keep = self.backward == "keep" and torch.is_grad_enabled()
@@ -707,9 +715,14 @@ class ReplicaPool:
                 index, buf = self._buffer(key, w)
             slots.append((key, index, buf, self._bump(key, index)))
         homes, bufs = [w.detach() for w in weights], [buf for _, _, buf, _ in slots]
-        side = self._side_stream(ep, weights[0])
+        side = None if async_op is not None else self._side_stream(ep, weights[0])
         events = [None] * len(weights)
-        if side is None:
+        if async_op:  # one Work for all of them, waited for by each projection's first reader
+            work = ep._launch("prefetch", True, None, lambda: ep._fetch_replicas(h, homes, bufs, names=names),
+                              (h, homes, bufs))
+            work.unguarded()  # read only through Replicas.weights(), which waits: nothing to guard
+            events = [work] * len(weights)
+        elif side is None:
             ep._fetch_replicas(h, homes, bufs, names=names)
         else:
             # The plan (made on the current stream) must exist, and earlier readers of the buffers be done.

@@ -73,6 +73,10 @@ class Work:
         self._waited = True
         return self._result
 
+    def unguarded(self) -> None:
+        """Not subject to the order guard: its result is read only through something that waits for it."""
+        self._finalizer.detach()
+
     def is_completed(self) -> bool:
         """Whether the call finished (CUDA: its kernels ran; host: the worker thread returned).  Never blocks."""
         if self._future is not None:

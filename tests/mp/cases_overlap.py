@@ -257,8 +257,38 @@ def case_close_and_synchronize_finish_queued_calls(rt):
     last.wait()
 
 
+def case_async_pool_fetch_matches_sync(rt):
+    """ReplicaPool.fetch(async_op=True): the replicas arrive while the caller goes on; expert_matmul's outputs
+    and gradients are the synchronous fetch's bits."""
+    R = rt.world_size
+    E, K, H, S, Fd = 2 * R, 2, 8, 12, 4
+    ep = _ep(rt, transports(rt)[0], E, K, H, S)
+    home = slice(rt.rank * ep.epn, (rt.rank + 1) * ep.epn)
+    gen = torch.Generator().manual_seed(3)
+    w1 = torch.randn(E, H, 2 * Fd, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    w2 = torch.randn(E, Fd, H, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    (x, idx, w, gy), _, _ = _problem(rt, 8, E, K, H, S)
+    got = []
+    for async_op in (None, True):
+        pool = moonep.ReplicaPool()
+        w1.grad = w2.grad = None
+        h = ep.dispatch(x, idx, w)
+        r1, r2 = pool.fetch(ep, h, [w1, w2], ["w1", "w2"], async_op=async_op)
+        g, u = moonep.expert_matmul(h.tokens, h.cu_seqlens, w1, r1).chunk(2, -1)
+        y = ep.combine(moonep.expert_matmul(F.silu(g) * u, h.cu_seqlens, w2, r2), h)
+        (y * gy).sum().backward()
+        got.append([y.detach(), w1.grad, w2.grad])
+    for a, b in zip(*got):
+        assert torch.equal(a, b), rt.rank
+    pool = moonep.ReplicaPool()
+    h = ep.dispatch(x, idx, w)
+    pool.fetch(ep, h, [w1], ["w1"], async_op=True)  # never read: no refusal (only Replicas.weights reads it)
+    ep.dispatch(x, idx, w)
+    ep.close()
+
+
 def case_cuda_streams_race_free_and_no_host_sync(rt):
-    """CUDA: the overlapped schedule, forward and backward, under torch's CUDA stream sanitizer (reports a
+    """(Last: the sanitizer stays on.)  CUDA: the overlapped schedule, forward and backward, under torch's CUDA stream sanitizer (reports a
     tensor used on two streams without an order between them; it sees torch's kernels, not CuPy's) and
     ``set_sync_debug_mode("error")`` (a host sync raises)."""
     if rt.device.type != "cuda":
