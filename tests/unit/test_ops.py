@@ -292,6 +292,23 @@ def test_bad_input_under_compile_is_refused_and_the_next_call_works():
     ep.close()
 
 
+def test_async_op_under_compile_is_refused_by_name():
+    """async_op=True inside compiled code is refused with the argument's name (the compiled graph orders its own
+    work); the next call, compiled without it, works."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+
+    def layer(x, idx, w, async_op):
+        h = ep.dispatch(x, idx, w, async_op=async_op)
+        return ep.combine(h.tokens * 2, h)
+
+    x, idx, w = _problem(5, 5)
+    with pytest.raises(ValueError, match="async_op: expected False under torch.compile"):
+        torch.compile(layer, backend="aot_eager")(x, idx, w, True)
+    assert torch.equal(torch.compile(layer, backend="aot_eager")(x, idx, w, False), layer(x, idx, w, False))
+    ep.close()
+
+
 def _nvlink_like(s, tokfirst, seed):
     """A stand-in NVLink instance and a step of it on the CPU (random lists: only their travel is checked)."""
     from types import SimpleNamespace
