@@ -15,7 +15,9 @@ timed iteration, one after the other (paired timing: a busy machine slows both a
 ``efficiency = (serial - overlapped) / min(comm, compute)``: 1 when the shorter of the two is hidden entirely.
 Also, on CUDA, the slowdown of one expert GEMM while a dispatch runs beside it on the communication stream
 (``--num-sms`` SMs), against the GEMM alone.  Times are medians (CUDA events on CUDA, wall clock on CPU; the
-slowest rank's), and each iteration's ratio is kept so its median and spread are reported too.
+slowest rank's), and each iteration's ratio is kept so its median and spread are reported too.  One more step
+of each schedule checks that the overlapped one gives the serial one's outputs and gradients bitwise, on every
+rank (on 2 ranks sharing one GPU: a correctness-under-concurrency run, not a speed figure).
 """
 from __future__ import annotations
 
@@ -135,6 +137,19 @@ def main(argv=None) -> int:
                     (ys[0].float().sum() + ys[1].float().sum()).backward()
         return run
 
+    def outcome(overlap):  # outputs and gradients of one step (the overlapped schedule must give the serial bits)
+        for p in params:
+            p.grad = None
+        bs = inputs()
+        with torch.set_grad_enabled(train):
+            ys = two_batch_moe(ep, bs, experts, params, overlap=overlap)
+            if train:
+                (ys[0].float().sum() + ys[1].float().sum()).backward()
+        got = [y.detach() for y in ys]
+        if train:
+            got += [t.grad for x, _, w in bs for t in (x, w)] + [p.grad.clone() for p in params]
+        return got
+
     def copy_rows(h):  # communication and a copy: the schedule without its compute
         return h.tokens * 1
 
@@ -161,7 +176,10 @@ def main(argv=None) -> int:
             ep.sync()
             times[k].append(timer(fn))
     # the slowest rank's time per iteration
-    gathered = ep.transport.all_gather_object(times)
+    same = all(torch.equal(a, b) for a, b in zip(outcome(False), outcome(True)))
+    gathered = ep.transport.all_gather_object((times, same))
+    same_everywhere = all(ok for _, ok in gathered)
+    gathered = [t for t, _ in gathered]
     slow = {k: [max(t[k][i] for t in gathered) for i in range(args.iters)] for k in cases}
     med = {k: statistics.median(v) for k, v in slow.items()}
     hidden = [(s - o) / max(min(c, m), 1e-9) for s, o, c, m in zip(slow["serial"], slow["overlapped"], slow["comm"],
@@ -175,12 +193,14 @@ def main(argv=None) -> int:
         efficiency_per_iteration=dict(median=statistics.median(hidden), min=min(hidden), max=max(hidden)),
         overlapped_over_serial=med["overlapped"] / med["serial"],
         compute_over_comm=med["compute"] / med["comm"],
+        overlapped_bitwise_equal_to_serial=same_everywhere,
     )
     if rt.device.type == "cuda":
         result["gemm_beside_dispatch"] = gemm_slowdown(ep, batches, params[0], timer, args.iters)
     if rt.rank == 0:
         print(json.dumps({k: result[k] for k in ("median_ms", "efficiency", "efficiency_per_iteration",
-                                                  "overlapped_over_serial", "compute_over_comm")}, indent=1))
+                                                  "overlapped_over_serial", "compute_over_comm",
+                                                  "overlapped_bitwise_equal_to_serial")}, indent=1))
         if "gemm_beside_dispatch" in result:
             print(json.dumps(result["gemm_beside_dispatch"]))
         if args.out:
