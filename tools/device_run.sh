@@ -132,10 +132,10 @@ for s in "$@"; do case $s in
   slot_gemm) step slot_gemm 120 python3 -m pytest -q -rA tests/gpu/test_slot_gemm_gpu.py ;;
   compile_gpu) step compile_gpu 400 python3 -m pytest -q -rA tests/gpu/test_compile_gpu.py ;;
   compile_speed) step compile_speed 400 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py --out $o/${pfx}_compile_r1.json ;;
-  overlap_bench) step overlap_bench 300 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --out $o/${pfx}_overlap.json
-                 step overlap_bench_fwd 200 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --forward-only --out $o/${pfx}_overlap_fwd.json
-                 step overlap_bench_np2 200 mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_overlap.py --tokens 2048 --ffn 1024 --iters 10 --out $o/${pfx}_overlap_np2.json ;;
-  overlap_np2) MOONEP_GPU_NRANKS=2 step overlap_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_overlap_gpu.py ;;
+  overlap_bench) step overlap_bench 150 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --out $o/${pfx}_overlap.json
+                 step overlap_bench_fwd 100 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --forward-only --out $o/${pfx}_overlap_fwd.json
+                 step overlap_bench_np2 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_overlap.py --tokens 2048 --ffn 1024 --iters 10 --out $o/${pfx}_overlap_np2.json ;;
+  overlap_np2) MOONEP_GPU_NRANKS=2 step overlap_np2 180 python3 -m pytest -q -rA tests/gpu/test_mp_overlap_gpu.py ;;
   pool_np2) MOONEP_GPU_NRANKS=2 step pool_np2 300 python3 -m pytest -q -rA tests/gpu/test_mp_pool_gpu.py ;;
   pool_np4) MOONEP_GPU_NRANKS=4 step pool_np4 300 python3 -m pytest -q -rA tests/gpu/test_mp_pool_gpu.py ;;
   pool_mem) for n in 2 4; do for dt in fp32 bf16; do step pool_mem_np${n}_$dt 200 mpirun --allow-run-as-root --oversubscribe -n $n \
