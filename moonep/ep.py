@@ -38,7 +38,7 @@ from .handles import Dispatched, Step, check_issued, names_key
 from .op_state import register_instance
 from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
-from .work import Overlap, Work
+from .work import Overlap, Work, join_host
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 TRANSPORTS = ("auto", "mpi", "torch", "nvlink", "local")
@@ -248,8 +248,7 @@ class ExpertParallel:
         self._backend = None
         self._closed = False
         self._failed = False  # a collective of this instance raised MoonepError: close() must not wait for peers
-        self._side_event = None  # work of this instance queued on another stream (ReplicaPool's fetch), unjoined
-        self._streams = False  # CUDA: collectives of this instance run on more than one stream (see _collective)
+        self._async_used = False  # an async_op=True call was made: no dispatch returns views of the receive buffer
         self._left = None  # why a call was left part way on this rank: every later call is refused
         self._overlap = Overlap(self.device)  # where async_op=True calls run (moonep/work.py)
         expect(transport != "local" or self.rt.group is None, "transport",
@@ -284,6 +283,7 @@ class ExpertParallel:
         except ValueError as exc:
             errors.append(str(exc))
         # Every rank checks every rank's configuration, so a mismatch fails everywhere, not as a hang later.
+        join_host()  # (a collective beside a queued async call would pair with the wrong messages)
         configs = self.transport.all_gather_object((config, errors))
         for r, (cfg, errs) in enumerate(configs):
             if errs:
@@ -339,11 +339,11 @@ class ExpertParallel:
             raise
         if error is not None:  # nothing was exchanged (one rank, or MOONEP_CHECK_ORDER=0)
             raise ValueError(error)
+        chain = self._overlap.chain
         try:
-            self._join_side_stream()
+            if chain is not None:
+                chain.join()  # after the last collective on this device, whichever stream ran it
             yield
-            if self._streams:  # the next collective, on whichever stream, runs after this one
-                self.queued_on(torch.cuda.current_stream(self.device))
         except _UNIFORM_EXITS:  # raised by every rank at the same point of the call
             raise
         except OrderMismatch:
@@ -352,6 +352,9 @@ class ExpertParallel:
         except BaseException as exc:  # left between the call's collectives (an error here, an interrupt)
             self._leave(exc)
             raise
+        finally:
+            if chain is not None and chain.multi:  # the next collective, on whichever stream, runs after this one
+                chain.after(torch.cuda.current_stream(self.device))
 
     def _leave(self, exc: BaseException) -> None:
         """This rank leaves a call part way: refuse every later call of this instance (and, on the torch
@@ -369,19 +372,15 @@ class ExpertParallel:
 
     def queued_on(self, stream) -> None:
         """This instance's last collective was launched on ``stream`` (not the current one): the next
-        collective's kernels wait for it.  The NVLink kernels pair each rank's launches in order, so two
-        collectives must never run concurrently on two streams (:class:`moonep.ReplicaPool` calls this
-        after fetching on its side stream; async_op=True calls, their backward passes and the synchronous calls
-        between them keep each other in order this way too).  From the first such call on, every collective
-        records its event at its end."""
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        self._side_event, self._streams = ev, True
+        collective's kernels, of any instance on this device, wait for it (:class:`moonep.work.Chain`: two
+        collectives must never run at once on two streams).  :class:`moonep.ReplicaPool` calls this after
+        fetching on its side stream.  From then on every collective records its end."""
+        self._overlap.chain.after(stream)
 
-    def _join_side_stream(self) -> None:
-        ev, self._side_event = self._side_event, None
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
+    @property
+    def _streams(self) -> bool:
+        """CUDA: collectives on this device run on more than one stream (see :class:`moonep.work.Chain`)."""
+        return self._overlap.chain is not None and self._overlap.chain.multi
 
     def _agree(self, headers, error, describe) -> None:
         """Raise the same ``ValueError`` on every rank when a rank refused its arguments or the signatures
@@ -553,10 +552,9 @@ class ExpertParallel:
         The op ``moonep::dispatch``, eagerly and as one node of a ``torch.compile`` graph.
         """
         if async_op is not False or previous_event is not None:
-            def call():  # rows of their own: the next dispatch must not overwrite rows still being read
-                with self._backend.copied_rows():
-                    return self.dispatch(x, topk_idx, topk_weights, num_global_tokens=num_global_tokens)
-            return self._launch("dispatch", async_op, previous_event, call, (x, topk_idx, topk_weights))
+            return self._launch("dispatch", async_op, previous_event,
+                                lambda: self.dispatch(x, topk_idx, topk_weights, num_global_tokens=num_global_tokens),
+                                (x, topk_idx, topk_weights))
         xs, x_scales = (x[0], x[1]) if _tensor_pair(x) else (x, None)
         err, graph = None, torch.compiler.is_compiling()
         given = (xs, topk_idx, topk_weights) + (() if x_scales is None else (x_scales,))
@@ -606,7 +604,9 @@ class ExpertParallel:
                                 ("num_global_tokens", repr(total)),
                                 ("x", "a pre-quantised pair (x_fp8, scales)" if pre else "a tensor")]
         with self._collective("dispatch", error=err, sig=sig, describe=describe):
-            with self._backend.copied_rows() if graph else nullcontext():
+            # rows of their own: compiled graphs keep them, and once async calls run, the next dispatch may
+            # overwrite the receive buffer while the caller still reads this one's rows
+            with self._backend.copied_rows() if graph or self._async_used else nullcontext():
                 out = (self._dispatch_fp8(xin, x, wire, topk_idx, topk_weights, total, tracked) if self.fp8 else
                        self._dispatch_rows(x, topk_idx, topk_weights, total, tracked))
         self._after_call()
@@ -636,7 +636,7 @@ class ExpertParallel:
         anchor = fp8.grad_anchor(rows.shape[0], self.hidden, self.dtype, rows.device) if tracked else None
         return step, q, weights, scales, anchor
 
-    def _launch(self, op: str, async_op, previous_event, call, inputs):
+    def _launch(self, op: str, async_op, previous_event, call, inputs, backward: bool = False):
         """Run ``call()`` (one collective call) now or asynchronously: what ``async_op`` and ``previous_event``
         mean for every collective method.
 
@@ -659,11 +659,13 @@ class ExpertParallel:
         elif torch.compiler.is_compiling() and async_op:
             err = "async_op: expected False under torch.compile (the compiled graph orders its own streams)"
         if err is not None:
-            self.refuse(op, err)
+            self._refuse(op, err, backward)
         if not async_op:
             torch.cuda.current_stream(self.device).wait_event(previous_event)
             return call()
-        self._streams = self._streams or self.device.type == "cuda"  # the communication stream joins in
+        self._async_used = True
+        if self.device.type == "cuda" and not self._streams:  # the communication stream joins: from now on
+            self.queued_on(torch.cuda.current_stream(self.device))  # every collective records its end
         return self._overlap.submit(op, call, inputs, previous_event)
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
@@ -859,9 +861,9 @@ class ExpertParallel:
         ``home_grad`` that backward's own scratch, which then holds the sum (no copy of the home gradients).
         ``async_op``, ``previous_event``: see :meth:`_launch`."""
         if async_op is not False or previous_event is not None:
-            return self._launch("reduce_grad", async_op, previous_event,
+            return self._launch("prefetch.backward" if in_backward else "reduce_grad", async_op, previous_event,
                                 lambda: self.reduce_replicas(h, home_grad, replica_grad, in_backward=in_backward),
-                                (h, home_grad, replica_grad))
+                                (h, home_grad, replica_grad), backward=in_backward)
         if isinstance(h, Step):  # inside an op's body: the step is at hand
             return self._reduce_body(home_grad, replica_grad, h, in_backward)
         op = "prefetch.backward" if in_backward else "reduce_grad"

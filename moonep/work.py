@@ -51,7 +51,7 @@ class Work:
     def __init__(self, overlap: "Overlap", op: str, index: int, *, result=None, event=None,
                  future: Future | None = None):
         self.op, self.event = op, event
-        self._result, self._future, self._waited = result, future, False
+        self._result, self._future = result, future
         self._device = overlap.device
         self._finalizer = weakref.finalize(self, overlap.dropped, index, op)
 
@@ -64,13 +64,12 @@ class Work:
         self._finalizer.detach()
         if self._future is not None:
             self._result, self._future = self._future.result(), None
-        elif self.event is not None and not self._waited:
+        elif self.event is not None:  # (every time: a second wait may come from another stream)
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(self.event)
             for t in tensors_in(self._result):
                 if t.is_cuda:
                     t.record_stream(stream)
-        self._waited = True
         return self._result
 
     def unguarded(self) -> None:
@@ -104,11 +103,63 @@ class _Worker:
         if not self._pending or on_worker():
             return
         with self._lock:
-            pending, self._pending = self._pending, []
-        wait_futures(pending)
+            pending = list(self._pending)
+        wait_futures(pending)  # (an interrupt here leaves them pending: the next join waits again)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
 
 
 _WORKER = _Worker()
+
+
+def join_host() -> None:
+    """Wait for the queued asynchronous host calls (no-op on the worker thread): what every host collective of
+    moonep runs first, so that it never runs beside one of them on the same channel."""
+    _WORKER.join()
+
+
+class Chain:
+    """One CUDA device's order of collectives, shared by every instance on it.
+
+    The NVLink kernels of every instance spin on every SM they are given and wait for their peers' matching
+    launch, so two collectives, even of two instances, must never run at once on two streams: a rank's GPU
+    could then start one while a peer's starts the other.  Once a second stream carries collectives (the
+    replica pool's side stream, the communication stream of ``async_op=True``), every collective records an
+    event at its end (:attr:`event`) and the next one, on whatever stream, waits for it first."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.event = None     # the last collective's end, not yet waited for by the next one
+        self.multi = False    # collectives run on more than one stream: record every end
+        self.stream = None    # the communication stream of async_op=True calls
+
+    def after(self, stream) -> None:
+        """A collective was queued on ``stream``: the next one waits for it."""
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        self.event, self.multi = ev, True
+
+    def join(self) -> None:
+        """The current stream waits for the last collective (when one is pending)."""
+        ev, self.event = self.event, None
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def comm_stream(self):
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        return self.stream
+
+
+_CHAINS: dict = {}
+
+
+def chain(device: torch.device) -> Chain:
+    """The :class:`Chain` of ``device`` (one per process and device)."""
+    c = _CHAINS.get(device)
+    if c is None:
+        c = _CHAINS[device] = Chain(device)
+    return c
 
 
 def on_worker() -> bool:
@@ -122,27 +173,29 @@ class Overlap:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._stream = None
+        self.chain = chain(device) if device.type == "cuda" else None
         self._dropped: list[tuple[int, str]] = []
-        self._count = 0  # async calls made so far
-        self._lock = threading.Lock()
+        self._count = 0  # async calls made so far: a call's index
+        self._lock = threading.RLock()  # (a finalizer may run inside a locked section of the same thread)
         self._local = threading.local()  # the worker's: the index of the call it runs
 
     # -- the order guard -------------------------------------------------------------------------------
     def dropped(self, index: int, op: str) -> None:
-        """The :class:`Work` of async call ``index`` (``op``) was garbage-collected without ``wait()``."""
+        """The :class:`Work` of async call ``index`` (``op``) was garbage-collected without ``wait()``: the first
+        call made after this point (index ``self._count`` or later, or the next synchronous one) is refused."""
         with self._lock:
-            self._dropped.append((index, op))
+            self._dropped.append((self._count, op))
 
     def take_dropped(self) -> str | None:
-        """Why the collective now running must be refused (the Work of a call made before it was dropped
-        unwaited), once; else ``None``."""
-        before = getattr(self._local, "index", None) if on_worker() else None
+        """Why the collective now running must be refused (a Work was dropped unwaited before this call was
+        made), once; else ``None``."""
+        # the worker runs async call `index`; any other thread a call made now, after every queued one
+        index = getattr(self._local, "index", None) if on_worker() else self._count
         with self._lock:
-            ops = [op for i, op in self._dropped if before is None or i < before]
+            ops = [op for at, op in self._dropped if at <= index]
             if not ops:
                 return None
-            self._dropped = [(i, op) for i, op in self._dropped if not (before is None or i < before)]
+            self._dropped = [(at, op) for at, op in self._dropped if at > index]
         return (f"async_op: every Work must be waited for (work.wait()) before its result is used, but the Work of "
                 f"{len(ops)} earlier call(s) ({', '.join(ops)}) was dropped without wait(); this call is refused "
                 "on every rank and the next one runs")
@@ -173,9 +226,7 @@ class Overlap:
 
     def _submit_cuda(self, op: str, index: int, fn, inputs, previous_event) -> Work:
         caller = torch.cuda.current_stream(self.device)
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        comm = self._stream
+        comm = self.chain.comm_stream()
         if previous_event is not None:
             if not isinstance(previous_event, torch.cuda.Event):
                 raise ValueError(f"previous_event: expected a torch.cuda.Event, got {type(previous_event).__name__}")

@@ -49,25 +49,38 @@ def two_batch_moe(ep, batches, experts, params=(), *, overlap: bool = True) -> l
     return list(ys)
 
 
-def _waited(work, overlap: bool):
-    """A thunk giving ``work``'s result: waited for now (the serial schedule) or when the schedule needs it."""
+def _waited(work, overlap: bool, works: list):
+    """A thunk giving ``work``'s result: waited for now (the serial schedule) or when the schedule needs it
+    (``works`` keeps it: on an error every Work still pending is let go of without blaming the caller)."""
+    works.append(work)
     if not overlap:
         result = work.wait()
         return lambda: result
     return work.wait
 
 
+def _let_go(works: list) -> None:
+    """The schedule stopped on an error: its pending Works are not the caller's to wait for."""
+    for w in works:
+        w.unguarded()
+
+
 def _forward(ep, batches, experts, overlap: bool):
     """The forward schedule.  Returns ``(ys, stages)``: per micro-batch ``(h, expert_out, y)``."""
     (xa, ia, wa), (xb, ib, wb) = batches
-    ha = _waited(ep.dispatch(xa, ia, wa, async_op=True), overlap)()
-    hb = _waited(ep.dispatch(xb, ib, wb, async_op=True), overlap)  # moves while A's experts compute
-    oa = experts(ha)
-    hb = hb()
-    ya = _waited(ep.combine(oa, ha, async_op=True), overlap)       # moves while B's experts compute
-    ob = experts(hb)
-    ya = ya()
-    yb = _waited(ep.combine(ob, hb, async_op=True), overlap)()
+    works: list = []
+    try:
+        ha = _waited(ep.dispatch(xa, ia, wa, async_op=True), overlap, works)()
+        hb = _waited(ep.dispatch(xb, ib, wb, async_op=True), overlap, works)  # moves while A's experts compute
+        oa = experts(ha)
+        hb = hb()
+        ya = _waited(ep.combine(oa, ha, async_op=True), overlap, works)       # moves while B's experts compute
+        ob = experts(hb)
+        ya = ya()
+        yb = _waited(ep.combine(ob, hb, async_op=True), overlap, works)()
+    except BaseException:
+        _let_go(works)
+        raise
     return [ya, yb], [(ha, oa, ya), (hb, ob, yb)]
 
 
@@ -96,12 +109,21 @@ class _TwoBatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gya, gyb):
+        works: list = []
+        try:
+            return _TwoBatch._backward(ctx, gya, gyb, works)
+        except BaseException:
+            _let_go(works)
+            raise
+
+    @staticmethod
+    def _backward(ctx, gya, gyb, works):
         overlap, params, sub = ctx.overlap, ctx.params, ctx.ep._overlap.submit
     
         def combine_back(i, gy):  # combine.backward: gy -> (g_out, g_weights)
             h, out, y = ctx.parts[i]
             ins = [out] + ([h.weights] if h.weights.requires_grad and not h.scaled else [])
-            return _waited(sub("combine.backward", lambda: _grad([y], ins, [gy]), [gy]), overlap)
+            return _waited(sub("combine.backward", lambda: _grad([y], ins, [gy]), [gy]), overlap, works)
 
         def experts_back(i, g_out):  # experts.backward: g_out -> (g_rows, g_params...)
             tokens, rows, out = ctx.stages[i]
@@ -114,7 +136,7 @@ class _TwoBatch(torch.autograd.Function):
             if g_w is not None:
                 outs.append(h.weights)
                 grads.append(g_w)
-            return _waited(sub("dispatch.backward", lambda: _grad(outs, [x, w], grads), grads), overlap)
+            return _waited(sub("dispatch.backward", lambda: _grad(outs, [x, w], grads), grads), overlap, works)
 
         ca, cb = combine_back(0, gya), combine_back(1, gyb)
         ga = ca()

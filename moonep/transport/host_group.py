@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from ..errors import MoonepError, RefusedEverywhere
 from ..guard import HEADER_WORDS, MAGIC, OrderMismatch, check_same_call
+from ..work import join_host
 
 # Renamed in torch 2.13; keep working on older releases (the GPU image has 2.11).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -130,6 +131,7 @@ class HostGroup:
 
     def exchange(self, header, what: str) -> list[list[int]]:
         """All-gather ``header`` (``HEADER_WORDS`` ints, padded with zeros) -> every rank's, rank order."""
+        join_host()  # after the queued async_op=True calls, never beside one on the group
         self.usable(what)
         words = [int(v) for v in header] + [0] * (HEADER_WORDS - len(header))
         assert len(words) == HEADER_WORDS, words

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from ..errors import MoonepError, expect
+from ..work import join_host
 from .base import Transport
 
 # Requests given up on after a timeout, with their buffers: MPI may still write into (or read from) them.
@@ -410,6 +411,7 @@ class MPITransport(Transport):
 
         A hello/answer handshake with a fresh nonce per call (see the module docstring): robust to the
         leftovers of earlier calls that timed out, on any instance of the same communicator."""
+        join_host()  # after the queued async_op=True calls (a no-op on the worker that runs them)
         self._usable()
         if self.world_size == 1:
             self._agree_tags(self._counter(), [])

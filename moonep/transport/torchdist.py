@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..errors import MoonepError
 from ..guard import BUILD, GATHER
+from ..work import join_host
 from .base import Transport
 from .host_group import HostGroup, all_gather_single, released
 
@@ -93,6 +94,7 @@ class TorchDistTransport(Transport):
     def all_gather_object(self, obj):
         """Header first (the size, and the call: this instance's construction or its current call), then
         the bytes: a rank in another call raises :class:`moonep.guard.OrderMismatch` with this one."""
+        join_host()  # after the queued async_op=True calls (a no-op on the worker that runs them)
         instance, code, seq = self.call
         return self.host.all_gather_object(obj, code=BUILD if code == BUILD else GATHER, instance=instance,
                                            seq=seq, what=f"{self.current_op}: all_gather_object")

@@ -165,8 +165,8 @@ def case_overlap_stress_with_random_delays(rt):
         for mode in ("overlap", "serial"):
             bs = [(p[0][0], p[0][1], p[0][2]) for p in probs]
             with torch.no_grad():
-                if cuda and ep._overlap._stream is not None and rnd.random() < 0.5:
-                    with torch.cuda.stream(ep._overlap._stream):  # the communication stream starts late
+                if cuda and ep._overlap.chain.stream is not None and rnd.random() < 0.5:
+                    with torch.cuda.stream(ep._overlap.chain.stream):  # the communication stream starts late
                         torch.cuda._sleep(int(rnd.random() * 2e6))
                 elif rnd.random() < 0.5:
                     time.sleep(rnd.random() * 1e-3)
@@ -227,8 +227,12 @@ def case_async_calls_of_two_instances_interleave(rt):
     """Two ExpertParallel instances, their async calls interleaved and waited out of order: every result is
     the synchronous one."""
     transport = transports(rt)[0]
-    a, b = _ep(rt, transport), _ep(rt, transport, K=1, H=4)
+    a = _ep(rt, transport)
     (xa, ia, wa, _), _, _ = _problem(rt, 2, a.num_experts, 2, 8, 12)
+    pending = a.dispatch(xa, ia, wa, async_op=True)
+    b = _ep(rt, transport, K=1, H=4)  # a host collective made while a call is queued: runs after it
+    rt.barrier()
+    pending.wait()
     (xb, ib, wb, _), _, _ = _problem(rt, 4, b.num_experts, 1, 4, 12)
     ha_s, hb_s = a.dispatch(xa, ia, wa), b.dispatch(xb, ib, wb)
     want = (a.combine(ha_s.tokens * 2, ha_s), b.combine(hb_s.tokens * 3, hb_s))
@@ -306,7 +310,8 @@ def case_cuda_streams_race_free_and_no_host_sync(rt):
     experts = _swiglu_experts(ep, pool, w1, w2)
     probs = [_problem(rt, 21 + i, E, K, H, S) for i in range(2)]
     bs = [(p[0][0].clone().requires_grad_(), p[0][1], p[0][2].clone().requires_grad_()) for p in probs]
-    two_batch_moe(ep, bs, experts, [w1, w2])  # warm: kernels compiled, buffers made
+    ys = two_batch_moe(ep, bs, experts, [w1, w2])  # warm: kernels compiled, buffers made
+    (ys[0].sum() + ys[1].sum()).backward()
     enable_cuda_sanitizer()
     torch.cuda.set_sync_debug_mode("error")
     try:
