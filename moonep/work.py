@@ -189,6 +189,8 @@ class Overlap:
     def take_dropped(self) -> str | None:
         """Why the collective now running must be refused (a Work was dropped unwaited before this call was
         made), once; else ``None``."""
+        if not self._dropped:  # (the common case, without the lock)
+            return None
         # the worker runs async call `index`; any other thread a call made now, after every queued one
         index = getattr(self._local, "index", None) if on_worker() else self._count
         with self._lock:
