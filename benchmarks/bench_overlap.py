@@ -10,7 +10,8 @@ timed iteration, one after the other (paired timing: a busy machine slows both a
 * ``serial``: the schedule with every call waited at once (``overlap=False``);
 * ``overlapped``: ``overlap=True``;
 * ``comm``: the same step with the experts replaced by a copy of the rows (communication and little else);
-* ``compute``: the experts alone, forward and backward, on both micro-batches' rows (no collective).
+* ``compute``: the experts alone (with their replica fetch), forward and backward, on both micro-batches' rows
+  (no dispatch or combine).
 
 ``efficiency = (serial - overlapped) / min(comm, compute)``: 1 when the shorter of the two is hidden entirely.
 Also, on CUDA, the slowdown of one expert GEMM while a dispatch runs beside it on the communication stream
@@ -47,7 +48,7 @@ def parse(argv=None):
     ap.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ap.add_argument("--tokens", type=int, help="tokens per micro-batch per rank")
     ap.add_argument("--hidden", type=int)
-    ap.add_argument("--experts", type=int, help="experts in all (per rank on CPU: times the ranks)")
+    ap.add_argument("--experts", type=int, help="experts in all (at least one per rank)")
     ap.add_argument("--topk", type=int)
     ap.add_argument("--ffn", type=int, help="SwiGLU intermediate width of one expert")
     ap.add_argument("--dtype", choices=sorted(_DT))
@@ -88,7 +89,7 @@ class Timer:
 def build(args, rt):
     dev, dt = rt.device, _DT[args.dtype]
     R = rt.world_size
-    E = args.experts * R if dev.type == "cpu" and args.experts < R else args.experts
+    E = max(args.experts, R)
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=args.topk, hidden=args.hidden, max_tokens=args.tokens,
                                dtype=dt, tuning=moonep.Tuning(num_sms=args.num_sms) if dev.type == "cuda" else None)
     g = torch.Generator(device="cpu").manual_seed(1234 + rt.rank)
@@ -100,10 +101,12 @@ def build(args, rt):
     w2.requires_grad_()
     pool = moonep.ReplicaPool()
 
-    def experts(h):
-        r1, r2 = pool.fetch(ep, h, [w1, w2], ["w1", "w2"])
-        gate, up = moonep.expert_matmul(h.tokens, h.cu_seqlens, w1, r1).chunk(2, -1)
-        return moonep.expert_matmul(F.silu(gate) * up, h.cu_seqlens, w2, r2)
+    def fetch(h):  # the replica fetch, given to the schedule apart (before the next collective is issued)
+        return pool.fetch(ep, h, [w1, w2], ["w1", "w2"])
+
+    def experts(h, reps):
+        gate, up = moonep.expert_matmul(h.tokens, h.cu_seqlens, w1, reps[0]).chunk(2, -1)
+        return moonep.expert_matmul(F.silu(gate) * up, h.cu_seqlens, w2, reps[1])
 
     def batch():  # Zipf-skewed routing: the planner places replicas, the pool fetches them
         x = torch.randn(args.tokens, args.hidden, generator=g).to(dev, dt)
@@ -114,13 +117,13 @@ def build(args, rt):
         w = torch.softmax(torch.randn(args.tokens, args.topk, generator=g), -1).to(dev)
         return x, idx, w
 
-    return ep, experts, (w1, w2), [batch(), batch()]
+    return ep, fetch, experts, (w1, w2), [batch(), batch()]
 
 
 def main(argv=None) -> int:
     args = parse(argv)
     rt = moonep.init(device=args.device)
-    ep, experts, params, batches = build(args, rt)
+    ep, fetch, experts, params, batches = build(args, rt)
     train = not args.forward_only
     timer = Timer(rt.device)
 
@@ -132,7 +135,7 @@ def main(argv=None) -> int:
             for p in params:
                 p.grad = None
             with torch.set_grad_enabled(train):
-                ys = two_batch_moe(ep, inputs(), expert_fn, params, overlap=overlap)
+                ys = two_batch_moe(ep, inputs(), expert_fn, params, fetch=fetch, overlap=overlap)
                 if train:
                     (ys[0].float().sum() + ys[1].float().sum()).backward()
         return run
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
             p.grad = None
         bs = inputs()
         with torch.set_grad_enabled(train):
-            ys = two_batch_moe(ep, bs, experts, params, overlap=overlap)
+            ys = two_batch_moe(ep, bs, experts, params, fetch=fetch, overlap=overlap)
             if train:
                 (ys[0].float().sum() + ys[1].float().sum()).backward()
         got = [y.detach() for y in ys]
@@ -150,7 +153,7 @@ def main(argv=None) -> int:
             got += [t.grad for x, _, w in bs for t in (x, w)] + [p.grad.clone() for p in params]
         return got
 
-    def copy_rows(h):  # communication and a copy: the schedule without its compute
+    def copy_rows(h, reps):  # communication and a copy: the schedule without its compute
         return h.tokens * 1
 
     held = {}
@@ -160,7 +163,7 @@ def main(argv=None) -> int:
             p.grad = None
         with torch.set_grad_enabled(train):
             for h in held["hs"]:
-                out = experts(h._replace(tokens=h.tokens.detach().requires_grad_(train)))
+                out = experts(h._replace(tokens=h.tokens.detach().requires_grad_(train)), fetch(h))
                 if train:
                     out.float().sum().backward()
 

@@ -19,7 +19,7 @@ import torch
 from ..errors import expect
 
 
-def two_batch_moe(ep, batches, experts, params=(), *, overlap: bool = True) -> list:
+def two_batch_moe(ep, batches, experts, params=(), *, fetch=None, overlap: bool = True) -> list:
     """Run two micro-batches through ``dispatch -> experts -> combine`` with their communication overlapped.
 
     Args:
@@ -31,6 +31,11 @@ def two_batch_moe(ep, batches, experts, params=(), *, overlap: bool = True) -> l
             it makes run in the schedule's order on every rank).  Called once per micro-batch, A then B.
         params: the tensors ``experts`` differentiates (the experts' weights): their gradient, summed over
             the micro-batches, reaches them as any other.
+        fetch: optional ``fetch(h) -> state`` (the replica fetch, :meth:`moonep.ReplicaPool.fetch`), called as
+            soon as a micro-batch's rows are in and before the next collective is issued; ``experts`` is then
+            called as ``experts(h, state)``.  On a GPU the collectives of a device run one after the other, so a
+            fetch inside ``experts`` would wait for the other micro-batch's dispatch: given apart, A's replicas
+            arrive before B's dispatch starts.
         overlap: ``False`` waits for every call at once (the serial schedule; the same bits).
     Returns:
         ``[y_A, y_B]``, ``y_i [s_i, H]`` as :meth:`moonep.ExpertParallel.combine` returns them; differentiable
@@ -43,9 +48,11 @@ def two_batch_moe(ep, batches, experts, params=(), *, overlap: bool = True) -> l
     expect(isinstance(overlap, bool), "overlap", "True or False", repr(overlap))
     params = tuple(params)
     flat = [t for b in batches for t in b]
+    expect(fetch is None or callable(fetch), "fetch", "None or a callable fetch(h) -> state", repr(fetch))
+    run = experts if fetch is not None else (lambda h, state: experts(h))
     if not torch.is_grad_enabled():
-        return _forward(ep, batches, experts, overlap)[0]
-    ys = _TwoBatch.apply(ep, experts, overlap, len(params), *params, *flat)
+        return _forward(ep, batches, run, fetch, overlap)[0]
+    ys = _TwoBatch.apply(ep, run, fetch, overlap, len(params), *params, *flat)
     return list(ys)
 
 
@@ -65,17 +72,20 @@ def _let_go(works: list) -> None:
         w.unguarded()
 
 
-def _forward(ep, batches, experts, overlap: bool):
-    """The forward schedule.  Returns ``(ys, stages)``: per micro-batch ``(h, expert_out, y)``."""
+def _forward(ep, batches, experts, fetch, overlap: bool):
+    """The forward schedule (``experts(h, state)``, ``state`` what ``fetch(h)`` returned or ``None``).  Returns
+    ``(ys, stages)``: per micro-batch ``(h, expert_out, y)``."""
     (xa, ia, wa), (xb, ib, wb) = batches
     works: list = []
     try:
         ha = _waited(ep.dispatch(xa, ia, wa, async_op=True), overlap, works)()
+        sa = fetch(ha) if fetch is not None else None
         hb = _waited(ep.dispatch(xb, ib, wb, async_op=True), overlap, works)  # moves while A's experts compute
-        oa = experts(ha)
+        oa = experts(ha, sa)
         hb = hb()
+        sb = fetch(hb) if fetch is not None else None
         ya = _waited(ep.combine(oa, ha, async_op=True), overlap, works)       # moves while B's experts compute
-        ob = experts(hb)
+        ob = experts(hb, sb)
         ya = ya()
         yb = _waited(ep.combine(ob, hb, async_op=True), overlap, works)()
     except BaseException:
@@ -88,21 +98,21 @@ class _TwoBatch(torch.autograd.Function):
     """The schedule under autograd: each stage a graph of its own from detached inputs, joined by hand."""
 
     @staticmethod
-    def forward(ctx, ep, experts, overlap, n_params, *args):
+    def forward(ctx, ep, experts, fetch, overlap, n_params, *args):
         params, flat = args[:n_params], args[n_params:]
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in flat]
             batches = [leaves[0:3], leaves[3:6]]
             stages = {}
 
-            def staged_experts(h):  # experts from the rows as a leaf: their backward is a stage of its own
+            def staged_experts(h, state):  # experts from the rows as a leaf: their backward is a stage of its own
                 i = len(stages)
                 rows = h.tokens.detach().requires_grad_(h.tokens.requires_grad)
-                out = experts(h._replace(tokens=rows))
+                out = experts(h._replace(tokens=rows), state)
                 stages[i] = (h.tokens, rows, out)
                 return out.detach().requires_grad_(out.requires_grad)
 
-            ys, parts = _forward(ep, batches, staged_experts, overlap)
+            ys, parts = _forward(ep, batches, staged_experts, fetch, overlap)
         ctx.ep, ctx.overlap, ctx.params = ep, overlap, params
         ctx.batches, ctx.parts, ctx.stages = batches, parts, stages
         return tuple(y.detach() for y in ys)
@@ -147,7 +157,7 @@ class _TwoBatch(torch.autograd.Function):
         db = dispatch_back(1, eb[0], gb[1] if len(gb) > 1 else None)
         (gxa, gwa), (gxb, gwb) = da(), db()
         gparams = [_add(a, b) for a, b in zip(ea[1:], eb[1:])]
-        return (None, None, None, None, *gparams, gxa, None, gwa, gxb, None, gwb)
+        return (None, None, None, None, None, *gparams, gxa, None, gwa, gxb, None, gwb)
 
 
 def _grad(outputs, inputs, grads):

@@ -78,7 +78,8 @@ def case_async_calls_match_sync_bitwise(rt):
 
 
 def case_two_batch_schedule_is_bitwise_serial(rt):
-    """two_batch_moe: outputs and gradients bitwise equal to the plain serial calls and to overlap=False, on
+    """two_batch_moe: outputs and gradients bitwise equal to the plain serial calls, to overlap=False and with the
+    replica fetch given apart (fetch=), on
     adversarial routings (one hot expert, a cold rank, Zipf), a rank with no tokens and both weight modes; the
     values match the dense float64 reference."""
     R = rt.world_size
@@ -94,6 +95,11 @@ def case_two_batch_schedule_is_bitwise_serial(rt):
             w1 = W1[home].to(rt.device, _dt(rt)).requires_grad_()
             w2 = W2[home].to(rt.device, _dt(rt)).requires_grad_()
             experts = _swiglu_experts(ep, pool, w1, w2)
+
+            def computed(h, r1, r2):
+                g, u = moonep.expert_matmul(h.tokens, h.cu_seqlens, w1, r1).chunk(2, -1)
+                return moonep.expert_matmul(F.silu(g) * u, h.cu_seqlens, w2, r2)
+
             probs = [_problem(rt, 11 + i, E, K, H, S, kind) for i in range(2)]
 
             def run(mode):
@@ -104,13 +110,16 @@ def case_two_batch_schedule_is_bitwise_serial(rt):
                     for x, i, w in bs:
                         h = ep.dispatch(x, i, w)
                         ys.append(ep.combine(experts(h), h))
+                elif mode == "fetch apart":  # the replicas fetched before the next collective is issued
+                    ys = two_batch_moe(ep, bs, lambda h, reps: computed(h, *reps), [w1, w2],
+                                       fetch=lambda h: pool.fetch(ep, h, [w1, w2], ["w1", "w2"]))
                 else:
                     ys = two_batch_moe(ep, bs, experts, [w1, w2], overlap=mode == "overlap")
                 sum((y * p[0][3]).sum() for y, p in zip(ys, probs)).backward()
                 return [y.detach() for y in ys] + [t.grad for x, _, w in bs for t in (x, w)] + [w1.grad, w2.grad]
 
             ref = run("plain")
-            for mode in ("serial", "overlap"):
+            for mode in ("serial", "overlap", "fetch apart"):
                 got = run(mode)
                 for i, (a, b) in enumerate(zip(ref, got)):
                     assert torch.equal(a, b), (rt.rank, transport, kind, mode, i, float((a - b).abs().max()))
