@@ -6,8 +6,8 @@
 
 One :class:`Overlap` per :class:`moonep.ExpertParallel` runs its asynchronous calls, in the order they were made:
 
-- **CUDA**: the call's kernels are queued on the instance's communication stream, after the caller's stream
-  (or after ``previous_event``).  ``wait()`` makes the current stream wait for them: stream order, no host
+- **CUDA**: the call's kernels are queued on the device's communication stream (one per device, see
+  :class:`Chain`), after the caller's stream (or after ``previous_event``).  ``wait()`` makes the current stream wait for them: stream order, no host
   sync.  Tensors that cross streams are recorded on the stream that reads them (``record_stream``), so the
   caching allocator never hands their memory out while a kernel on the other stream still uses it.
 - **Host backends** (CPU tensors, MPI or gloo): the call runs on the process's one worker thread, which
@@ -17,8 +17,8 @@ One :class:`Overlap` per :class:`moonep.ExpertParallel` runs its asynchronous ca
   them (the call-order check compares them across instances too).
 
 The order guard: a :class:`Work` dropped without ``wait()`` is a bug in the caller (its result was never
-waited for).  The instance's next collective is then refused on every rank, naming the call, and the one
-after it works.
+waited for).  The instance's first collective made after that point is then refused on every rank, naming
+the call, and the one after it works.
 """
 from __future__ import annotations
 
@@ -155,7 +155,9 @@ _CHAINS: dict = {}
 
 
 def chain(device: torch.device) -> Chain:
-    """The :class:`Chain` of ``device`` (one per process and device)."""
+    """The :class:`Chain` of ``device`` (one per process and device: ``cuda`` means the current one)."""
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     c = _CHAINS.get(device)
     if c is None:
         c = _CHAINS[device] = Chain(device)
