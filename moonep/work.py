@@ -22,6 +22,7 @@ the call, and the one after it works.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -220,10 +221,12 @@ class Overlap:
             raise ValueError(f"previous_event: expected None on a {self.device.type} device (CUDA events order "
                              f"GPU streams only), got {type(previous_event).__name__}")
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # activation checkpointing's
 
-        def run():  # the caller's autograd modes are thread-local: carried into the worker
+        def run():  # the caller's autograd modes and saved-tensor hooks are thread-local: carried into the worker
             self._local.index = index
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            saving = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), saving:
                 return fn()
 
         return Work(self, op, index, future=_WORKER.submit(run))

@@ -270,6 +270,32 @@ def case_close_and_synchronize_finish_queued_calls(rt):
     last.wait()
 
 
+def case_async_calls_under_activation_checkpointing(rt):
+    """An async dispatch and combine inside torch.utils.checkpoint (non-reentrant; the worker thread gets the
+    checkpoint's saved-tensor hooks): outputs and gradients are the plain synchronous calls' bits."""
+    from torch.utils.checkpoint import checkpoint
+
+    ep = _ep(rt, transports(rt)[0])
+    (x, idx, w, gy), _, _ = _problem(rt, 6, ep.num_experts, 2, 8, 12)
+
+    def layer(x, w, async_op):
+        if async_op:
+            h = ep.dispatch(x, idx, w, async_op=True).wait()
+            return ep.combine(torch.tanh(h.tokens) * 2, h, async_op=True).wait()
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(torch.tanh(h.tokens) * 2, h)
+
+    got = []
+    for mode in ("plain", "checkpointed async"):
+        xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = layer(xl, wl, False) if mode == "plain" else checkpoint(layer, xl, wl, True, use_reentrant=False)
+        (y * gy).sum().backward()
+        got.append([y.detach(), xl.grad, wl.grad])
+    for a, b in zip(*got):
+        assert torch.equal(a, b), rt.rank
+    ep.close()
+
+
 def case_async_pool_fetch_matches_sync(rt):
     """ReplicaPool.fetch(async_op=True): the replicas arrive while the caller goes on; expert_matmul's outputs
     and gradients are the synchronous fetch's bits."""
