@@ -320,8 +320,9 @@ class ExpertParallel:
                               f"be used any more: build a new ExpertParallel{self._rebuild_hint()}")
         self._overlap.join()  # a call made beside the worker thread runs after the calls queued on it
         checked = not backward or self._backend.checks_backward_order
-        if checked and error is None:  # the order guard: a Work dropped unwaited refuses this call everywhere
-            error = self._overlap.take_dropped()
+        if checked:  # the order guard: a Work dropped unwaited refuses this call everywhere (taken on every rank)
+            dropped = self._overlap.take_dropped()
+            error = error or dropped
         try:
             if checked:
                 got = self._guard.enter(op, exchange=self._backend.order_exchange, refused=error is not None,

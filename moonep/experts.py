@@ -694,11 +694,13 @@ class ReplicaPool:
             expect(isinstance(w, torch.Tensor), "home_weight", "a torch.Tensor", type(w).__name__)
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
+        if async_op not in (None, True, False) or (async_op and torch.compiler.is_compiling()):
+            want = "None, True or False" + (" (False under torch.compile)" if async_op is True else "")
+            ep.refuse("prefetch", f"async_op: expected {want}, got {async_op!r}")  # on every rank
         if torch.compiler.is_compiling():  # one node of the graph (fresh slots: a compiled graph holds its own)
             ep._check_routed(h)
             out = fetch_op(h, weights, names)
             return out if many else out[0]
-        expect(async_op in (None, True, False), "async_op", "None, True or False", repr(async_op))
         return self._fetch(ep, h, weights, names, many, async_op)
 
     @torch.compiler.disable  # eager: one graph break in compiled code

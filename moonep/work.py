@@ -22,7 +22,6 @@ the call, and the one after it works.
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -136,14 +135,22 @@ class Chain:
 
     def after(self, stream) -> None:
         """A collective was queued on ``stream``: the next one waits for it."""
+        self.multi = True
+        if torch.cuda.is_current_stream_capturing():
+            # inside a CUDA graph capture the captured streams' own order holds (one stream, or a fork and
+            # join); an event recorded here must not be waited for outside the capture
+            self.event = None
+            return
         ev = torch.cuda.Event()
         ev.record(stream)
-        self.event, self.multi = ev, True
+        self.event = ev
 
     def join(self) -> None:
-        """The current stream waits for the last collective (when one is pending)."""
+        """The current stream waits for the last collective (when one is pending).  Not while capturing a CUDA
+        graph: an event from before the capture may not be waited for inside it, and ``torch.cuda.graph``
+        synchronizes the device before it captures."""
         ev, self.event = self.event, None
-        if ev is not None:
+        if ev is not None and not torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_event(ev)
 
     def comm_stream(self):
@@ -165,6 +172,9 @@ def chain(device: torch.device) -> Chain:
     return c
 
 
+_RUNNING = threading.local()  # on the worker: (the Overlap, the index) of the async call it runs
+
+
 def on_worker() -> bool:
     """Whether this thread is the worker (its calls run in queue order already)."""
     return threading.current_thread().name.startswith("moonep-overlap")
@@ -180,7 +190,6 @@ class Overlap:
         self._dropped: list[tuple[int, str]] = []
         self._count = 0  # async calls made so far: a call's index
         self._lock = threading.RLock()  # (a finalizer may run inside a locked section of the same thread)
-        self._local = threading.local()  # the worker's: the index of the call it runs
 
     # -- the order guard -------------------------------------------------------------------------------
     def dropped(self, index: int, op: str) -> None:
@@ -194,8 +203,9 @@ class Overlap:
         made), once; else ``None``."""
         if not self._dropped:  # (the common case, without the lock)
             return None
-        # the worker runs async call `index`; any other thread a call made now, after every queued one
-        index = getattr(self._local, "index", None) if on_worker() else self._count
+        # the worker runs async call `index` of its instance; any other call is made now, after every queued one
+        running = getattr(_RUNNING, "call", None)
+        index = running[1] if running is not None and running[0] is self else self._count
         with self._lock:
             ops = [op for at, op in self._dropped if at <= index]
             if not ops:
@@ -214,20 +224,32 @@ class Overlap:
     def submit(self, op: str, fn, inputs=(), previous_event=None) -> Work:
         """Run ``fn()`` (one collective call of the instance) asynchronously; returns its :class:`Work`.
         ``inputs``: the caller's tensors that the call reads (CUDA: recorded on the communication stream)."""
-        index, self._count = self._count, self._count + 1
+        with self._lock:
+            index, self._count = self._count, self._count + 1
         if self.device.type == "cuda":
             return self._submit_cuda(op, index, fn, inputs, previous_event)
         if previous_event is not None:
             raise ValueError(f"previous_event: expected None on a {self.device.type} device (CUDA events order "
                              f"GPU streams only), got {type(previous_event).__name__}")
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # saved-tensor hooks (activation checkpointing) pair what is saved by the order of the saves: a call
+            # beside the caller's own work would interleave them, so it runs here, in order (every rank alike)
+            self.join()
+            fut: Future = Future()
+            try:
+                fut.set_result(fn())
+            except Exception as exc:  # raised by wait(), as from the worker (an interrupt propagates at once)
+                fut.set_exception(exc)
+            return Work(self, op, index, future=fut)
         grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)  # activation checkpointing's
 
-        def run():  # the caller's autograd modes and saved-tensor hooks are thread-local: carried into the worker
-            self._local.index = index
-            saving = torch.autograd.graph.saved_tensors_hooks(*hooks) if hooks else contextlib.nullcontext()
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad), saving:
-                return fn()
+        def run():  # the caller's autograd modes are thread-local: carried into the worker
+            _RUNNING.call = (self, index)
+            try:
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    return fn()
+            finally:
+                _RUNNING.call = None
 
         return Work(self, op, index, future=_WORKER.submit(run))
 

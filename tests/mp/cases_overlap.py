@@ -271,8 +271,8 @@ def case_close_and_synchronize_finish_queued_calls(rt):
 
 
 def case_async_calls_under_activation_checkpointing(rt):
-    """An async dispatch and combine inside torch.utils.checkpoint (non-reentrant; the worker thread gets the
-    checkpoint's saved-tensor hooks): outputs and gradients are the plain synchronous calls' bits."""
+    """An async dispatch and combine inside torch.utils.checkpoint (non-reentrant: with its saved-tensor hooks
+    active the calls run in order on the caller's thread): outputs and gradients are the plain calls' bits."""
     from torch.utils.checkpoint import checkpoint
 
     ep = _ep(rt, transports(rt)[0])
@@ -323,6 +323,49 @@ def case_async_pool_fetch_matches_sync(rt):
     h = ep.dispatch(x, idx, w)
     pool.fetch(ep, h, [w1], ["w1"], async_op=True)  # never read: no refusal (only Replicas.weights reads it)
     ep.dispatch(x, idx, w)
+    ep.close()
+
+
+def case_cuda_graph_capture_after_async_calls(rt):
+    """CUDA: after async calls and a side-stream pool fetch (collectives on several streams from then on), a
+    dispatch and combine still capture into a CUDA graph, and its replays on new inputs give the eager bits."""
+    if rt.device.type != "cuda":
+        raise SkipCase("needs CUDA")
+    from tests.harness.cuda_graph import capture
+
+    E, K, H, S = 2 * rt.world_size, 2, 8, 12
+    ep = _ep(rt, transports(rt)[0], E, K, H, S, zero_copy=True)
+    pool = moonep.ReplicaPool()
+    w1 = torch.randn(ep.epn, H, H, device=rt.device)
+    probs = [_problem(rt, 30 + i, E, K, H, S) for i in range(3)]
+    (x, idx, w, _), _, _ = probs[0]
+    h = ep.dispatch(x, idx, w, async_op=True).wait()
+    pool.fetch(ep, h, w1, "w1").weights()  # the pool's side stream
+    assert ep._streams
+    sx, sidx, sw = (torch.zeros(S, H, device=rt.device), torch.full((S, K), -1, device=rt.device),
+                    torch.zeros(S, K, device=rt.device))
+
+    def load(p):
+        (x, idx, w, _), _, _ = p
+        n = x.shape[0]
+        sx.zero_()
+        sidx.fill_(-1)
+        sw.zero_()
+        sx[:n], sidx[:n], sw[:n] = x, idx, w
+
+    def step():
+        h = ep.dispatch(sx, sidx, sw)
+        return ep.combine(torch.tanh(h.tokens) * 2, h)
+
+    load(probs[0])
+    with torch.no_grad():
+        graph, y = capture(step)
+        for p in probs + probs[::-1]:
+            load(p)
+            graph.replay()
+            got = y.clone()
+            assert torch.equal(got, step()), rt.rank
+    torch.cuda.synchronize()
     ep.close()
 
 
