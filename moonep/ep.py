@@ -643,8 +643,8 @@ class ExpertParallel:
 
         Args:
             async_op: ``True``: return a :class:`moonep.Work` at once; ``work.wait()`` returns the call's result
-                (see :mod:`moonep.work`).  On CUDA the call's kernels run on the instance's communication
-                stream, on the host backends on its worker thread, in the order the calls were made.
+                (see :mod:`moonep.work`).  On CUDA the call's kernels run on the device's communication
+                stream, on the host backends on the process's worker thread, in the order the calls were made.
             previous_event: CUDA only, a ``torch.cuda.Event`` the call's kernels wait for (default: the current
                 stream's work so far).  ``None`` on CPU tensors.
         Bad values are refused on every rank (``ValueError``); so is the call after a :class:`moonep.Work` was

@@ -7,8 +7,8 @@
 One :class:`Overlap` per :class:`moonep.ExpertParallel` runs its asynchronous calls, in the order they were made:
 
 - **CUDA**: the call's kernels are queued on the device's communication stream (one per device, see
-  :class:`Chain`), after the caller's stream (or after ``previous_event``).  ``wait()`` makes the current stream wait for them: stream order, no host
-  sync.  Tensors that cross streams are recorded on the stream that reads them (``record_stream``), so the
+  :class:`Chain`), after the caller's stream (or after ``previous_event``).  ``wait()`` makes the current
+  stream wait for them: stream order, no host sync.  Tensors that cross streams are recorded on the stream that reads them (``record_stream``), so the
   caching allocator never hands their memory out while a kernel on the other stream still uses it.
 - **Host backends** (CPU tensors, MPI or gloo): the call runs on the process's one worker thread, which
   waits in the transport's polls with the GIL released.  ``wait()`` blocks until the call finished and raises

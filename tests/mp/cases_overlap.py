@@ -370,9 +370,9 @@ def case_cuda_graph_capture_after_async_calls(rt):
 
 
 def case_cuda_streams_race_free_and_no_host_sync(rt):
-    """(Last: the sanitizer stays on.)  CUDA: the overlapped schedule, forward and backward, under torch's CUDA stream sanitizer (reports a
-    tensor used on two streams without an order between them; it sees torch's kernels, not CuPy's) and
-    ``set_sync_debug_mode("error")`` (a host sync raises)."""
+    """(Last: the sanitizer stays on.)  CUDA: the overlapped schedule, forward and backward, under torch's CUDA
+    stream sanitizer (reports a tensor used on two streams without an order between them; it sees torch's
+    kernels, not CuPy's) and ``set_sync_debug_mode("error")`` (a host sync raises)."""
     if rt.device.type != "cuda":
         raise SkipCase("needs CUDA")
     from torch.cuda._sanitizer import enable_cuda_sanitizer
