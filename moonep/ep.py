@@ -318,7 +318,7 @@ class ExpertParallel:
                               f"this ExpertParallel failed or was left part way on this rank ({self._left[:300]}); "
                               "its peers may still be waiting in it or sending into it, so this instance cannot "
                               f"be used any more: build a new ExpertParallel{self._rebuild_hint()}")
-        self._overlap.join()  # a call made beside the worker thread runs after the calls queued on it
+        join_host()  # a call made beside the worker thread runs after the calls queued on it
         checked = not backward or self._backend.checks_backward_order
         if checked:  # the order guard: a Work dropped unwaited refuses this call everywhere (taken on every rank)
             dropped = self._overlap.take_dropped()
@@ -420,7 +420,7 @@ class ExpertParallel:
     def synchronize(self) -> None:
         """Wait for this rank's queued work (``async_op=True`` calls included) and raise any error the NVLink
         kernels recorded."""
-        self._overlap.join()
+        join_host()
         try:
             self._backend.synchronize()
         except MoonepError:
@@ -432,8 +432,7 @@ class ExpertParallel:
         the kernels recorded.  Idempotent.  Later collective calls raise ``ValueError``."""
         if self._closed:
             return
-        if getattr(self, "_overlap", None) is not None:
-            self._overlap.close()  # the queued async_op=True calls finish first
+        join_host()  # the queued async_op=True calls finish first
         self._closed = True
         if hasattr(self, "op_id"):  # (a constructor that failed registered none)
             op_state.drop_steps(self.op_id)

@@ -8,8 +8,9 @@ One :class:`Overlap` per :class:`moonep.ExpertParallel` runs its asynchronous ca
 
 - **CUDA**: the call's kernels are queued on the device's communication stream (one per device, see
   :class:`Chain`), after the caller's stream (or after ``previous_event``).  ``wait()`` makes the current
-  stream wait for them: stream order, no host sync.  Tensors that cross streams are recorded on the stream that reads them (``record_stream``), so the
-  caching allocator never hands their memory out while a kernel on the other stream still uses it.
+  stream wait for them: stream order, no host sync.  Tensors that cross streams are recorded on the stream
+  that reads them (``record_stream``), so the caching allocator never hands their memory out while a kernel
+  on the other stream still uses it.
 - **Host backends** (CPU tensors, MPI or gloo): the call runs on the process's one worker thread, which
   waits in the transport's polls with the GIL released.  ``wait()`` blocks until the call finished and raises
   what it raised.  Every collective made from another thread (a synchronous call, a backward pass) first
@@ -216,25 +217,19 @@ class Overlap:
                 "on every rank and the next one runs")
 
     # -- running calls ---------------------------------------------------------------------------------
-    def join(self) -> None:
-        """Wait (without raising) for the queued host calls, unless this is the worker thread itself: a call made
-        from any other thread runs after them."""
-        _WORKER.join()
-
     def submit(self, op: str, fn, inputs=(), previous_event=None) -> Work:
         """Run ``fn()`` (one collective call of the instance) asynchronously; returns its :class:`Work`.
-        ``inputs``: the caller's tensors that the call reads (CUDA: recorded on the communication stream)."""
+        ``inputs``: the caller's tensors that the call reads (CUDA: recorded on the communication stream);
+        ``previous_event``: a ``torch.cuda.Event`` or ``None`` (``ExpertParallel._launch`` refused anything else
+        on every rank)."""
         with self._lock:
             index, self._count = self._count, self._count + 1
         if self.device.type == "cuda":
             return self._submit_cuda(op, index, fn, inputs, previous_event)
-        if previous_event is not None:
-            raise ValueError(f"previous_event: expected None on a {self.device.type} device (CUDA events order "
-                             f"GPU streams only), got {type(previous_event).__name__}")
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             # saved-tensor hooks (activation checkpointing) pair what is saved by the order of the saves: a call
             # beside the caller's own work would interleave them, so it runs here, in order (every rank alike)
-            self.join()
+            join_host()
             fut: Future = Future()
             try:
                 fut.set_result(fn())
@@ -257,8 +252,6 @@ class Overlap:
         caller = torch.cuda.current_stream(self.device)
         comm = self.chain.comm_stream()
         if previous_event is not None:
-            if not isinstance(previous_event, torch.cuda.Event):
-                raise ValueError(f"previous_event: expected a torch.cuda.Event, got {type(previous_event).__name__}")
             comm.wait_event(previous_event)
         else:  # the caller's work so far (what made the inputs) comes first
             comm.wait_stream(caller)
@@ -270,7 +263,3 @@ class Overlap:
             if t.is_cuda:
                 t.record_stream(comm)
         return Work(self, op, index, result=result, event=event)
-
-    def close(self) -> None:
-        """Finish the queued calls (the instance is being closed)."""
-        self.join()

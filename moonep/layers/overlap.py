@@ -103,13 +103,12 @@ class _TwoBatch(torch.autograd.Function):
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t for t in flat]
             batches = [leaves[0:3], leaves[3:6]]
-            stages = {}
+            stages = []  # per micro-batch, A then B: (the dispatched rows, their leaf, the experts' output)
 
             def staged_experts(h, state):  # experts from the rows as a leaf: their backward is a stage of its own
-                i = len(stages)
                 rows = h.tokens.detach().requires_grad_(h.tokens.requires_grad)
                 out = experts(h._replace(tokens=rows), state)
-                stages[i] = (h.tokens, rows, out)
+                stages.append((h.tokens, rows, out))
                 return out.detach().requires_grad_(out.requires_grad)
 
             ys, parts = _forward(ep, batches, staged_experts, fetch, overlap)
@@ -129,14 +128,14 @@ class _TwoBatch(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, gya, gyb, works):
         overlap, params, sub = ctx.overlap, ctx.params, ctx.ep._overlap.submit
-    
+
         def combine_back(i, gy):  # combine.backward: gy -> (g_out, g_weights)
             h, out, y = ctx.parts[i]
             ins = [out] + ([h.weights] if h.weights.requires_grad and not h.scaled else [])
             return _waited(sub("combine.backward", lambda: _grad([y], ins, [gy]), [gy]), overlap, works)
 
         def experts_back(i, g_out):  # experts.backward: g_out -> (g_rows, g_params...)
-            tokens, rows, out = ctx.stages[i]
+            _, rows, out = ctx.stages[i]
             return _grad([out], [rows, *params], [g_out])
 
         def dispatch_back(i, g_rows, g_w):  # dispatch.backward: (g_rows, g_weights) -> (g_x, g_topk_weights)
