@@ -38,7 +38,7 @@ from .handles import Dispatched, Step, check_issued, names_key
 from .op_state import register_instance
 from .runtime import Runtime, detect_launcher, init, local_runtime
 from .transport import make_transport
-from .work import Overlap, Work, join_host
+from .work import CompiledWork, Overlap, Work, join_host
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 TRANSPORTS = ("auto", "mpi", "torch", "nvlink", "local")
@@ -140,13 +140,19 @@ def prefetch_grad(ep, plan, g):
         return ep._backend.reduce_grad(plan, g.contiguous())
 
 
-def call_combine(expert_out, h: Dispatched):
+def call_combine(expert_out, h: Dispatched, traced_async: bool = False):
     """``moonep::combine`` of ``h``'s step and instance (``ExpertParallel.combine`` after its checks, and
-    ``moonep.ops.combine``): ``expert_out [cap, H]`` -> ``[s, H]``."""
+    ``moonep.ops.combine``): ``expert_out [cap, H]`` -> ``[s, H]`` (``traced_async``: ``moonep::combine_async``,
+    a :class:`moonep.work.CompiledWork` of it)."""
     # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
     weights = h.weights.detach() if h.scaled else h.weights
-    return torch.ops.moonep.combine.default(expert_out, weights, h.step, h.op_id, h.num_tokens,
-                                            torch.compiler.is_compiling(), 0)
+    op = torch.ops.moonep.combine_async if traced_async else torch.ops.moonep.combine
+    out = op.default(expert_out, weights, h.step, h.op_id, h.num_tokens, torch.compiler.is_compiling(), 0)
+    return CompiledWork("combine", [out[0]], out[1], h.op_id, _first) if traced_async else out
+
+
+def _first(outs):
+    return outs[0]
 
 
 def call_prefetch(h: Dispatched, local_weight):
@@ -553,8 +559,13 @@ class ExpertParallel:
         """
         if async_op is not False or previous_event is not None:
             return self._launch("dispatch", async_op, previous_event,
-                                lambda: self.dispatch(x, topk_idx, topk_weights, num_global_tokens=num_global_tokens),
+                                lambda traced: self._dispatch(x, topk_idx, topk_weights, num_global_tokens, traced),
                                 (x, topk_idx, topk_weights))
+        return self._dispatch(x, topk_idx, topk_weights, num_global_tokens, False)
+
+    def _dispatch(self, x, topk_idx, topk_weights, num_global_tokens, traced_async: bool):
+        """:meth:`dispatch` (``traced_async``: as ``moonep::dispatch_async``, returning a
+        :class:`moonep.work.CompiledWork`)."""
         xs, x_scales = (x[0], x[1]) if _tensor_pair(x) else (x, None)
         err, graph = None, torch.compiler.is_compiling()
         given = (xs, topk_idx, topk_weights) + (() if x_scales is None else (x_scales,))
@@ -565,15 +576,23 @@ class ExpertParallel:
             err = _local_error(expect_int, num_global_tokens, "num_global_tokens", 0, 2 ** 62)
         if err is not None:
             self.refuse("dispatch", err)
-        out = torch.ops.moonep.dispatch.default(
+        op = torch.ops.moonep.dispatch_async if traced_async else torch.ops.moonep.dispatch
+        out = op.default(
             xs, topk_idx, topk_weights, x_scales, -1 if num_global_tokens is None else int(num_global_tokens),
             self.op_id, self.capacity, self.num_experts, self.world_size, self._backend.token_state_words,
             self.fp8, self.dtype, graph, 0)
+        if traced_async:
+            return CompiledWork("dispatch", list(out[:-1]), out[-1], self.op_id,
+                                lambda outs: self._dispatched(outs, xs.shape[0]))
+        return self._dispatched(out, xs.shape[0])
+
+    def _dispatched(self, out, num_tokens: int) -> Dispatched:
+        """The :class:`Dispatched` of ``moonep::dispatch``'s outputs ``out``."""
         tokens, weights, scaled = out[0], out[1], self.apply_weights == "dispatch"
         if scaled:  # the op moved them unscaled: scaled here, where autograd sees the product
             tokens = scale_rows(tokens, weights)
         fp8_parts = (out[8], out[9] if out[9].dim() == 2 else None) if self.fp8 else (None, None)
-        return Dispatched(tokens, weights, *out[2:8], self.op_id, xs.shape[0], scaled, *fp8_parts, self.rank)
+        return Dispatched(tokens, weights, *out[2:8], self.op_id, num_tokens, scaled, *fp8_parts, self.rank)
 
     def _dispatch_body(self, x, topk_idx, topk_weights, x_scales, ngt: int, tracked: int, graph: bool):
         """The body of ``moonep::dispatch``: check, agree with the peers, plan, move the rows.
@@ -646,6 +665,8 @@ class ExpertParallel:
                 stream, on the host backends on the process's worker thread, in the order the calls were made.
             previous_event: CUDA only, a ``torch.cuda.Event`` the call's kernels wait for (default: the current
                 stream's work so far).  ``None`` on CPU tensors.
+            call: ``call(traced_async)``; ``traced_async`` (under ``torch.compile``): the op's async form,
+                returning a :class:`moonep.work.CompiledWork` (see :mod:`moonep.ops_async`).
         Bad values are refused on every rank (``ValueError``); so is the call after a :class:`moonep.Work` was
         dropped without ``wait()``."""
         err = None
@@ -656,17 +677,27 @@ class ExpertParallel:
                    f"got {type(previous_event).__name__}")
         elif previous_event is not None and not isinstance(previous_event, torch.cuda.Event):
             err = f"previous_event: expected None or a torch.cuda.Event, got {type(previous_event).__name__}"
-        elif torch.compiler.is_compiling() and async_op:
-            err = "async_op: expected False under torch.compile (the compiled graph orders its own streams)"
+        elif previous_event is not None and torch.compiler.is_compiling():
+            err = ("previous_event: expected None under torch.compile (the compiled graph orders its streams), got "
+                   f"{type(previous_event).__name__}")
         if err is not None:
             self._refuse(op, err, backward)
         if not async_op:
             torch.cuda.current_stream(self.device).wait_event(previous_event)
-            return call()
+            return call(False)
+        if torch.compiler.is_compiling():  # the op's async form and moonep::wait_work (moonep/ops_async.py)
+            return call(True)
         self._async_used = True
         if self.device.type == "cuda" and not self._streams:  # the communication stream joins: from now on
             self.queued_on(torch.cuda.current_stream(self.device))  # every collective records its end
-        return self._overlap.submit(op, call, inputs, previous_event)
+        return self._overlap.submit(op, lambda: call(False), inputs, previous_event)
+
+    def _start_async(self, op: str, fn, empty_outputs, inputs, mutated: list):
+        """The body of ``moonep::<op>_async``: :meth:`moonep.work.Overlap.start_compiled` of ``fn()``."""
+        self._async_used = True
+        if self.device.type == "cuda" and not self._streams:  # as _launch: every collective records its end
+            self.queued_on(torch.cuda.current_stream(self.device))
+        return self._overlap.start_compiled(op, fn, empty_outputs, inputs, mutated)
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:
@@ -725,12 +756,15 @@ class ExpertParallel:
         The op ``moonep::combine``, eagerly and as one node of a ``torch.compile`` graph.
         """
         if async_op is not False or previous_event is not None:
-            return self._launch("combine", async_op, previous_event, lambda: self.combine(expert_out, h),
-                                (expert_out, h))
+            return self._launch("combine", async_op, previous_event,
+                                lambda traced: self._combine(expert_out, h, traced), (expert_out, h))
+        return self._combine(expert_out, h, False)
+
+    def _combine(self, expert_out, h, traced_async: bool):
         err = self._handle_error(h, expert_out=expert_out)
         if err is not None:
             self.refuse("combine", err)
-        return call_combine(expert_out, h)
+        return call_combine(expert_out, h, traced_async)
 
     def _combine_body(self, expert_out, weights, token, tracked: int, graph: bool):
         """The body of ``moonep::combine``: ``expert_out [cap, H]`` -> ``[s, H]`` (``tracked``: bit 0, autograd
@@ -862,8 +896,11 @@ class ExpertParallel:
         ``async_op``, ``previous_event``: see :meth:`_launch`."""
         if async_op is not False or previous_event is not None:
             return self._launch("prefetch.backward" if in_backward else "reduce_grad", async_op, previous_event,
-                                lambda: self.reduce_replicas(h, home_grad, replica_grad, in_backward=in_backward),
+                                lambda traced: self._reduce_replicas(h, home_grad, replica_grad, in_backward, traced),
                                 (h, home_grad, replica_grad), backward=in_backward)
+        return self._reduce_replicas(h, home_grad, replica_grad, in_backward, False)
+
+    def _reduce_replicas(self, h, home_grad, replica_grad, in_backward: bool, traced_async: bool):
         if isinstance(h, Step):  # inside an op's body: the step is at hand
             return self._reduce_body(home_grad, replica_grad, h, in_backward)
         op = "prefetch.backward" if in_backward else "reduce_grad"
@@ -871,6 +908,9 @@ class ExpertParallel:
         if err is not None:
             self._refuse(op, err, in_backward)
         home = home_grad if in_backward else home_grad.detach().clone()
+        if traced_async:
+            work = torch.ops.moonep.reduce_replicas_async.default(home, replica_grad, h.step, h.op_id, in_backward)
+            return CompiledWork("reduce_grad", [home], work, h.op_id, _first)
         torch.ops.moonep.reduce_replicas.default(home, replica_grad, h.step, h.op_id, in_backward)
         return home
 
@@ -915,11 +955,17 @@ class ExpertParallel:
         ``async_op``, ``previous_event``: see :meth:`_launch`.
         """
         if async_op is not False or previous_event is not None:
-            return self._launch("reduce_grad", async_op, previous_event, lambda: self.reduce_grad(h, grad_view),
-                                (h, grad_view))
+            return self._launch("reduce_grad", async_op, previous_event,
+                                lambda traced: self._reduce_grad(h, grad_view, traced), (h, grad_view))
+        return self._reduce_grad(h, grad_view, False)
+
+    def _reduce_grad(self, h, grad_view, traced_async: bool):
         err = self._handle_error(h, grad_view=grad_view)
         if err is not None:
             self.refuse("reduce_grad", err)
+        if traced_async:
+            out, work = torch.ops.moonep.reduce_grad_async.default(grad_view, h.step, h.op_id)
+            return CompiledWork("reduce_grad", [out], work, h.op_id, _first)
         return torch.ops.moonep.reduce_grad.default(grad_view, h.step, h.op_id)
 
     def _reduce_grad_body(self, grad_view, token):

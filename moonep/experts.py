@@ -40,6 +40,7 @@ from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
 from .op_state import instance, replicas_id
 from .replicas import track_zero_slots
+from .work import CompiledWork
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once: the loop from then on
@@ -308,6 +309,7 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
                type(bias_replicas).__name__)
     a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
     if kept:
+        replicas, bias_replicas = _ready(replicas), bias_replicas if bias is None else _ready(bias_replicas)
         return call_expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
                                   None if bias is None else bias_replicas.replicas, cu_seqlens)
     return _pool_matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas)
@@ -380,7 +382,7 @@ def expert_bias(out: torch.Tensor, cu_seqlens: torch.Tensor, home_bias: torch.Te
         ``home_bias`` (the replica rows' bias gradient is added at home, collective in the backward).
     """
     if isinstance(replicas, Fetched):  # compiled: expert_matmul(..., bias=) keeps it in the graph; this breaks it
-        replicas = _eager_replicas(replicas)
+        replicas = _eager_replicas(_ready(replicas))
     expect(isinstance(replicas, Replicas) and replicas.home is home_bias, "replicas",
            "the Replicas that ReplicaPool.fetch returned for this home_bias", type(replicas).__name__)
     expect(home_bias.dim() == 2 and out.dim() == 2 and home_bias.shape[1] == out.shape[1], "home_bias",
@@ -472,7 +474,7 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
         backward).
     """
     # a compiled fetch's replicas: the module calls run eagerly (one graph break each)
-    replicas = {n: _eager_replicas(r) if isinstance(r, Fetched) else r for n, r in replicas.items()}
+    replicas = {n: _eager_replicas(_ready(r)) if isinstance(r, Fetched) else r for n, r in replicas.items()}
     names = list(replicas)
     epn = len(experts)
     params = [dict(m.named_parameters())[n] for n in names for m in experts]
@@ -566,13 +568,29 @@ class Replicas:
         return self.ep.reduce_replicas(self.h, home_grad, replica_grad, in_backward=True)
 
 
-def fetch_op(h: Dispatched, weights: list, names=None) -> list:
+def fetch_op(h: Dispatched, weights: list, names=None, *, traced_async: bool = False, many: bool = True):
     """``moonep::fetch_replicas`` of a step into fresh slots: one collective for every ``[epn, *D]`` home tensor
-    -> a :class:`moonep.handles.Fetched` each."""
+    -> a :class:`moonep.handles.Fetched` each (a list, or the one of ``weights[0]`` when not ``many``);
+    ``traced_async``: through ``moonep::fetch_replicas_async``, the slots waited for where they are first read
+    (as an eager async fetch's :meth:`Replicas.weights`)."""
     outs = [torch.empty(w.shape, dtype=w.dtype, device=w.device) for w in weights]
-    torch.ops.moonep.fetch_replicas.default([w.detach() for w in weights], outs, h.step, h.op_id, True, False,
-                                            list(names or ()))
-    return [Fetched(h, w, r) for w, r in zip(weights, outs)]
+    args = ([w.detach() for w in weights], outs, h.step, h.op_id, True, False, list(names or ()))
+
+    work = None
+    if traced_async:  # one wait for all of them, at the first read of any (_ready)
+        work = CompiledWork("prefetch", outs, torch.ops.moonep.fetch_replicas_async.default(*args), h.op_id, None)
+    else:
+        torch.ops.moonep.fetch_replicas.default(*args)
+    out = [Fetched(h, w, r, work) for w, r in zip(weights, outs)]
+    return out if many else out[0]
+
+
+def _ready(r: Fetched) -> Fetched:
+    """``r``, its async fetch waited for (``moonep::wait_work`` writes the slots in place: every read of them
+    comes after it in the graph)."""
+    if r.work is not None:
+        r.work.wait()
+    return r
 
 
 def call_expert_matmul(h: Dispatched, a, home_weight, replicas, transpose: bool, impl: str, bias=None, bias_replicas=None,
@@ -694,13 +712,11 @@ class ReplicaPool:
             expect(isinstance(w, torch.Tensor), "home_weight", "a torch.Tensor", type(w).__name__)
         if not weights:  # a module without parameters, on every rank alike: nothing to fetch
             return []
-        if async_op not in (None, True, False) or (async_op and torch.compiler.is_compiling()):
-            want = "None, True or False" + (" (False under torch.compile)" if async_op is True else "")
-            ep.refuse("prefetch", f"async_op: expected {want}, got {async_op!r}")  # on every rank
+        if async_op not in (None, True, False):
+            ep.refuse("prefetch", f"async_op: expected None, True or False, got {async_op!r}")  # on every rank
         if torch.compiler.is_compiling():  # one node of the graph (fresh slots: a compiled graph holds its own)
             ep._check_routed(h)
-            out = fetch_op(h, weights, names)
-            return out if many else out[0]
+            return fetch_op(h, weights, names, traced_async=bool(async_op), many=many)
         return self._fetch(ep, h, weights, names, many, async_op)
 
     @torch.compiler.disable  # eager: one graph break in compiled code
@@ -720,7 +736,7 @@ class ReplicaPool:
         side = None if async_op is not None else self._side_stream(ep, weights[0])
         events = [None] * len(weights)
         if async_op:  # one Work for all of them, waited for by each projection's first reader
-            work = ep._launch("prefetch", True, None, lambda: ep._fetch_replicas(h, homes, bufs, names=names),
+            work = ep._launch("prefetch", True, None, lambda _: ep._fetch_replicas(h, homes, bufs, names=names),
                               (h, homes, bufs))
             work.unguarded()  # read only through Replicas.weights(), which waits: nothing to guard
             events = [work] * len(weights)

@@ -179,11 +179,13 @@ Routed = Dispatched  # the name of the compiled form before both modes shared on
 class Fetched(NamedTuple):
     """What :meth:`moonep.ReplicaPool.fetch` returns under ``torch.compile``, per projection:
     the step ``h``, the ``home [epn, *D]`` weights and their fresh ``replicas [epn, *D]``
-    (``moonep.ops.prefetch_replicas``), which :func:`moonep.expert_matmul` passes to ``moonep::expert_matmul``."""
+    (``moonep.ops.prefetch_replicas``), which :func:`moonep.expert_matmul` passes to ``moonep::expert_matmul``
+    (after ``work.wait()`` for a fetch with ``async_op=True``)."""
 
     h: Dispatched
     home: Tensor
     replicas: Tensor
+    work: Optional[object] = None  # fetched with async_op=True: a moonep.work.CompiledWork, waited before a read
 
 
 # -- what dispatch handed out ------------------------------------------------------------------------------

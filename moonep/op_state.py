@@ -103,6 +103,16 @@ def put_step(token: torch.Tensor, op_id: int, handle) -> None:
         _STEPS[token.data_ptr()] = (StorageWeakRef(token.untyped_storage()), int(op_id), handle)
 
 
+def move_step(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """When ``src`` is a live step token: its step is found by ``dst`` too (a copy of it, see
+    ``moonep.work.CompiledWork``); otherwise nothing."""
+    if src.dtype != torch.int64 or not src.numel():
+        return
+    ent = _STEPS.get(src.data_ptr())
+    if ent is not None and not ent[0].expired() and ent[0].cdata == src.untyped_storage()._cdata:
+        put_step(dst, ent[1], ent[2])
+
+
 def step(token: torch.Tensor, op_id: int):
     """The host state stored under ``token`` for instance ``op_id`` (raises ``ValueError`` otherwise)."""
     ent = _STEPS.get(token.data_ptr())

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import experts, op_state
+from . import compile_order, experts, op_state
 from .op_state import fresh_output as _fresh
 from .ep import call_combine, call_prefetch, combine_grads, combine_products, dispatch_grads, prefetch_grad
 from .errors import fail
@@ -65,20 +65,40 @@ def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.libr
     """Define the op ``<lib's namespace>::<schema>`` (``moonep::``): ``body`` its kernel on every device,
     ``fake`` its output shapes.  Returns its ``OpOverload``.
 
-    ``collective``: registered as side-effecting.  Every rank must run each collective, also a rank whose result
+    ``collective``: the schema gets a last argument ``Tensor? after=None``, which only a compiled graph passes
+    (:mod:`moonep.compile_order`: the previous collective's output, so that no compiler reorders them), and
+    the op is registered as side-effecting.  Every rank must run each collective, also a rank whose result
     nothing reads: with no tokens its outputs are empty, inductor's loads from an empty buffer are no-ops, and it
     would drop the op as dead code (docs/design.md, "Collectives are never dead code"); FX's and inductor's
     dead-code elimination keep an op registered with ``torch.fx.node.has_side_effect``.  An op that mutates an
     argument (``Tensor(a!)`` in ``schema``) does not bump its version counter: no autograd graph may save what
     such an op writes (the replica pool's buffers, a backward's own gradient, the balancer's state)."""
     name = schema.split("(", 1)[0]
+    if collective and _AFTER not in schema:
+        head, tail = schema.rsplit(") ->", 1)
+        schema = f"{head}, {_AFTER}) ->{tail}"
     lib.define(schema)
+    op = getattr(getattr(torch.ops, lib.ns), name).default
+    if collective:  # the kernels never see `after` (an ordering dependency only)
+        n = len(op._schema.arguments) - 1
+        body, fake = _without_after(body, n), _without_after(fake, n)
     lib.impl(name, body, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
-    op = getattr(getattr(torch.ops, lib.ns), name).default
     if collective:
         torch.fx.node.has_side_effect(op)
+        compile_order.COLLECTIVES.add(op)
     return op
+
+
+_AFTER = "Tensor? after=None"
+
+
+def _without_after(fn, n: int):
+    """``fn`` called with the first ``n`` arguments: a collective op's trailing ``after`` (see
+    :mod:`moonep.compile_order`) dropped."""
+    def call(*args, after=None):
+        return fn(*args[:n])
+    return call
 
 
 def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Optional[int],
@@ -95,6 +115,7 @@ def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Opti
     (docs/performance.md, "Eager calls through custom ops": a few µs per eager call over an
     ``autograd.Function``, against about 10 µs for ``register_autograd``'s own wrapper)."""
     name = op._schema.name.split("::")[1]
+    n = len(op._schema.arguments) - (op._schema.arguments[-1].name == "after")
 
     def forward(ctx, *args):
         out = body(*args) if _eager(args[inputs[0]]) else _below_autograd(op, args)
@@ -104,7 +125,8 @@ def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Opti
     node = type(f"{name}_autograd", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
-    def kernel(*args):
+    def kernel(*args, after=None):
+        args = args[:n]  # (`after` orders a compiled graph's collectives: nothing to do here)
         bits = 0
         if torch.is_grad_enabled():
             for i, k in enumerate(inputs):
@@ -304,10 +326,13 @@ def _combine(expert_out, weights, token, op_id, num_tokens, graph, tracked):
     return _fresh(y, expert_out, weights)
 
 
+def _combine_fake(expert_out, weights, token, op_id, num_tokens, graph, tracked):
+    return expert_out.new_empty(num_tokens, expert_out.shape[1])
+
+
 combine_op = _define(
     "combine(Tensor expert_out, Tensor weights, Tensor step, int op_id, int num_tokens, bool graph, int tracked) -> "
-    "Tensor", _combine, lambda expert_out, weights, token, op_id, num_tokens, graph, tracked:
-    expert_out.new_empty(num_tokens, expert_out.shape[1]))
+    "Tensor", _combine, _combine_fake)
 
 
 def _combine_setup(ctx, inputs, output):
@@ -413,8 +438,12 @@ def _reduce_grad(grad, token, op_id):
     return op_state.instance(op_id)._reduce_grad_body(grad, token)
 
 
+def _reduce_grad_fake(grad, token, op_id):
+    return grad.new_empty(grad.shape[0] // 2, *grad.shape[1:])
+
+
 reduce_grad_op = _define("reduce_grad(Tensor grad, Tensor token, int op_id) -> Tensor", _reduce_grad,
-                         lambda grad, token, op_id: grad.new_empty(grad.shape[0] // 2, *grad.shape[1:]))
+                         _reduce_grad_fake)
 reduce_grad_op.__doc__ = """``moonep::reduce_grad``: ``ExpertParallel.reduce_grad``, ``[2*epn, *D]`` -> ``[epn, *D]``.
 Collective; not differentiable."""
 
@@ -683,3 +712,8 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
     qb_record_op(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
                balancer._op_id, not balancer._recording, bool(check))
     balancer._recording = True
+
+
+from . import ops_async  # noqa: E402,F401  (the asynchronous forms: moonep::<op>_async, moonep::wait_work)
+
+compile_order.install()  # inductor keeps the program's order of the collectives on every rank

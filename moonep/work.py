@@ -29,6 +29,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import op_state
 
 
 def tensors_in(obj) -> list:
@@ -82,6 +85,41 @@ class Work:
         if self._future is not None:
             return self._future.done()
         return self.event is None or self.event.query()
+
+
+def _copy_into(out: torch.Tensor, src: torch.Tensor) -> None:
+    """``out.copy_(src)``, and a step token's registration moved along; a broadcast (stride-0) output, which
+    the fake implementation already made equal (fp8's zero gradient anchor), is left alone."""
+    if out.numel() and 0 not in out.stride():
+        out.copy_(src)
+    op_state.move_step(src, out)
+
+
+class CompiledWork:
+    """What ``async_op=True`` returns under ``torch.compile``: the call is the op ``moonep::<op>_async``, which
+    returns its outputs and a work tensor at once, and :meth:`wait` is the op ``moonep::wait_work``, which
+    writes them in place (so everything that reads them comes after it in the graph, as with torch's
+    functional collectives and ``wait_tensor``).
+
+    Attributes:
+        op: the call; event: ``None`` (a compiled graph orders its streams itself)."""
+
+    event = None
+
+    def __init__(self, op: str, outputs: list, work: torch.Tensor, op_id: int, finish):
+        self.op, self._outputs, self._work, self._op_id, self._finish = op, outputs, work, op_id, finish
+        self._result, self._waited = None, False
+
+    def wait(self):
+        """The call's result (``finish`` of the waited outputs); waiting again returns it again."""
+        if not self._waited:
+            torch.ops.moonep.wait_work.default(self._outputs, self._work, self._op_id)
+            self._result, self._waited = None if self._finish is None else self._finish(self._outputs), True
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether :meth:`wait` was called (a compiled graph cannot ask its streams without a host sync)."""
+        return self._waited
 
 
 class _Worker:
@@ -190,6 +228,7 @@ class Overlap:
         self.chain = chain(device) if device.type == "cuda" else None
         self._dropped: list[tuple[int, str]] = []
         self._count = 0  # async calls made so far: a call's index
+        self._compiled: dict = {}  # compiled calls not waited for: work tensor's address -> (its ref, Work, outputs)
         self._lock = threading.RLock()  # (a finalizer may run inside a locked section of the same thread)
 
     # -- the order guard -------------------------------------------------------------------------------
@@ -202,6 +241,8 @@ class Overlap:
     def take_dropped(self) -> str | None:
         """Why the collective now running must be refused (a Work was dropped unwaited before this call was
         made), once; else ``None``."""
+        if self._compiled:
+            self._sweep_compiled()
         if not self._dropped:  # (the common case, without the lock)
             return None
         # the worker runs async call `index` of its instance; any other call is made now, after every queued one
@@ -247,6 +288,56 @@ class Overlap:
                 _RUNNING.call = None
 
         return Work(self, op, index, future=_WORKER.submit(run))
+
+    # -- asynchronous calls inside a compiled graph (moonep.ops' *_async ops, see CompiledWork) ----------------
+    def start_compiled(self, op: str, fn, empty_outputs, inputs, mutated: list) -> tuple:
+        """The body of an ``moonep::<op>_async`` op: run ``fn()`` (the synchronous op's body) as :meth:`submit`
+        does; returns ``(outputs, work)``.  ``outputs`` are the op's outputs at once: CUDA, ``fn()``'s own,
+        filled in stream order on the communication stream; host, ``empty_outputs()`` (the fake
+        implementation's shapes), which the worker fills when ``fn()`` returned.  ``mutated``: the tensors the
+        op writes in place.  ``work``: a fresh int64 ``[1]`` tensor naming the call for ``moonep::wait_work``.
+        A work tensor that died before its wait drops the call (the order guard, :meth:`take_dropped`)."""
+        if self.device.type == "cuda":
+            w = self.submit(op, fn, inputs)
+            outs = w._result
+        else:
+            outs = empty_outputs()
+
+            def fill():  # on the worker: the result lands in the tensors the graph already holds
+                result = fn()
+                for o, r in zip(tensors_in(outs), tensors_in(result)):
+                    _copy_into(o, r)
+                return outs
+
+            w = self.submit(op, fill, inputs)
+        w.unguarded()  # guarded by its work tensor instead
+        work = torch.empty(1, dtype=torch.int64, device=self.device)
+        with self._lock:
+            self._compiled[work.data_ptr()] = (StorageWeakRef(work.untyped_storage()), w,
+                                               tensors_in(outs) + tensors_in(mutated))
+        return outs, work
+
+    def wait_compiled(self, outs: list, work: torch.Tensor) -> None:
+        """The body of ``moonep::wait_work``: wait as :meth:`Work.wait` does for the call of ``work``; an
+        output that the compiler copied before this point (``outs[i]`` another tensor than the call's own)
+        gets the call's values."""
+        with self._lock:
+            entry = self._compiled.pop(work.data_ptr(), None)
+        if entry is None:
+            raise ValueError("work: expected the work tensor of an async call of this ExpertParallel not waited "
+                             "for yet, got another tensor (or one already waited for)")
+        _, w, own = entry
+        w.wait()
+        for o, r in zip(outs, own):
+            if o.data_ptr() != r.data_ptr():
+                _copy_into(o, r)
+
+    def _sweep_compiled(self) -> None:
+        """Compiled calls whose work tensor died unwaited count as dropped Works."""
+        with self._lock:
+            dead = [k for k, (ref, _, _) in self._compiled.items() if ref.expired()]
+            for k in dead:
+                self._dropped.append((self._count, self._compiled.pop(k)[1].op))
 
     def _submit_cuda(self, op: str, index: int, fn, inputs, previous_event) -> Work:
         caller = torch.cuda.current_stream(self.device)

@@ -326,6 +326,104 @@ def case_async_pool_fetch_matches_sync(rt):
     ep.close()
 
 
+def _compiled_two_batches(ep, pool, w1, w2, async_op):
+    """Two micro-batches in one compiled step (fullgraph): with ``async_op``, B's dispatch and A's replica fetch run
+    while A's experts wait, A's combine while B's experts compute (``moonep::<op>_async`` and ``wait_work``)."""
+    def experts(h, r1, r2):
+        g, u = moonep.expert_matmul(h.tokens, h.cu_seqlens, w1, r1).chunk(2, -1)
+        return moonep.expert_matmul(F.silu(g) * u, h.cu_seqlens, w2, r2)
+
+    def step(xa, ia, wa, xb, ib, wb):
+        ha = ep.dispatch(xa, ia, wa)
+        work_b = ep.dispatch(xb, ib, wb, async_op=async_op)
+        ra = pool.fetch(ep, ha, [w1, w2], ["w1", "w2"], async_op=async_op)  # waited at its first read
+        oa = experts(ha, *ra)
+        hb = work_b.wait() if async_op else work_b
+        work_a = ep.combine(oa, ha, async_op=async_op)
+        ob = experts(hb, *pool.fetch(ep, hb, [w1, w2], ["w1", "w2"]))
+        ya = work_a.wait() if async_op else work_a
+        return ya, ep.combine(ob, hb)
+    return step
+
+
+def _compile_backends(rt):
+    return ["aot_eager", "inductor"] if rt.device.type == "cpu" else ["inductor"]
+
+
+def case_compiled_async_step_matches_serial(rt):
+    """async_op=True under torch.compile (dispatch, combine, the pool's fetch; reduce_grad and reduce_replicas):
+    one graph without breaks, whose outputs and gradients are bitwise those of the same step compiled without
+    async_op, with token counts that differ per rank (a rank without tokens) and change between steps."""
+    import torch._dynamo
+
+    R = rt.world_size
+    E, K, H, S, Fd = 2 * R, 2, 8, 12, 4
+    ep = _ep(rt, transports(rt)[0], E, K, H, S)
+    gen = torch.Generator().manual_seed(5)
+    home = slice(rt.rank * ep.epn, (rt.rank + 1) * ep.epn)
+    w1 = torch.randn(E, H, 2 * Fd, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    w2 = torch.randn(E, Fd, H, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    for backend in _compile_backends(rt):
+        torch._dynamo.reset()
+        fns = {a: torch.compile(_compiled_two_batches(ep, moonep.ReplicaPool(), w1, w2, a), backend=backend,
+                                fullgraph=True) for a in (False, True)}
+        for seed in range(3):
+            probs = [_problem(rt, 20 + seed + 7 * i, E, K, H, S, kind)[0] for i, kind in enumerate(("hot", "zipf"))]
+            got = []
+            for async_op in (False, True):
+                w1.grad = w2.grad = None
+                xs = [(p[0].clone().requires_grad_(), p[1], p[2].clone().requires_grad_()) for p in probs]
+                ya, yb = fns[async_op](*xs[0], *xs[1])
+                ((ya * probs[0][3]).sum() + (yb * probs[1][3]).sum()).backward()
+                got.append([ya.detach(), yb.detach(), w1.grad, w2.grad] + [t.grad for x, _, w in xs for t in (x, w)])
+            for i, (a, b) in enumerate(zip(*got)):
+                assert torch.equal(a, b), (rt.rank, backend, seed, i, float((a - b).abs().max()))
+
+        def reduces(h, g, home_g, rep_g, async_op):
+            r = ep.reduce_grad(h, g, async_op=async_op)
+            s_ = ep.reduce_replicas(h, home_g, rep_g, async_op=async_op)
+            return (r.wait(), s_.wait()) if async_op else (r, s_)
+        (x, idx, w, _), _, _ = _problem(rt, 9, E, K, H, S)
+        h = ep.dispatch(x, idx, w)
+        g = torch.randn(2 * ep.epn, 3, generator=gen, dtype=torch.float64).to(rt.device, _dt(rt))
+        outs = [torch.compile(reduces, backend=backend, fullgraph=True)(h, g, g[:ep.epn] * 2, g[ep.epn:], a)
+                for a in (False, True)]
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (rt.rank, backend)
+    ep.close()
+
+
+def case_compiled_async_under_cuda_graphs(rt):
+    """CUDA: the compiled async step under CUDA graphs (mode="reduce-overhead": the communication stream's fork
+    and join are captured): warm-up, recording and replays give the step compiled without async_op, bitwise."""
+    if rt.device.type != "cuda":
+        raise SkipCase("CUDA graphs need CUDA")
+    import torch._dynamo
+
+    R = rt.world_size
+    E, K, H, S, Fd = 2 * R, 2, 8, 12, 4
+    ep = _ep(rt, "nvlink", E, K, H, S)
+    gen = torch.Generator().manual_seed(6)
+    home = slice(rt.rank * ep.epn, (rt.rank + 1) * ep.epn)
+    w1 = torch.randn(E, H, 2 * Fd, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    w2 = torch.randn(E, Fd, H, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    torch._dynamo.reset()
+    fns = {a: torch.compile(_compiled_two_batches(ep, moonep.ReplicaPool(), w1, w2, a), mode="reduce-overhead",
+                            fullgraph=True, dynamic=False) for a in (False, True)}
+    probs = [_problem(rt, 40 + i, E, K, H, S, kind)[0] for i, kind in enumerate(("hot", "zipf"))]
+    for it in range(4):  # the same sizes each time: warm-up, recording, replays
+        got = []
+        for async_op in (False, True):
+            w1.grad = w2.grad = None
+            xs = [(p[0].clone().requires_grad_(), p[1], p[2].clone().requires_grad_()) for p in probs]
+            ya, yb = fns[async_op](*xs[0], *xs[1])
+            ((ya * probs[0][3]).sum() + (yb * probs[1][3]).sum()).backward()
+            got.append([ya.detach().clone(), yb.detach().clone(), w1.grad.clone(), w2.grad.clone()])
+        for i, (a, b) in enumerate(zip(*got)):
+            assert torch.equal(a, b), (rt.rank, it, i, float((a - b).abs().max()))
+    ep.close()
+
+
 def case_cuda_graph_capture_after_async_calls(rt):
     """CUDA: after async calls and a side-stream pool fetch (collectives on several streams from then on), a
     dispatch and combine still capture into a CUDA graph, and its replays on new inputs give the eager bits."""

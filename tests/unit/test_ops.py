@@ -292,20 +292,102 @@ def test_bad_input_under_compile_is_refused_and_the_next_call_works():
     ep.close()
 
 
-def test_async_op_under_compile_is_refused_by_name():
-    """async_op=True inside compiled code is refused with the argument's name (the compiled graph orders its own
-    work); the next call, compiled without it, works."""
+def _two_batches(ep, W, async_op):
+    """Two micro-batches through one ExpertParallel: B's dispatch runs while A's experts compute, A's combine
+    while B's experts compute (``async_op``), or everything in order."""
+    def expert(h):
+        return moonep.slot_matmul(h.tokens, h.cu_seqlens, ep.prefetch(h, W)).tanh()
+
+    def layer(xa, ia, wa, xb, ib, wb):
+        ha = ep.dispatch(xa, ia, wa)
+        work_b = ep.dispatch(xb, ib, wb, async_op=async_op)
+        oa = expert(ha)
+        hb = work_b.wait() if async_op else work_b
+        work_a = ep.combine(oa, ha, async_op=async_op)
+        ob = expert(hb)
+        ya = work_a.wait() if async_op else work_a
+        return ya, ep.combine(ob, hb)
+    return layer
+
+
+def _copies_at_wait(monkeypatch) -> list:
+    """Records the outputs that moonep::wait_work had to copy (a compiler copied them before the wait)."""
+    import threading
+
+    from moonep import work
+    seen, real = [], work._copy_into
+
+    def spy(out, src):
+        if not threading.current_thread().name.startswith("moonep-overlap"):  # (the worker's own fill: not these)
+            seen.append(tuple(out.shape))
+        real(out, src)
+    monkeypatch.setattr(work, "_copy_into", spy)
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_async_op_under_compile_is_bitwise_the_serial_step(backend, monkeypatch):
+    """async_op=True under torch.compile: moonep::dispatch_async / combine_async and moonep::wait_work in one
+    graph (fullgraph, no break), outputs and gradients bitwise those of the serial step compiled alike (and,
+    with aot_eager, of the eager one).  Inductor writes
+    the waited outputs in place (nothing copied at the wait); aot_eager copies them before the wait, and the
+    wait gives the copies the call's values."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
+    ops_seen = []
+
+    def spy_backend(gm, inputs):
+        ops_seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+    copies = _copies_at_wait(monkeypatch)
+    # against the serial step compiled alike (inductor fuses the experts' math its own way), and eager's
+    serial = torch.compile(_two_batches(ep, W, False), backend=backend, fullgraph=True)
+    compiled = torch.compile(_two_batches(ep, W, True), backend=backend, fullgraph=True)
+    fns = (serial, compiled) + ((_two_batches(ep, W, False),) if backend == "aot_eager" else ())
+    for sa, sb in ((9, 14), (0, 5), (12, 0)):
+        got = []
+        for fn in fns:
+            a, b = _problem(sa, sa), _problem(sb, 100 + sb)
+            W.grad = None
+            ya, yb = fn(*a, *b)
+            (ya.square().sum() + yb.sin().sum()).backward()
+            got.append((ya.detach(), yb.detach(), a[0].grad, a[2].grad, b[0].grad, b[2].grad, W.grad))
+        for other in got[1:]:
+            for name, u, v in zip(("ya", "yb", "xa.grad", "wa.grad", "xb.grad", "wb.grad", "W.grad"), got[0], other):
+                assert torch.equal(u, v), f"{backend} {sa},{sb}: {name} differs"
+    if backend == "inductor":
+        assert copies == [], f"inductor copied the waited outputs {copies}"
+    else:
+        assert copies, "aot_eager was expected to copy an output before its wait"
+    torch.compile(_two_batches(ep, W, True), backend=spy_backend, fullgraph=True)(*_problem(3, 1), *_problem(4, 2))
+    assert {"moonep.dispatch_async.default", "moonep.combine_async.default", "moonep.wait_work.default"} <= \
+        set(ops_seen), ops_seen
+    ep.close()
+
+
+def test_async_op_under_compile_dropped_work_refuses_the_next_call():
+    """A compiled step that drops an async call's Work unwaited: its next collective is refused, naming
+    async_op; the call after it works.  previous_event under torch.compile is refused by name."""
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
 
-    def layer(x, idx, w, async_op):
-        h = ep.dispatch(x, idx, w, async_op=async_op)
-        return ep.combine(h.tokens * 2, h)
+    def dropped(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        ep.combine(h.tokens * 2, h, async_op=True)  # never waited
+        return h.tokens.sum()
 
-    x, idx, w = _problem(5, 5)
-    with pytest.raises(ValueError, match="async_op: expected False under torch.compile"):
-        torch.compile(layer, backend="aot_eager")(x, idx, w, True)
-    assert torch.equal(torch.compile(layer, backend="aot_eager")(x, idx, w, False), layer(x, idx, w, False))
+    x, idx, w = (t.detach() for t in _problem(5, 5))
+    torch.compile(dropped, backend="aot_eager")(x, idx, w)
+    with pytest.raises(ValueError, match="async_op: every Work must be waited for"):
+        ep.dispatch(x, idx, w)
+    h = ep.dispatch(x, idx, w)
+    torch.testing.assert_close(ep.combine(h.tokens, h), x * w.sum(1, keepdim=True))
+
+    def with_event(x, idx, w):
+        return ep.dispatch(x, idx, w, async_op=True, previous_event=object())
+    with pytest.raises(ValueError, match="previous_event: expected None on cpu"):
+        torch.compile(with_event, backend="aot_eager")(x, idx, w)
     ep.close()
 
 

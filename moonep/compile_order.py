@@ -1,0 +1,130 @@
+"""Every rank runs the collectives of a compiled graph in the program's order, whatever inductor schedules.
+
+Inductor may run two ops that share no data in either order, and picks one per rank: its reordering for
+peak memory weighs each rank's own tensor sizes (a rank without tokens even gets a graph of its own).  Two
+collectives of moonep with no data between them (the dispatch of micro-batch B and the replica fetch of A,
+or two combines' backwards) could then run in one order on one rank and in the other on a peer: refused on
+every rank by the call-order check, or, where none runs (a CUDA graph replay), a hang.
+
+So every collective op of moonep has a last argument ``Tensor? after=None`` that its kernel ignores
+(``moonep.ops._define``), and :class:`OrderCollectives`, a joint-graph pass that moonep adds to
+``torch._inductor.config.joint_custom_pre_pass``, passes each collective the previous one's first tensor
+output as ``after``: a data dependency, which every scheduler keeps.  The joint graph holds the traced
+program in order (the forward's collectives, then the backward's, in the order autograd runs them); the
+forward's and the backward's collectives are chained apart (the backward's are those that depend on a
+tangent or carry the "must_be_in_backward" tag), so that no forward tensor is kept for the backward.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+COLLECTIVES: set = set()  # the OpOverloads of moonep's collective ops (moonep.ops._define adds them)
+
+
+def _target_op(node: torch.fx.Node):
+    """The moonep collective that ``node`` calls, directly or through ``auto_functionalized`` (an op that
+    writes in place), or ``None``."""
+    if node.op != "call_function":
+        return None
+    if node.target in COLLECTIVES:
+        return node.target
+    if isinstance(node.target, torch._ops.HigherOrderOperator) and node.args and node.args[0] in COLLECTIVES:
+        return node.args[0]
+    return None
+
+
+def _tensor_path(val, path=()):
+    """The index path of the first tensor in ``val`` (a node's ``meta["val"]``), or ``None``."""
+    if isinstance(val, torch.Tensor):
+        return path
+    if isinstance(val, (list, tuple)):
+        for i, v in enumerate(val):
+            p = _tensor_path(v, path + (i,))
+            if p is not None:
+                return p
+    return None
+
+
+def _first_tensor(graph: torch.fx.Graph, node: torch.fx.Node):
+    """A node whose value is ``node``'s first tensor output (a ``getitem`` of it, made after it), or ``None``."""
+    path = _tensor_path(node.meta.get("val"))
+    if path is None:
+        return None
+    out = node
+    for i in path:
+        got = next((u for u in out.users if u.target is operator.getitem and u.args[1] == i), None)
+        if got is None:
+            with graph.inserting_after(out):
+                got = graph.call_function(operator.getitem, (out, i))
+            got.meta["val"] = out.meta["val"][i]
+        out = got
+    return out
+
+
+def _backward_nodes(graph: torch.fx.Graph) -> set:
+    """The nodes of a joint graph that belong to the backward: those depending on a tangent, and the
+    collectives tagged "must_be_in_backward" (a rank whose tangents a compiler made constants)."""
+    back: set = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and "tangent" in node.name) or \
+                node.meta.get("partitioner_tag") == "must_be_in_backward" or \
+                any(a in back for a in node.all_input_nodes):
+            back.add(node)
+    return back
+
+
+def order_collectives(graph: torch.fx.Graph) -> int:
+    """Chain the moonep collectives of ``graph`` in its node order (see the module); returns how many got an
+    ``after``."""
+    back = _backward_nodes(graph)
+    last: dict = {}  # phase -> the previous collective's first tensor output
+    chained = 0
+    for node in list(graph.nodes):
+        op = _target_op(node)
+        if op is None:
+            continue
+        phase = node in back
+        dep = last.get(phase)
+        if dep is not None and node.kwargs.get("after") is None:
+            node.kwargs = {**node.kwargs, "after": dep}
+            if "eager_input_vals" in node.meta:  # (inductor retraces a functionalized op from these values)
+                args, kwargs = node.meta["eager_input_vals"]
+                node.meta["eager_input_vals"] = (args, {**kwargs, "after": dep.meta.get("val")})
+            chained += 1
+        out = _first_tensor(graph, node)
+        if out is not None:
+            last[phase] = out
+    return chained
+
+
+class OrderCollectives(CustomGraphPass):
+    """The joint-graph pass of :func:`order_collectives`, in the form inductor's caches accept (a
+    ``CustomGraphPass`` with a ``uuid``), calling any pass that was configured before it."""
+
+    def __init__(self, before=None):
+        self.before = before
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.before is not None:
+            self.before(graph)
+        order_collectives(graph)
+
+    def uuid(self):
+        mine = get_hash_for_files((__file__,))
+        if self.before is None:
+            return mine
+        theirs = getattr(self.before, "uuid", lambda: None)()
+        return None if theirs is None else (mine, theirs)  # (None: inductor skips its cache, as for theirs)
+
+
+def install() -> None:
+    """Add :class:`OrderCollectives` to inductor's joint-graph passes (once; a pass set before is kept)."""
+    import torch._inductor.config as config
+    current = config.joint_custom_pre_pass
+    if isinstance(current, OrderCollectives):
+        return
+    config.joint_custom_pre_pass = OrderCollectives(current)
