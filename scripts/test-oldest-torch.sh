@@ -4,8 +4,9 @@
 # this after scripts/test.sh, which tests the newest supported torch (scripts/setup.sh's TORCH_SPEC).
 #  - PyPI's torch of that version is the CUDA build (about 4.6 GB with its CUDA libraries, a minute to
 #    install from a local mirror); it runs on a machine without a GPU.
-#  - The tests are the ones that compile: the custom ops, the layer's math, and the multi-rank compiled steps
-#    (at 2 ranks: 3 ranks adds compile time and no path that 2 ranks do not run).
+#  - The tests are the ones that compile: the custom ops, the layer's math, the multi-rank compiled steps (at 2
+#    ranks: 3 ranks adds compile time and no path that 2 ranks do not run) and the asynchronous calls, compiled
+#    and not (at 1, 2 and 4 ranks: inductor's reordering showed at 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,4 +34,5 @@ fi
 if [ "${1:-}" = --setup-only ]; then exit 0; fi
 "$VENV/bin/python" -c "import torch; print('compile tests on torch', torch.__version__)"
 exec "$VENV/bin/python" -m pytest -q tests/unit/test_ops.py tests/unit/test_eager_math.py tests/mp/test_mp_compile.py \
+  tests/mp/test_mp_overlap.py \
   -k "not np3" "$@"

@@ -676,3 +676,53 @@ def test_eager_pool_replicas_inside_compiled_code_run_eagerly():
         for a, b in zip(*got):
             assert torch.equal(a, b), s
     ep.close()
+
+
+def test_compiled_collectives_are_chained_in_program_order(monkeypatch):
+    """Inductor's joint graph of a training step: every moonep collective but the first of the forward and of
+    the backward gets the previous one's output as ``after`` (moonep/compile_order.py), through
+    auto_functionalized too; the generated code passes it; a joint pass configured before moonep's still runs."""
+    from torch._inductor.utils import run_and_get_code
+
+    from moonep import compile_order
+
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
+    pool = moonep.ReplicaPool()
+
+    def step(xa, ia, wa, xb, ib, wb):
+        ha = ep.dispatch(xa, ia, wa)
+        work_b = ep.dispatch(xb, ib, wb, async_op=True)
+        ra = pool.fetch(ep, ha, W, "W", async_op=True)
+        oa = moonep.expert_matmul(ha.tokens, ha.cu_seqlens, W, ra)
+        hb = work_b.wait()
+        ya = ep.combine(oa, ha)
+        return ya, ep.combine(moonep.expert_matmul(hb.tokens, hb.cu_seqlens, W, pool.fetch(ep, hb, W, "W")), hb)
+
+    seen, theirs = [], []
+    real = compile_order.order_collectives
+
+    def spy(graph):
+        chained = real(graph)
+        ops = [n for n in graph.nodes if compile_order._target_op(n) is not None]
+        seen.append((len(ops), chained, [n.kwargs.get("after") is not None for n in ops]))
+        return chained
+    monkeypatch.setattr(compile_order, "order_collectives", spy)
+    import torch._inductor.config as config
+    monkeypatch.setattr(config, "joint_custom_pre_pass", compile_order.OrderCollectives(theirs.append))
+    monkeypatch.setattr(config, "force_disable_caches", True)
+
+    def run():
+        ya, yb = torch.compile(step, fullgraph=True)(*_problem(7, 1), *_problem(9, 2))
+        (ya.sum() + yb.sum()).backward()
+    _, code = run_and_get_code(run)
+    assert theirs, "the joint pass configured before moonep's did not run"
+    (n_ops, chained, flags), = seen
+    # forward: dispatch, dispatch_async, fetch_async, combine, fetch, combine; backward: 2 combine_backward,
+    # 2 expert_matmul_backward (each reduces its replicas' gradient), 2 dispatch_backward
+    assert n_ops == 12 and chained == 10 and flags.count(False) == 2, seen
+    calls = [line for line in code[0].splitlines() if "torch.ops.moonep." in line and "wait_work" not in line
+             and "expert_matmul.default" not in line]
+    assert calls and sum("after=None" in c for c in calls) == 1, calls  # the forward's first collective only
+    ep.close()
