@@ -297,7 +297,14 @@ class Overlap:
         implementation's shapes), which the worker fills when ``fn()`` returned.  ``mutated``: the tensors the
         op writes in place.  ``work``: a fresh int64 ``[1]`` tensor naming the call for ``moonep::wait_work``.
         A work tensor that died before its wait drops the call (the order guard, :meth:`take_dropped`)."""
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # a CUDA graph being captured (mode="reduce-overhead"): in order on the captured stream, no overlap
+            # (a fork onto the communication stream inside a capture has not run on a GPU yet)
+            with self._lock:
+                index, self._count = self._count, self._count + 1
+            outs = fn()
+            w = Work(self, op, index, result=outs)
+        elif self.device.type == "cuda":
             w = self.submit(op, fn, inputs)
             outs = w._result
         else:

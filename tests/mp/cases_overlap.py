@@ -394,8 +394,9 @@ def case_compiled_async_step_matches_serial(rt):
 
 
 def case_compiled_async_under_cuda_graphs(rt):
-    """CUDA: the compiled async step under CUDA graphs (mode="reduce-overhead": the communication stream's fork
-    and join are captured): warm-up, recording and replays give the step compiled without async_op, bitwise."""
+    """CUDA: the compiled async step under CUDA graphs (mode="reduce-overhead"; while capturing, the async ops run
+    in order on the captured stream): warm-up, recording and replays give the step compiled without async_op,
+    bitwise."""
     if rt.device.type != "cuda":
         raise SkipCase("CUDA graphs need CUDA")
     import torch._dynamo
