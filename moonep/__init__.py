@@ -12,6 +12,7 @@ from .experts import ReplicaPool, Replicas, expert_bias, expert_matmul, module_s
 from .handles import Dispatched
 from .layers import LatentMoE
 from . import ops  # noqa: F401,E402  registers the custom ops (torch.ops.moonep.*) that compiled code runs
+from . import ops_async  # noqa: F401,E402  and their asynchronous forms (moonep::<op>_async, moonep::wait_work)
 from .planner import Plan, plan_balanced
 from .runtime import Runtime, init
 from .work import Work

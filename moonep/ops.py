@@ -714,6 +714,4 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
     balancer._recording = True
 
 
-from . import ops_async  # noqa: E402,F401  (the asynchronous forms: moonep::<op>_async, moonep::wait_work)
-
 compile_order.install()  # inductor keeps the program's order of the collectives on every rank
