@@ -17,6 +17,7 @@ tangent or carry the "must_be_in_backward" tag), so that no forward tensor is ke
 from __future__ import annotations
 
 import operator
+from pathlib import Path
 
 import torch
 import torch.fx
@@ -49,9 +50,16 @@ def _tensor_path(val, path=()):
     return None
 
 
-def _first_tensor(graph: torch.fx.Graph, node: torch.fx.Node):
-    """A node whose value is ``node``'s first tensor output (a ``getitem`` of it, made after it), or ``None``."""
-    path = _tensor_path(node.meta.get("val"))
+def _dep_output(graph: torch.fx.Graph, node: torch.fx.Node, op):
+    """A node whose value is the output of collective ``node`` that the next one takes as ``after`` (a
+    ``getitem`` of it, made after it), or ``None``: its first tensor output; for an async op the work tensor,
+    which its wait does not write (a tensor the wait writes, read by a later op, would have to be copied
+    before the wait)."""
+    val = node.meta.get("val")
+    if op.name().endswith("_async") and node.target is op:  # (outputs..., work)
+        path = (len(val) - 1,) if isinstance(val, (list, tuple)) else ()
+    else:  # (through auto_functionalized, an async op's work tensor comes first: (work, *written))
+        path = _tensor_path(val)
     if path is None:
         return None
     out = node
@@ -95,10 +103,52 @@ def order_collectives(graph: torch.fx.Graph) -> int:
                 args, kwargs = node.meta["eager_input_vals"]
                 node.meta["eager_input_vals"] = (args, {**kwargs, "after": dep.meta.get("val")})
             chained += 1
-        out = _first_tensor(graph, node)
+        out = _dep_output(graph, node, op)
         if out is not None:
             last[phase] = out
+    for node in list(graph.nodes):
+        if _waited_op(node) is not None:
+            _pin_wait(graph, node, back)
     return chained
+
+
+def _waited_op(node: torch.fx.Node):
+    """``moonep::wait_work`` when ``node`` calls it (directly or through auto_functionalized), else ``None``."""
+    wait = torch.ops.moonep.wait_work.default
+    if node.op != "call_function":
+        return None
+    if node.target is wait or (isinstance(node.target, torch._ops.HigherOrderOperator) and node.args
+                               and node.args[0] is wait):
+        return wait
+    return None
+
+
+def _pin_wait(graph: torch.fx.Graph, wait: torch.fx.Node, back: set) -> None:
+    """Add to ``wait``'s ``keep`` what the program computes between its async call and it (the nodes of that
+    span, of the same phase, that nothing else in the span reads): a scheduler that weighs memory would
+    otherwise move the wait up to the call (inductor does), and nothing would overlap."""
+    work = wait.kwargs.get("work", wait.args[1] if len(wait.args) > 1 else None)
+    start = work.args[0] if work is not None and work.target is operator.getitem else work
+    if not isinstance(start, torch.fx.Node):
+        return
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    lo, hi, phase = order[start], order[wait], wait in back
+    span = [n for n in graph.nodes if lo < order[n] < hi and n.op == "call_function" and (n in back) == phase
+            and isinstance(n.meta.get("val"), torch.Tensor) and n.target is not operator.getitem]
+    inside = set(span) | {start, work}
+    frontier = [n for n in span if not any(u in inside and u is not n and order[u] < hi for u in n.users)
+                and start not in n.all_input_nodes and work not in n.all_input_nodes]
+    if not frontier:
+        return
+    keep = list(wait.kwargs.get("keep", wait.args[3] if len(wait.args) > 3 else []))
+    keep += [n for n in frontier if n not in keep]
+    if wait.target is torch.ops.moonep.wait_work.default:
+        wait.args = tuple(wait.args[:3])
+    wait.kwargs = {**wait.kwargs, "keep": keep}
+    if "eager_input_vals" in wait.meta:  # (inductor retraces a functionalized op from these values)
+        args, kwargs = wait.meta["eager_input_vals"]
+        vals = type(wait.kwargs["keep"])(n.meta.get("val") for n in keep)  # (the same list type as the node's)
+        wait.meta["eager_input_vals"] = (args, {**kwargs, "keep": vals})
 
 
 class OrderCollectives(CustomGraphPass):
@@ -106,19 +156,19 @@ class OrderCollectives(CustomGraphPass):
     ``CustomGraphPass`` with a ``uuid``), calling any pass that was configured before it."""
 
     def __init__(self, before=None):
-        self.before = before
+        # the passes configured before (one, or a list as newer torch versions take)
+        self.before = [] if before is None else list(before) if isinstance(before, (list, tuple)) else [before]
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        if self.before is not None:
-            self.before(graph)
+        for p in self.before:
+            p(graph)
         order_collectives(graph)
 
     def uuid(self):
-        mine = get_hash_for_files((__file__,))
-        if self.before is None:
-            return mine
-        theirs = getattr(self.before, "uuid", lambda: None)()
-        return None if theirs is None else (mine, theirs)  # (None: inductor skips its cache, as for theirs)
+        here = Path(__file__).parent  # what the pass does depends on the ops' schemas too
+        mine = get_hash_for_files((__file__, str(here / "ops.py"), str(here / "ops_async.py")))
+        theirs = [getattr(p, "uuid", lambda: None)() for p in self.before]
+        return None if None in theirs else (mine, *theirs)  # (None: inductor skips its cache, as for theirs)
 
 
 def install() -> None:

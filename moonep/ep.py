@@ -148,7 +148,7 @@ def call_combine(expert_out, h: Dispatched, traced_async: bool = False):
     weights = h.weights.detach() if h.scaled else h.weights
     op = torch.ops.moonep.combine_async if traced_async else torch.ops.moonep.combine
     out = op.default(expert_out, weights, h.step, h.op_id, h.num_tokens, torch.compiler.is_compiling(), 0)
-    return CompiledWork("combine", [out[0]], out[1], h.op_id, _first) if traced_async else out
+    return CompiledWork("combine", [out[0]], out[1], h.op_id, _first, (expert_out, weights)) if traced_async else out
 
 
 def _first(outs):
@@ -583,7 +583,7 @@ class ExpertParallel:
             self.fp8, self.dtype, graph, 0)
         if traced_async:
             return CompiledWork("dispatch", list(out[:-1]), out[-1], self.op_id,
-                                lambda outs: self._dispatched(outs, xs.shape[0]))
+                                lambda outs: self._dispatched(outs, xs.shape[0]), given)
         return self._dispatched(out, xs.shape[0])
 
     def _dispatched(self, out, num_tokens: int) -> Dispatched:
@@ -692,12 +692,12 @@ class ExpertParallel:
             self.queued_on(torch.cuda.current_stream(self.device))  # every collective records its end
         return self._overlap.submit(op, lambda: call(False), inputs, previous_event)
 
-    def _start_async(self, op: str, fn, empty_outputs, inputs, mutated: list):
+    def _start_async(self, op: str, fn, empty_outputs, inputs, mutated: list, guarded: bool = True):
         """The body of ``moonep::<op>_async``: :meth:`moonep.work.Overlap.start_compiled` of ``fn()``."""
         self._async_used = True
         if self.device.type == "cuda" and not self._streams:  # as _launch: every collective records its end
             self.queued_on(torch.cuda.current_stream(self.device))
-        return self._overlap.start_compiled(op, fn, empty_outputs, inputs, mutated)
+        return self._overlap.start_compiled(op, fn, empty_outputs, inputs, mutated, guarded)
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:
@@ -910,7 +910,8 @@ class ExpertParallel:
         home = home_grad if in_backward else home_grad.detach().clone()
         if traced_async:
             work = torch.ops.moonep.reduce_replicas_async.default(home, replica_grad, h.step, h.op_id, in_backward)
-            return CompiledWork("reduce_grad", [home], work, h.op_id, _first)
+            return CompiledWork("prefetch.backward" if in_backward else "reduce_grad", [home], work, h.op_id, _first,
+                                (replica_grad,))
         torch.ops.moonep.reduce_replicas.default(home, replica_grad, h.step, h.op_id, in_backward)
         return home
 
@@ -965,7 +966,7 @@ class ExpertParallel:
             self.refuse("reduce_grad", err)
         if traced_async:
             out, work = torch.ops.moonep.reduce_grad_async.default(grad_view, h.step, h.op_id)
-            return CompiledWork("reduce_grad", [out], work, h.op_id, _first)
+            return CompiledWork("reduce_grad", [out], work, h.op_id, _first, (grad_view,))
         return torch.ops.moonep.reduce_grad.default(grad_view, h.step, h.op_id)
 
     def _reduce_grad_body(self, grad_view, token):

@@ -578,7 +578,8 @@ def fetch_op(h: Dispatched, weights: list, names=None, *, traced_async: bool = F
 
     work = None
     if traced_async:  # one wait for all of them, at the first read of any (_ready)
-        work = CompiledWork("prefetch", outs, torch.ops.moonep.fetch_replicas_async.default(*args), h.op_id, None)
+        work = CompiledWork("prefetch", outs, torch.ops.moonep.fetch_replicas_async.default(*args), h.op_id, None,
+                            args[0])
     else:
         torch.ops.moonep.fetch_replicas.default(*args)
     out = [Fetched(h, w, r, work) for w, r in zip(weights, outs)]

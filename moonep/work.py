@@ -106,20 +106,24 @@ class CompiledWork:
 
     event = None
 
-    def __init__(self, op: str, outputs: list, work: torch.Tensor, op_id: int, finish):
+    def __init__(self, op: str, outputs: list, work: torch.Tensor, op_id: int, finish, keep=()):
         self.op, self._outputs, self._work, self._op_id, self._finish = op, outputs, work, op_id, finish
+        self._keep = [t for t in keep if isinstance(t, torch.Tensor)]  # the call's inputs: alive until the wait
         self._result, self._waited = None, False
 
     def wait(self):
         """The call's result (``finish`` of the waited outputs); waiting again returns it again."""
         if not self._waited:
-            torch.ops.moonep.wait_work.default(self._outputs, self._work, self._op_id)
+            torch.ops.moonep.wait_work.default(self._outputs, self._work, self._op_id, self._keep)
             self._result, self._waited = None if self._finish is None else self._finish(self._outputs), True
         return self._result
 
     def is_completed(self) -> bool:
         """Whether :meth:`wait` was called (a compiled graph cannot ask its streams without a host sync)."""
         return self._waited
+
+    def unguarded(self) -> None:
+        """As :meth:`Work.unguarded`: nothing to do here (see :meth:`Overlap.start_compiled`)."""
 
 
 class _Worker:
@@ -290,13 +294,15 @@ class Overlap:
         return Work(self, op, index, future=_WORKER.submit(run))
 
     # -- asynchronous calls inside a compiled graph (moonep.ops' *_async ops, see CompiledWork) ----------------
-    def start_compiled(self, op: str, fn, empty_outputs, inputs, mutated: list) -> tuple:
+    def start_compiled(self, op: str, fn, empty_outputs, inputs, mutated: list, guarded: bool = True) -> tuple:
         """The body of an ``moonep::<op>_async`` op: run ``fn()`` (the synchronous op's body) as :meth:`submit`
         does; returns ``(outputs, work)``.  ``outputs`` are the op's outputs at once: CUDA, ``fn()``'s own,
         filled in stream order on the communication stream; host, ``empty_outputs()`` (the fake
         implementation's shapes), which the worker fills when ``fn()`` returned.  ``mutated``: the tensors the
         op writes in place.  ``work``: a fresh int64 ``[1]`` tensor naming the call for ``moonep::wait_work``.
-        A work tensor that died before its wait drops the call (the order guard, :meth:`take_dropped`)."""
+        ``guarded``: a work tensor that died before its wait drops the call (the order guard,
+        :meth:`take_dropped`)."""
+        self._sweep_compiled()  # (before a new work tensor may take a dead one's address)
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a CUDA graph being captured (mode="reduce-overhead"): in order on the captured stream, no overlap
             # (a fork onto the communication stream inside a capture has not run on a GPU yet)
@@ -321,7 +327,7 @@ class Overlap:
         work = torch.empty(1, dtype=torch.int64, device=self.device)
         with self._lock:
             self._compiled[work.data_ptr()] = (StorageWeakRef(work.untyped_storage()), w,
-                                               tensors_in(outs) + tensors_in(mutated))
+                                               tensors_in(outs) + tensors_in(mutated), guarded)
         return outs, work
 
     def wait_compiled(self, outs: list, work: torch.Tensor) -> None:
@@ -333,18 +339,23 @@ class Overlap:
         if entry is None:
             raise ValueError("work: expected the work tensor of an async call of this ExpertParallel not waited "
                              "for yet, got another tensor (or one already waited for)")
-        _, w, own = entry
+        _, w, own, _ = entry
         w.wait()
         for o, r in zip(outs, own):
             if o.data_ptr() != r.data_ptr():
                 _copy_into(o, r)
 
     def _sweep_compiled(self) -> None:
-        """Compiled calls whose work tensor died unwaited count as dropped Works."""
+        """Compiled calls whose work tensor died unwaited count as dropped Works (guarded ones).  Only on the
+        caller's thread, whose calls are made in program order on every rank (not on the worker, which may run
+        behind it)."""
+        if on_worker() or not self._compiled:
+            return
         with self._lock:
-            dead = [k for k, (ref, _, _) in self._compiled.items() if ref.expired()]
-            for k in dead:
-                self._dropped.append((self._count, self._compiled.pop(k)[1].op))
+            for k in [k for k, (ref, *_) in self._compiled.items() if ref.expired()]:
+                _, w, _, guarded = self._compiled.pop(k)
+                if guarded:
+                    self._dropped.append((self._count, w.op))
 
     def _submit_cuda(self, op: str, index: int, fn, inputs, previous_event) -> Work:
         caller = torch.cuda.current_stream(self.device)

@@ -329,9 +329,12 @@ def _copies_at_wait(monkeypatch) -> list:
 def test_async_op_under_compile_is_bitwise_the_serial_step(backend, monkeypatch):
     """async_op=True under torch.compile: moonep::dispatch_async / combine_async and moonep::wait_work in one
     graph (fullgraph, no break), outputs and gradients bitwise those of the serial step compiled alike (and,
-    with aot_eager, of the eager one).  Inductor writes
+    with aot_eager, of the eager one).  Under inductor each wait stays after the compute the program put
+    before it (moonep/compile_order.py pins it there), in training and inference graphs.  Inductor writes
     the waited outputs in place (nothing copied at the wait); aot_eager copies them before the wait, and the
     wait gives the copies the call's values."""
+    from torch._inductor.utils import run_and_get_code
+
     torch._dynamo.reset()
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
     W = torch.randn(E, H, H, dtype=torch.float64, requires_grad=True)
@@ -358,11 +361,41 @@ def test_async_op_under_compile_is_bitwise_the_serial_step(backend, monkeypatch)
                 assert torch.equal(u, v), f"{backend} {sa},{sb}: {name} differs"
     if backend == "inductor":
         assert copies == [], f"inductor copied the waited outputs {copies}"
+        for train in (True, False):  # each wait stays after the expert compute that the program put before it
+            torch._dynamo.reset()
+            with torch.set_grad_enabled(train):
+                _, code = run_and_get_code(torch.compile(_two_batches(ep, W, True), fullgraph=True),
+                                           *_problem(9, 1), *_problem(14, 2))
+            calls = [c.split("torch.ops.moonep.")[1].split(".")[0] for c in code[0].splitlines()
+                     if "torch.ops.moonep." in c and ".default(" in c]
+            assert calls == ["dispatch", "dispatch_async", "prefetch", "slot_matmul", "wait_work", "combine_async",
+                             "prefetch", "slot_matmul", "wait_work", "combine"], (train, calls)
+            lines = [c.strip() for c in code[0].splitlines()]
+            first_wait = next(i for i, c in enumerate(lines) if "wait_work.default(" in c)
+            assert any(c.startswith("cpp_fused_tanh") for c in lines[:first_wait]), code[0]  # A's activation
     else:
         assert copies, "aot_eager was expected to copy an output before its wait"
     torch.compile(_two_batches(ep, W, True), backend=spy_backend, fullgraph=True)(*_problem(3, 1), *_problem(4, 2))
     assert {"moonep.dispatch_async.default", "moonep.combine_async.default", "moonep.wait_work.default"} <= \
         set(ops_seen), ops_seen
+    ep.close()
+
+
+def test_async_op_waited_then_read_by_a_collective_is_not_copied(monkeypatch):
+    """A dispatch waited at once and combined: inductor writes the waited rows in place (the next collective is
+    chained on the work tensor, not on a tensor that the wait writes), outputs bitwise the serial ones."""
+    torch._dynamo.reset()
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+    copies = _copies_at_wait(monkeypatch)
+
+    def step(x, idx, w, async_op):
+        h = ep.dispatch(x, idx, w, async_op=async_op)
+        h = h.wait() if async_op else h
+        return ep.combine(h.tokens * 2, h)
+    x, idx, w = (t.detach() for t in _problem(7, 4))
+    fn = torch.compile(step, fullgraph=True)
+    assert torch.equal(fn(x, idx, w, True), fn(x, idx, w, False))
+    assert copies == [], copies
     ep.close()
 
 
