@@ -132,7 +132,7 @@ for s in "$@"; do case $s in
   slot_gemm) step slot_gemm 120 python3 -m pytest -q -rA tests/gpu/test_slot_gemm_gpu.py ;;
   compile_gpu) step compile_gpu 400 python3 -m pytest -q -rA tests/gpu/test_compile_gpu.py ;;
   compile_speed) step compile_speed 400 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_compile.py --out $o/${pfx}_compile_r1.json ;;
-  overlap_bench1) step overlap_bench 150 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --iters 10 --out $o/${pfx}_overlap.json ;;
+  overlap_bench1) step overlap_bench 150 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --iters 10 ${OVERLAP_ARGS:-} --out $o/${pfx}_overlap.json ;;
   overlap_bench) step overlap_bench 150 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --out $o/${pfx}_overlap.json
                  step overlap_bench_fwd 100 mpirun --allow-run-as-root -n 1 python3 benchmarks/bench_overlap.py --forward-only --out $o/${pfx}_overlap_fwd.json
                  step overlap_bench_np2 120 mpirun --allow-run-as-root -n 2 python3 benchmarks/bench_overlap.py --tokens 2048 --ffn 1024 --iters 10 --out $o/${pfx}_overlap_np2.json ;;
