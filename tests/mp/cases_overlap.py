@@ -351,38 +351,51 @@ def _compile_backends(rt):
     return ["aot_eager", "inductor"] if rt.device.type == "cpu" else ["inductor"]
 
 
+def _expert_weights(rt, ep, seed, H, Fd):
+    """This rank's home experts of a SwiGLU layer (``w1 [epn, H, 2Fd]``, ``w2 [epn, Fd, H]``), requiring grad."""
+    gen = torch.Generator().manual_seed(seed)
+    home = slice(rt.rank * ep.epn, (rt.rank + 1) * ep.epn)
+    E = ep.num_experts
+    w1 = torch.randn(E, H, 2 * Fd, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    w2 = torch.randn(E, Fd, H, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    return w1, w2
+
+
+def _async_matches_serial(rt, fns, probs, w1, w2, tag) -> None:
+    """One step of the compiled step without (``fns[False]``) and with (``fns[True]``) async_op on the same
+    micro-batches ``probs``: outputs and gradients bitwise equal."""
+    got = []
+    for async_op in (False, True):
+        w1.grad = w2.grad = None
+        xs = [(p[0].clone().requires_grad_(), p[1], p[2].clone().requires_grad_()) for p in probs]
+        ya, yb = fns[async_op](*xs[0], *xs[1])
+        ((ya * probs[0][3]).sum() + (yb * probs[1][3]).sum()).backward()
+        # (copies: a CUDA graph replay overwrites its outputs)
+        got.append([t.clone() for t in (ya.detach(), yb.detach(), w1.grad, w2.grad)]
+                   + [t.grad for x, _, w in xs for t in (x, w)])
+    for i, (a, b) in enumerate(zip(*got)):
+        assert torch.equal(a, b), (rt.rank, tag, i, float((a - b).abs().max()))
+
+
 def case_compiled_async_step_matches_serial(rt):
     """async_op=True under torch.compile (dispatch, combine, the pool's fetch; reduce_grad and reduce_replicas):
     one graph without breaks, whose outputs and gradients are bitwise those of the same step compiled without
     async_op, with token counts that differ per rank (a rank without tokens) and change between steps."""
     import torch._dynamo
 
-    R = rt.world_size
-    E, K, H, S, Fd = 2 * R, 2, 8, 12, 4
+    E, K, H, S, Fd = 2 * rt.world_size, 2, 8, 12, 4
     ep = _ep(rt, transports(rt)[0], E, K, H, S)
+    w1, w2 = _expert_weights(rt, ep, 5, H, Fd)
     gen = torch.Generator().manual_seed(5)
-    home = slice(rt.rank * ep.epn, (rt.rank + 1) * ep.epn)
-    w1 = torch.randn(E, H, 2 * Fd, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
-    w2 = torch.randn(E, Fd, H, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
     for backend in _compile_backends(rt):
         torch._dynamo.reset()
         fns = {a: torch.compile(_compiled_two_batches(ep, moonep.ReplicaPool(), w1, w2, a), backend=backend,
                                 fullgraph=True) for a in (False, True)}
-        # the two graphs fuse the layer's own math differently: eager's kernels for it (bitwise)
-        with eager_math.bitwise():
+        with eager_math.bitwise():  # (the two graphs fuse the layer's own math differently: eager's kernels)
             for seed in range(3):
                 probs = [_problem(rt, 20 + seed + 7 * i, E, K, H, S, kind)[0]
                          for i, kind in enumerate(("hot", "zipf"))]
-                got = []
-                for async_op in (False, True):
-                    w1.grad = w2.grad = None
-                    xs = [(p[0].clone().requires_grad_(), p[1], p[2].clone().requires_grad_()) for p in probs]
-                    ya, yb = fns[async_op](*xs[0], *xs[1])
-                    ((ya * probs[0][3]).sum() + (yb * probs[1][3]).sum()).backward()
-                    got.append([ya.detach(), yb.detach(), w1.grad, w2.grad]
-                               + [t.grad for x, _, w in xs for t in (x, w)])
-                for i, (a, b) in enumerate(zip(*got)):
-                    assert torch.equal(a, b), (rt.rank, backend, seed, i, float((a - b).abs().max()))
+                _async_matches_serial(rt, fns, probs, w1, w2, (backend, seed))
 
         def reduces(h, g, home_g, rep_g, async_op):
             r = ep.reduce_grad(h, g, async_op=async_op)
@@ -406,33 +419,17 @@ def case_compiled_async_under_cuda_graphs(rt):
         raise SkipCase("CUDA graphs need CUDA")
     import torch._dynamo
 
-    R = rt.world_size
-    E, K, H, S, Fd = 2 * R, 2, 8, 12, 4
+    E, K, H, S, Fd = 2 * rt.world_size, 2, 8, 12, 4
     ep = _ep(rt, "nvlink", E, K, H, S)
-    gen = torch.Generator().manual_seed(6)
-    home = slice(rt.rank * ep.epn, (rt.rank + 1) * ep.epn)
-    w1 = torch.randn(E, H, 2 * Fd, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
-    w2 = torch.randn(E, Fd, H, generator=gen, dtype=torch.float64)[home].to(rt.device, _dt(rt)).requires_grad_()
+    w1, w2 = _expert_weights(rt, ep, 6, H, Fd)
     torch._dynamo.reset()
     fns = {a: torch.compile(_compiled_two_batches(ep, moonep.ReplicaPool(), w1, w2, a), mode="reduce-overhead",
                             fullgraph=True, dynamic=False) for a in (False, True)}
     probs = [_problem(rt, 40 + i, E, K, H, S, kind)[0] for i, kind in enumerate(("hot", "zipf"))]
-    with eager_math.bitwise():  # (the two graphs fuse the layer's own math differently: eager's kernels)
-        _cuda_graph_steps(rt, fns, probs, w1, w2)
+    with eager_math.bitwise():
+        for it in range(4):  # the same sizes each time: warm-up, recording, replays
+            _async_matches_serial(rt, fns, probs, w1, w2, it)
     ep.close()
-
-
-def _cuda_graph_steps(rt, fns, probs, w1, w2):
-    for it in range(4):  # the same sizes each time: warm-up, recording, replays
-        got = []
-        for async_op in (False, True):
-            w1.grad = w2.grad = None
-            xs = [(p[0].clone().requires_grad_(), p[1], p[2].clone().requires_grad_()) for p in probs]
-            ya, yb = fns[async_op](*xs[0], *xs[1])
-            ((ya * probs[0][3]).sum() + (yb * probs[1][3]).sum()).backward()
-            got.append([ya.detach().clone(), yb.detach().clone(), w1.grad.clone(), w2.grad.clone()])
-        for i, (a, b) in enumerate(zip(*got)):
-            assert torch.equal(a, b), (rt.rank, it, i, float((a - b).abs().max()))
 
 
 def case_cuda_graph_capture_after_async_calls(rt):
