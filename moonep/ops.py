@@ -81,7 +81,7 @@ def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.libr
     op = getattr(getattr(torch.ops, lib.ns), name).default
     if collective:  # the kernels never see `after` (an ordering dependency only)
         n = len(op._schema.arguments) - 1
-        body, fake = _without_after(body, n), _without_after(fake, n)
+        body, fake = _without_after(body, n), _tracing(_without_after(fake, n))
     lib.impl(name, body, "CompositeExplicitAutograd")
     torch.library.register_fake(f"{lib.ns}::{name}", fake, lib=lib)
     if collective:
@@ -91,6 +91,16 @@ def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.libr
 
 
 _AFTER = "Tensor? after=None"
+
+
+def _tracing(fake):
+    """``fake``, which first makes sure that moonep's ordering pass is in inductor's config (a pass assigned to
+    ``joint_custom_pre_pass`` since moonep's import replaced it: it is wrapped, see :mod:`moonep.compile_order`);
+    a compiler traces the fake implementations before it runs its joint-graph passes."""
+    def call(*args, **kwargs):
+        compile_order.install()
+        return fake(*args, **kwargs)
+    return call
 
 
 def _without_after(fn, n: int):

@@ -743,13 +743,12 @@ def test_compiled_collectives_are_chained_in_program_order(monkeypatch):
         return chained
     monkeypatch.setattr(compile_order, "order_collectives", spy)
     import torch._inductor.config as config
-    monkeypatch.setattr(config, "joint_custom_pre_pass", compile_order.OrderCollectives(theirs.append))
-    monkeypatch.setattr(config, "force_disable_caches", True)
 
     def run():
         ya, yb = torch.compile(step, fullgraph=True)(*_problem(7, 1), *_problem(9, 2))
         (ya.sum() + yb.sum()).backward()
-    _, code = run_and_get_code(run)
+    with config.patch(joint_custom_pre_pass=compile_order.OrderCollectives(theirs.append), force_disable_caches=True):
+        _, code = run_and_get_code(run)
     assert theirs, "the joint pass configured before moonep's did not run"
     (n_ops, chained, flags), = seen
     # forward: dispatch, dispatch_async, fetch_async, combine, fetch, combine; backward: 2 combine_backward,
@@ -758,4 +757,28 @@ def test_compiled_collectives_are_chained_in_program_order(monkeypatch):
     calls = [line for line in code[0].splitlines() if "torch.ops.moonep." in line and "wait_work" not in line
              and "expert_matmul.default" not in line]
     assert calls and sum("after=None" in c for c in calls) == 1, calls  # the forward's first collective only
+    ep.close()
+
+
+def test_a_joint_pass_assigned_after_import_is_wrapped(monkeypatch):
+    """A joint pass that a user assigns after moonep's import: moonep's ordering pass is back in the config by the
+    time inductor runs the joint passes, and the user's pass runs too."""
+    import torch._inductor.config as config
+
+    from moonep import compile_order
+
+    torch._dynamo.reset()
+    ran = []
+    real = compile_order.order_collectives
+    monkeypatch.setattr(compile_order, "order_collectives", lambda g: ran.append("moonep") or real(g))
+    ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
+
+    def step(x, idx, w):
+        h = ep.dispatch(x, idx, w)
+        return ep.combine(h.tokens * 2, h)
+    x, idx, w = (t.detach() for t in _problem(5, 6))
+    with config.patch(joint_custom_pre_pass=lambda graph: ran.append("theirs"), force_disable_caches=True):
+        torch.compile(step, fullgraph=True)(x, idx, w)
+        assert isinstance(config.joint_custom_pre_pass, compile_order.OrderCollectives)
+    assert ran == ["theirs", "moonep"], ran
     ep.close()
