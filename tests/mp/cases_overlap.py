@@ -348,7 +348,12 @@ def _compiled_two_batches(ep, pool, w1, w2, async_op):
 
 
 def _compile_backends(rt):
-    return ["aot_eager", "inductor"] if rt.device.type == "cpu" else ["inductor"]
+    """Inductor, whose scheduling the ranks must agree on (aot_eager's compiled async step is compared with
+    eager's in one process: tests/unit/test_ops.py).  One rank has no peer to disagree with: the compile time
+    is paid at several ranks only."""
+    if rt.world_size == 1:
+        raise SkipCase("one rank: tests/unit/test_ops.py compiles the async step in one process")
+    return ["inductor"]
 
 
 def _expert_weights(rt, ep, seed, H, Fd):
