@@ -8,11 +8,15 @@ every rank by the call-order check, or, where none runs (a CUDA graph replay), a
 
 So every collective op of moonep has a last argument ``Tensor? after=None`` that its kernel ignores
 (``moonep.ops._define``), and :class:`OrderCollectives`, a joint-graph pass that moonep adds to
-``torch._inductor.config.joint_custom_pre_pass``, passes each collective the previous one's first tensor
-output as ``after``: a data dependency, which every scheduler keeps.  The joint graph holds the traced
-program in order (the forward's collectives, then the backward's, in the order autograd runs them); the
-forward's and the backward's collectives are chained apart (the backward's are those that depend on a
-tangent or carry the "must_be_in_backward" tag), so that no forward tensor is kept for the backward.
+``torch._inductor.config.joint_custom_pre_pass``, passes each collective an output of the previous one as
+``after`` (its first tensor output; an async op's work tensor): a data dependency, which every scheduler
+keeps.  The joint graph holds the traced program in order (the forward's collectives, then the backward's,
+in the order autograd runs them); the forward's and the backward's collectives are chained apart (the
+backward's are those that depend on a tangent or carry the "must_be_in_backward" tag), so that no forward
+tensor is kept for the backward.
+
+The same reordering moves a ``moonep::wait_work`` up to its async call, and nothing would overlap: the pass
+also adds to each wait's ``keep`` what the program computes between the call and the wait.
 """
 from __future__ import annotations
 
@@ -26,16 +30,20 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 COLLECTIVES: set = set()  # the OpOverloads of moonep's collective ops (moonep.ops._define adds them)
 
 
-def _target_op(node: torch.fx.Node):
-    """The moonep collective that ``node`` calls, directly or through ``auto_functionalized`` (an op that
-    writes in place), or ``None``."""
+def _called_op(node: torch.fx.Node):
+    """The op that ``node`` calls, directly or through ``auto_functionalized`` (an op that writes in place),
+    or ``None``."""
     if node.op != "call_function":
         return None
-    if node.target in COLLECTIVES:
-        return node.target
-    if isinstance(node.target, torch._ops.HigherOrderOperator) and node.args and node.args[0] in COLLECTIVES:
-        return node.args[0]
-    return None
+    if isinstance(node.target, torch._ops.HigherOrderOperator):
+        return node.args[0] if node.args else None
+    return node.target
+
+
+def _target_op(node: torch.fx.Node):
+    """The moonep collective that ``node`` calls (see :func:`_called_op`), or ``None``."""
+    op = _called_op(node)
+    return op if op in COLLECTIVES else None
 
 
 def _tensor_path(val, path=()):
@@ -89,7 +97,7 @@ def order_collectives(graph: torch.fx.Graph) -> int:
     """Chain the moonep collectives of ``graph`` in its node order (see the module); returns how many got an
     ``after``."""
     back = _backward_nodes(graph)
-    last: dict = {}  # phase -> the previous collective's first tensor output
+    last: dict = {}  # phase -> the output of the previous collective that the next one takes as `after`
     chained = 0
     for node in list(graph.nodes):
         op = _target_op(node)
@@ -106,34 +114,25 @@ def order_collectives(graph: torch.fx.Graph) -> int:
         out = _dep_output(graph, node, op)
         if out is not None:
             last[phase] = out
-    for node in list(graph.nodes):
-        if _waited_op(node) is not None:
-            _pin_wait(graph, node, back)
+    nodes = list(graph.nodes)  # (with the getitems made above)
+    order = {n: i for i, n in enumerate(nodes)}
+    for node in nodes:
+        if _called_op(node) is torch.ops.moonep.wait_work.default:
+            _pin_wait(nodes, order, node, back)
     return chained
 
 
-def _waited_op(node: torch.fx.Node):
-    """``moonep::wait_work`` when ``node`` calls it (directly or through auto_functionalized), else ``None``."""
-    wait = torch.ops.moonep.wait_work.default
-    if node.op != "call_function":
-        return None
-    if node.target is wait or (isinstance(node.target, torch._ops.HigherOrderOperator) and node.args
-                               and node.args[0] is wait):
-        return wait
-    return None
-
-
-def _pin_wait(graph: torch.fx.Graph, wait: torch.fx.Node, back: set) -> None:
+def _pin_wait(nodes: list, order: dict, wait: torch.fx.Node, back: set) -> None:
     """Add to ``wait``'s ``keep`` what the program computes between its async call and it (the nodes of that
     span, of the same phase, that nothing else in the span reads): a scheduler that weighs memory would
-    otherwise move the wait up to the call (inductor does), and nothing would overlap."""
+    otherwise move the wait up to the call (inductor does), and nothing would overlap.  ``nodes``: the graph's
+    nodes in order, ``order`` their positions."""
     work = wait.kwargs.get("work", wait.args[1] if len(wait.args) > 1 else None)
     start = work.args[0] if work is not None and work.target is operator.getitem else work
     if not isinstance(start, torch.fx.Node):
         return
-    order = {n: i for i, n in enumerate(graph.nodes)}
     lo, hi, phase = order[start], order[wait], wait in back
-    span = [n for n in graph.nodes if lo < order[n] < hi and n.op == "call_function" and (n in back) == phase
+    span = [n for n in nodes[lo + 1:hi] if n.op == "call_function" and (n in back) == phase
             and isinstance(n.meta.get("val"), torch.Tensor) and n.target is not operator.getitem]
     inside = set(span) | {start, work}
     frontier = [n for n in span if not any(u in inside and u is not n and order[u] < hi for u in n.users)

@@ -687,16 +687,19 @@ class ExpertParallel:
             return call(False)
         if torch.compiler.is_compiling():  # the op's async form and moonep::wait_work (moonep/ops_async.py)
             return call(True)
-        self._async_used = True
-        if self.device.type == "cuda" and not self._streams:  # the communication stream joins: from now on
-            self.queued_on(torch.cuda.current_stream(self.device))  # every collective records its end
+        self._going_async()
         return self._overlap.submit(op, lambda: call(False), inputs, previous_event)
+
+    def _going_async(self) -> None:
+        """An async call is being made: no dispatch returns views of the receive buffer from now on, and on CUDA
+        the communication stream joins (every collective records its end, see :class:`moonep.work.Chain`)."""
+        self._async_used = True
+        if self.device.type == "cuda" and not self._streams:
+            self.queued_on(torch.cuda.current_stream(self.device))
 
     def _start_async(self, op: str, fn, empty_outputs, inputs, mutated: list, guarded: bool = True):
         """The body of ``moonep::<op>_async``: :meth:`moonep.work.Overlap.start_compiled` of ``fn()``."""
-        self._async_used = True
-        if self.device.type == "cuda" and not self._streams:  # as _launch: every collective records its end
-            self.queued_on(torch.cuda.current_stream(self.device))
+        self._going_async()
         return self._overlap.start_compiled(op, fn, empty_outputs, inputs, mutated, guarded)
 
     @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)

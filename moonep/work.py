@@ -262,13 +262,18 @@ class Overlap:
                 "on every rank and the next one runs")
 
     # -- running calls ---------------------------------------------------------------------------------
+    def _next_index(self) -> int:
+        """The index of an async call being made (the order guard's count of calls)."""
+        with self._lock:
+            index, self._count = self._count, self._count + 1
+        return index
+
     def submit(self, op: str, fn, inputs=(), previous_event=None) -> Work:
         """Run ``fn()`` (one collective call of the instance) asynchronously; returns its :class:`Work`.
         ``inputs``: the caller's tensors that the call reads (CUDA: recorded on the communication stream);
         ``previous_event``: a ``torch.cuda.Event`` or ``None`` (``ExpertParallel._launch`` refused anything else
         on every rank)."""
-        with self._lock:
-            index, self._count = self._count, self._count + 1
+        index = self._next_index()
         if self.device.type == "cuda":
             return self._submit_cuda(op, index, fn, inputs, previous_event)
         if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
@@ -306,8 +311,7 @@ class Overlap:
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # a CUDA graph being captured (mode="reduce-overhead"): in order on the captured stream, no overlap
             # (a fork onto the communication stream inside a capture has not run on a GPU yet)
-            with self._lock:
-                index, self._count = self._count, self._count + 1
+            index = self._next_index()
             outs = fn()
             w = Work(self, op, index, result=outs)
         elif self.device.type == "cuda":
