@@ -146,7 +146,7 @@ def dense_reference_swiglu(x, idx, w, W1, W2, apply_weights):
 
 
 def case_overlap_stress_with_random_delays(rt):
-    """Overlapped steps (1000 on CUDA, 200 on CPU) with random delays in the experts (the compute stream or
+    """Overlapped steps (1000 on CUDA, 200 on 2 CPU ranks, 60 on more) with random delays in the experts (the compute stream or
     thread) and, on CUDA, on the communication stream before calls: every step's outputs are the serial
     schedule's."""
     R = rt.world_size
@@ -168,7 +168,7 @@ def case_overlap_stress_with_random_delays(rt):
         return plain(h)
 
     cuda = rt.device.type == "cuda"
-    for step in range(1000 if cuda else 200):
+    for step in range(1000 if cuda else 200 if R <= 2 else 60):  # CPU ranks beyond 2 share 2 cores in CI
         probs = [_problem(rt, 100 + 2 * step + i, E, K, H, S, ["hot", "zipf", "uniform"][step % 3])
                  for i in range(2)]
         outs = []
