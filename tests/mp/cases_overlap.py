@@ -146,9 +146,9 @@ def dense_reference_swiglu(x, idx, w, W1, W2, apply_weights):
 
 
 def case_overlap_stress_with_random_delays(rt):
-    """Overlapped steps (1000 on CUDA, 200 on 2 CPU ranks, 60 on more) with random delays in the experts (the compute stream or
-    thread) and, on CUDA, on the communication stream before calls: every step's outputs are the serial
-    schedule's."""
+    """Overlapped steps (1000 on CUDA, 200 on 2 CPU ranks, 60 on more) with random delays in the experts (the
+    compute stream or thread) and, on CUDA, on the communication stream before calls: every step's outputs are
+    the serial schedule's."""
     R = rt.world_size
     E, K, H, S, Fd = 2 * R, 2, 8, 12, 4
     ep = _ep(rt, transports(rt)[0], E, K, H, S)
