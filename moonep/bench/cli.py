@@ -106,10 +106,6 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
                      help="thread blocks per peer of the GPU ceiling's copy kernel")
     run.add_argument("--no-symm", dest="symm", action="store_false", help="skip the symm_mem baseline")
     run.add_argument("--no-layer", dest="layer", action="store_false", help="skip the layer step")
-    run.add_argument("--host-allocator", choices=["steady", "default"], default="steady",
-                     help="CPU ranks: steady fixes glibc's mmap and trim thresholds for the whole process (both "
-                          "paths), so that freed tensors keep their pages; default leaves the allocator's "
-                          "moving thresholds (see moonep/bench/host_allocator.py)")
     out = ap.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", default=None,
                      help=f"directory for the results (created if missing; default: the current directory): "

@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 
 import moonep
-from moonep.bench import host_allocator
 from moonep.bench.baselines import MegatronA2A, PeerStoreCeiling, SymmMemA2A
 from moonep.bench.layer_step import ExpertWeights, megatron_step, moonep_experts, moonep_step, swiglu_experts
 from moonep.bench.training_step import (TrainingLayer, differentiable, megatron_train_step, moonep_train_step,
@@ -209,10 +208,6 @@ class Suite:
         """``emit(doc)``: rank 0 saves the document (after every point); ``checkpoint(doc)``: rank 0, once
         before the symm_mem phase (NVSHMEM start-up is the riskiest step: save tables and charts first)."""
         self.args, self.emit, self.checkpoint = args, emit, checkpoint
-        # CPU ranks: the timings compare the paths' work, not glibc's moving thresholds (host_allocator.py);
-        # set before the runtime allocates anything
-        self.host_allocator = host_allocator.steady("default" if args.device == "cuda" else
-                                                    getattr(args, "host_allocator", "steady"))
         self.rt = rt = moonep.init(device=None if args.device == "auto" else args.device)
         self.R, self.rank = rt.world_size, rt.rank
         self.cuda = rt.device.type == "cuda"
@@ -279,7 +274,6 @@ class Suite:
             benchmark="moonep.bench", time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), git_commit=git_commit(),
             machine=machine(), ranks=self.R, device=rt.device.type, backend=rt.backend, launcher=rt.launcher,
             dtype=a.dtype, oversubscribed=share > 1, ranks_per_gpu=share if self.cuda else None,
-            host_allocator=self.host_allocator,
             config={k: v for k, v in vars(a).items() if k not in ("out", "plot")},
             definitions=DEFINITIONS, points=self.points)
 

@@ -110,13 +110,3 @@ def test_report_of_a_missing_file_is_one_line(tmp_path, capsys):
         assert main(["--report", str(bad)]) == 2
         err = capsys.readouterr().err.strip()
         assert err.count("\n") == 0 and "--report: expected a JSON file" in err and str(bad) in err, err
-
-
-def test_host_allocator_modes():
-    from moonep.bench import host_allocator
-
-    assert host_allocator.steady("default") == "the C library's default"
-    got = host_allocator.steady("steady")  # glibc on the test machines; elsewhere it says nothing was set
-    assert got.startswith("glibc, mmap and trim thresholds fixed at") or "took no mallopt" in got
-    assert cli.parse(["--host-allocator", "default"]).host_allocator == "default"
-    assert cli.parse([]).host_allocator == "steady"
