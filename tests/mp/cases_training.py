@@ -19,6 +19,18 @@ FP32_TOL = 2e-5   # fp32 round-off of a different summation order, after 3 AdamW
 BF16_TOL = 3e-2   # bf16 round-off (2^-8 relative per rounding, a few roundings deep)
 
 
+def _two_ranks_suffice(case):
+    """On CPU ranks, run ``case`` at 1 to 3 ranks only: at 4 (the 2-core CI runs 4 ranks on 2 cores) it adds a
+    minute and no path 2 ranks do not take; the cases that need 4 ranks (a (2, 2) mesh, resharding 4 <-> 2)
+    and CUDA ranks (tests/gpu/test_mp_training_gpu.py) still run every case at 4."""
+    def run(rt):
+        if rt.world_size >= 4 and rt.device.type == "cpu":
+            raise SkipCase("CPU ranks: runs at 2 ranks (4 adds no path; CUDA runs it at 4)")
+        return case(rt)
+    run.__name__, run.__doc__ = case.__name__, case.__doc__
+    return run
+
+
 def _hf_or_skip():
     try:
         import transformers  # noqa: F401
@@ -51,6 +63,7 @@ def _kinds():
 
 
 # ------------------------------------------------------------------------------------------ DDP
+@_two_ranks_suffice
 def case_ddp_trains_as_the_unpatched_model(rt):
     """DistributedDataParallel(patched) == DDP(unpatched): 3 AdamW steps, a different batch per rank, nothing
     moonep-specific between backward() and step().  float64: the same losses and parameters to 1e-9; float32
@@ -67,6 +80,7 @@ def case_ddp_trains_as_the_unpatched_model(rt):
             assert_close_dicts(full_params(dmine), want, ptol, f"{kind} {dtype} parameters after 3 DDP steps")
 
 
+@_two_ranks_suffice
 def case_foreach_optimizers_step_expert_dtensors_with_plain_parameters(rt):
     """torch's foreach optimizer kernels (AdamW's default on CUDA) refuse lists mixing DTensors and plain
     tensors; moonep steps such an optimizer under implicit replication.  With and without foreach, with an LR
@@ -107,6 +121,7 @@ def case_foreach_optimizers_step_expert_dtensors_with_plain_parameters(rt):
         assert not differ, (foreach, differ)
 
 
+@_two_ranks_suffice
 def case_gradient_accumulation_matches(rt):
     """1, 2 and 4 micro-batches under DDP.no_sync() give the unpatched model's gradients (of the whole batch
     under DDP); so does sync_grads after every micro-batch without a wrapper (safe at any point)."""
@@ -143,6 +158,7 @@ def _fully_shard(model, patched_model: bool, mp):
     return model
 
 
+@_two_ranks_suffice
 def case_fsdp2_trains_as_the_unpatched_model(rt):
     """fully_shard per block and at the root (after fully_shard_experts): the unpatched model's losses and
     gradients under FSDP2; with MixedPrecisionPolicy(bf16 params, fp32 reduce) within bf16 round-off.  (The
@@ -197,6 +213,7 @@ def case_fsdp2_on_a_dp_by_ep_mesh(rt):
         assert max(abs(a - b) / abs(b) for a, b in zip(*losses)) <= FP32_TOL, (kind, losses)
 
 
+@_two_ranks_suffice
 def case_fsdp2_refuses_sharding_experts_over_their_own_ranks(rt):
     """fully_shard_experts over a mesh that holds other expert-parallel ranks: ValueError naming mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -240,6 +257,7 @@ def case_clip_grad_norm_is_global(rt):
                 raise AssertionError("torch.nn.utils.clip_grad_norm_ took a patched model")
 
 
+@_two_ranks_suffice
 def case_replicated_parameters_stay_identical(rt):
     """20 clipped DDP steps: every replicated parameter stays bitwise equal on every rank."""
     from moonep.training.params import fingerprint
@@ -254,6 +272,7 @@ def case_replicated_parameters_stay_identical(rt):
         assert all(e == every[0] for e in every), kind
 
 
+@_two_ranks_suffice
 def case_full_tensor_on_the_host_matches_dtensors(rt):
     """The host gather moonep uses for DTensors of GPU tensors over gloo groups (ranks sharing a GPU: DTensor's
     own collectives would hand gloo device memory) gives full_tensor()'s values: expert shards on the 1-D
@@ -331,6 +350,7 @@ def case_dcp_reshards_between_4_and_2_ranks(rt):
         rt.barrier()
 
 
+@_two_ranks_suffice
 def case_full_checkpoint_loads_into_the_unpatched_model(rt):
     """full_state_dict (and torch's get_model_state_dict(full_state_dict=True)) of a patched, trained model
     loads into the unpatched transformers model with strict=True and gives its logits; save_pretrained on
@@ -369,6 +389,7 @@ def case_full_checkpoint_loads_into_the_unpatched_model(rt):
 
 
 # ------------------------------------------------------------------------------------------ mixed precision
+@_two_ranks_suffice
 def case_autocast_matches_the_unpatched_model(rt):
     """Under torch.autocast(bfloat16) patched experts compute in bf16 where the unpatched ones do (eager
     implementation: F.linear autocasts), GPT-OSS included: logits and gradients within bf16 round-off.  bf16
@@ -422,6 +443,7 @@ def case_autocast_matches_the_unpatched_model(rt):
             assert a.dtype == b.dtype == torch.bfloat16 and rel(b.double(), a.double()) <= BF16_TOL
 
 
+@_two_ranks_suffice
 def case_latent_stack_under_autocast_matches_local(rt):
     """A LatentMoE stack under bf16 autocast: experts in bf16, the same loss as the stack without expert
     parallelism under the same autocast (within bf16 round-off)."""
@@ -495,6 +517,7 @@ def case_generate_ranks_that_stop_apart_raise_together(rt):
 
 
 # ------------------------------------------------------------------------------------------ refusals
+@_two_ranks_suffice
 def case_wrappers_refuse_what_they_cannot_do_right(rt):
     """DDP of an unprepared module holding moonep layers, and fully_shard of a block whose experts did not
     get fully_shard_experts: refused at wrap time (expert shards are DTensors), never silently wrong."""
@@ -519,6 +542,7 @@ def case_wrappers_refuse_what_they_cannot_do_right(rt):
 
 
 # ------------------------------------------------------------------------------------------ recomputation
+@_two_ranks_suffice
 def case_activation_checkpointing_matches(rt):
     """Activation checkpointing (transformers' gradient_checkpointing_enable; torch.utils.checkpoint around
     each LatentMoE block): the unpatched model's gradients under DDP."""
