@@ -375,9 +375,9 @@ def _async_matches_serial(rt, fns, probs, w1, w2, tag) -> None:
         xs = [(p[0].clone().requires_grad_(), p[1], p[2].clone().requires_grad_()) for p in probs]
         ya, yb = fns[async_op](*xs[0], *xs[1])
         ((ya * probs[0][3]).sum() + (yb * probs[1][3]).sum()).backward()
-        # (copies: a CUDA graph replay overwrites its outputs)
+        # copies, the inputs' gradients too: the other step's CUDA graph replays overwrite this one's outputs
         got.append([t.clone() for t in (ya.detach(), yb.detach(), w1.grad, w2.grad)]
-                   + [t.grad for x, _, w in xs for t in (x, w)])
+                   + [t.grad.clone() for x, _, w in xs for t in (x, w)])
     for i, (a, b) in enumerate(zip(*got)):
         assert torch.equal(a, b), (rt.rank, tag, i, float((a - b).abs().max()))
 
