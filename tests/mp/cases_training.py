@@ -20,9 +20,10 @@ BF16_TOL = 3e-2   # bf16 round-off (2^-8 relative per rounding, a few roundings 
 
 
 def _two_ranks_suffice(case):
-    """On CPU ranks, run ``case`` at 1 to 3 ranks only: at 4 (the 2-core CI runs 4 ranks on 2 cores) it adds a
-    minute and no path 2 ranks do not take; the cases that need 4 ranks (a (2, 2) mesh, resharding 4 <-> 2)
-    and CUDA ranks (tests/gpu/test_mp_training_gpu.py) still run every case at 4."""
+    """On CPU ranks, run ``case`` below 4 ranks only: at 4 (the 2-core CI runs 4 ranks on 2 cores) it adds a
+    minute and no path that 2 ranks do not take.  Cases without it (a (2, 2) mesh, resharding 4 <-> 2, a
+    global norm, ranks that disagree) still run at 4 CPU ranks, and CUDA ranks
+    (tests/gpu/test_mp_training_gpu.py) run every case at 4."""
     def run(rt):
         if rt.world_size >= 4 and rt.device.type == "cpu":
             raise SkipCase("CPU ranks: runs at 2 ranks (4 adds no path; CUDA runs it at 4)")
