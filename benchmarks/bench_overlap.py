@@ -57,6 +57,8 @@ def parse(argv=None):
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--out", default=None, help="JSON path")
+    ap.add_argument("--profile", default=None, help="path prefix: torch.profiler tables (.txt) and trace (.json) "
+                    "of one serial and one overlapped step (diagnosis; not part of the timing)")
     args = ap.parse_args(argv)
     preset = args.preset or ("h200" if (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
                              else "cpu")
@@ -68,22 +70,28 @@ def parse(argv=None):
 
 
 class Timer:
-    """Elapsed milliseconds of a callable: CUDA events on CUDA (the slowest rank's via the caller), else wall."""
+    """Elapsed milliseconds of a callable: CUDA events on CUDA (the slowest rank's via the caller), else wall.
+    ``host`` keeps, per call, the wall time until the callable returned (on CUDA: the host's share; when it is
+    close to the elapsed time, the step is bound by the host and no stream schedule can hide anything)."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
+        self.host: list[float] = []
 
     def __call__(self, fn) -> float:
         if self.cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            t0 = time.perf_counter()
             fn()
+            self.host.append((time.perf_counter() - t0) * 1e3)
             b.record()
             b.synchronize()
             return a.elapsed_time(b)
         t0 = time.perf_counter()
         fn()
-        return (time.perf_counter() - t0) * 1e3
+        self.host.append((time.perf_counter() - t0) * 1e3)
+        return self.host[-1]
 
 
 def build(args, rt):
@@ -174,10 +182,14 @@ def main(argv=None) -> int:
         for fn in cases.values():
             fn()
     times = {k: [] for k in cases}
+    host = {k: [] for k in cases}
     for _ in range(args.iters):
         for k, fn in cases.items():
             ep.sync()
             times[k].append(timer(fn))
+            host[k].append(timer.host[-1])
+    if args.profile:
+        profile(args.profile, {k: cases[k] for k in ("serial", "overlapped")}, rt)
     # the slowest rank's time per iteration
     same = all(torch.equal(a, b) for a, b in zip(outcome(False), outcome(True)))
     gathered = ep.transport.all_gather_object((times, same))
@@ -191,7 +203,7 @@ def main(argv=None) -> int:
         benchmark="bench_overlap", command=command(), git_commit=git_commit(), machine=machine(),
         config=dict(vars(args), ranks=rt.world_size, num_experts=ep.num_experts, transport=ep.transport_name,
                     step="forward+backward" if train else "forward (no_grad)"),
-        median_ms=med, per_iteration_ms=slow,
+        median_ms=med, per_iteration_ms=slow, host_median_ms={k: statistics.median(v) for k, v in host.items()},
         efficiency=(med["serial"] - med["overlapped"]) / max(min(med["comm"], med["compute"]), 1e-9),
         efficiency_per_iteration=dict(median=statistics.median(hidden), min=min(hidden), max=max(hidden)),
         overlapped_over_serial=med["overlapped"] / med["serial"],
@@ -201,7 +213,7 @@ def main(argv=None) -> int:
     if rt.device.type == "cuda":
         result["gemm_beside_dispatch"] = gemm_slowdown(ep, batches, params[0], timer, args.iters)
     if rt.rank == 0:
-        print(json.dumps({k: result[k] for k in ("median_ms", "efficiency", "efficiency_per_iteration",
+        print(json.dumps({k: result[k] for k in ("median_ms", "host_median_ms", "efficiency", "efficiency_per_iteration",
                                                   "overlapped_over_serial", "compute_over_comm",
                                                   "overlapped_bitwise_equal_to_serial")}, indent=1))
         if "gemm_beside_dispatch" in result:
@@ -212,6 +224,28 @@ def main(argv=None) -> int:
                 json.dump(result, f, indent=1)
     ep.close()
     return 0
+
+
+def profile(prefix: str, cases: dict, rt) -> None:
+    """One step of each case under torch.profiler: ``{prefix}_{case}.txt`` (ops by self CPU time and by device
+    time) and ``{prefix}_{case}.json`` (a Chrome trace, streams side by side)."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if rt.device.type == "cuda" else [])
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    for name, fn in cases.items():
+        fn()
+        with prof(activities=acts) as p:
+            fn()
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize()
+        if rt.rank == 0:
+            ka = p.key_averages()
+            with open(f"{prefix}_{name}.txt", "w") as f:
+                f.write(ka.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60) + "\n")
+                if rt.device.type == "cuda":
+                    f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=60))
+            p.export_chrome_trace(f"{prefix}_{name}.json")
 
 
 def gemm_slowdown(ep, batches, w1, timer, iters: int) -> dict:

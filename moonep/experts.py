@@ -196,6 +196,8 @@ def _run(impl: str, grouped, loop, a, *args):
                                                                and w.dim() == 3))):
         try:
             return grouped(a, *args)
+        except torch.OutOfMemoryError:  # not the grouped GEMM's refusal: the loop would need the same output
+            raise
         except RuntimeError:
             if impl == "grouped":
                 raise

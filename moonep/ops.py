@@ -378,6 +378,14 @@ combine_backward_op = _define(
 _autograd(combine_op, _combine, _combine_setup, _combine_bwd, inputs=(0, 1), tracked=6)
 
 
+def combine_rows_grad(gy: Tensor, h: Dispatched, capacity: int) -> Tensor:
+    """The collective half of combine's backward, for schedules that place its halves apart
+    (:func:`moonep.layers.two_batch_moe`): ``gy [s, H]`` -> the rows' gradient ``[capacity, H]`` in ``gy``'s
+    dtype, a tensor of its own; :func:`moonep.ep.combine_products` makes the inputs' gradients from it (the
+    other half, compute).  Collective."""
+    return combine_backward_op(gy, h.step, h.op_id, capacity, True)
+
+
 def combine(expert_out: Tensor, h: Dispatched) -> Tensor:
     """:meth:`moonep.ExpertParallel.combine` of ``h``'s instance: the op ``moonep::combine``. Collective."""
     return call_combine(expert_out, h)

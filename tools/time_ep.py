@@ -103,6 +103,66 @@ def _layer_step_ms(rt) -> float:
     return statistics.median(times[3:])
 
 
+def profile_layer(prefix: str) -> None:
+    """One eager ``LatentMoE`` step (the configuration of :func:`_layer_step_ms`) under torch.profiler, after
+    warm-up: ``{prefix}.txt`` (ops by self CPU time and by device time, and the step's host and device
+    milliseconds) and ``{prefix}.json.gz`` (a Chrome trace)."""
+    import gzip
+    import os
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import moonep
+    from moonep.layers import LatentMoE
+
+    rt = moonep.init(device="cuda")
+    torch.manual_seed(0)
+    m = LatentMoE(2048, 1024, 64, 6, 768, group=rt, max_tokens=4096, dtype=torch.bfloat16, device=rt.device)
+    x = torch.randn(4096, 2048, generator=torch.Generator().manual_seed(0)).to(rt.device, torch.bfloat16)
+
+    def step():
+        m.zero_grad(set_to_none=True)
+        m(x).float().square().sum().backward()
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(10):  # the host's share of a step: until the step's last launch returned
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        step()
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    with open(prefix + ".txt", "w") as f:
+        f.write(f"{moonep.__file__}\nhost ms per step (median of 10): {statistics.median(host):.3f}\n")
+        f.write(ka.table(sort_by="self_cpu_time_total", row_limit=50, max_name_column_width=70) + "\n")
+        f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70) + "\n")
+    p.export_chrome_trace(prefix + ".json")
+    import cProfile
+    import pstats
+
+    cp = cProfile.Profile()  # the host's Python: which functions the step's time goes to
+    cp.enable()
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    cp.disable()
+    with open(prefix + "_python.txt", "w") as f:
+        st = pstats.Stats(cp, stream=f)
+        st.sort_stats("tottime").print_stats(60)
+        st.sort_stats("cumulative").print_stats(80)
+    with open(prefix + ".json", "rb") as a, gzip.open(prefix + ".json.gz", "wb") as b:
+        b.write(a.read())
+    os.remove(prefix + ".json")
+    rt.shutdown()
+
+
 def report(path: str) -> int:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     labels = list(dict.fromkeys(r["label"] for r in rows))  # in the order they first ran
@@ -129,6 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="run")
     ap.add_argument("--out")
     ap.add_argument("--report")
+    ap.add_argument("--profile", help="path prefix: profile one eager LatentMoE step instead of timing")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--experts", type=int, default=256)
@@ -139,6 +200,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.report:
         return report(args.report)
+    if args.profile:
+        profile_layer(args.profile)
+        return 0
     t0 = time.time()
     times = measure(args)
     rec = dict(label=args.label, times=times, seconds=round(time.time() - t0, 1))

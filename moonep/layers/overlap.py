@@ -1,7 +1,7 @@
 """Two micro-batches through one MoE layer, each one's communication hidden behind the other's expert compute.
 
     forward                                     backward
-    dispatch A                                  combine.backward A, then B (queued)
+    dispatch A                                  combine.backward A, then B (the rows' gradients, queued)
     dispatch B  ||  experts A                   experts A backward  ||  combine.backward B
     combine A   ||  experts B                   dispatch.backward A ||  experts B backward
     combine B                                   dispatch.backward B
@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ep import combine_products
 from ..errors import expect
+from ..ops import combine_rows_grad
 
 
 def two_batch_moe(ep, batches, experts, params=(), *, fetch=None, overlap: bool = True) -> list:
@@ -130,9 +132,16 @@ class _TwoBatch(torch.autograd.Function):
         overlap, params, sub = ctx.overlap, ctx.params, ctx.ep._overlap.submit
 
         def combine_back(i, gy):  # combine.backward: gy -> (g_out, g_weights)
-            h, out, y = ctx.parts[i]
-            ins = [out] + ([h.weights] if h.weights.requires_grad and not h.scaled else [])
-            return _waited(sub("combine.backward", lambda: _grad([y], ins, [gy]), [gy]), overlap, works)
+            h, out, _ = ctx.parts[i]
+            want_w = h.weights.requires_grad and not h.scaled
+            if gy is None or not (out.requires_grad or want_w):
+                return lambda: [None] * (1 + want_w)
+            # only the collective (the rows' gradient) on the communication stream; the products that make
+            # g_out and g_weights from it are compute, queued here when the schedule needs them
+            rows = _waited(sub("combine.backward", lambda: combine_rows_grad(gy, h, out.shape[0]), [gy]),
+                           overlap, works)
+            weights = h.weights if ctx.ep.apply_weights == "combine" else None
+            return lambda: list(combine_products(rows(), out, weights, out.requires_grad, want_w))[:1 + want_w]
 
         def experts_back(i, g_out):  # experts.backward: g_out -> (g_rows, g_params...)
             _, rows, out = ctx.stages[i]

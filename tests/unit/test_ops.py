@@ -783,3 +783,25 @@ def test_a_joint_pass_assigned_after_import_is_wrapped(monkeypatch):
         assert isinstance(config.joint_custom_pre_pass, compile_order.OrderCollectives)
     assert ran == ["theirs", "moonep"], ran
     ep.close()
+
+
+def test_grouped_gemm_out_of_memory_propagates(monkeypatch):
+    """An out-of-memory error of the grouped GEMM reaches the caller: it does not mark the grouped GEMM as
+    unusable for the process (a silent switch to the per-slot loop, which needs the same output anyway)."""
+    from moonep import experts
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    def refused(*args):
+        raise RuntimeError("grouped GEMM does not take these operands (test)")
+
+    a, cu, w = torch.randn(4, 3), torch.tensor([0, 2, 4], dtype=torch.int32), torch.randn(2, 3, 5)
+    loop = experts._rows_loop
+    monkeypatch.setattr(experts, "_FAILED", set())
+    monkeypatch.setattr(experts, "_grouped_ok", lambda *args: True)  # as on CUDA with bf16 operands
+    with pytest.raises(torch.OutOfMemoryError):
+        experts._run("auto", oom, loop, a, cu, w)
+    assert experts._FAILED == set()
+    out = experts._run("auto", refused, loop, a, cu, w)  # any other refusal: the loop, from then on
+    assert torch.equal(out, loop(a, cu, w)) and experts._FAILED == {("cpu", torch.float32)}
