@@ -53,6 +53,9 @@ def parse(argv=None):
     ap.add_argument("--ffn", type=int, help="SwiGLU intermediate width of one expert")
     ap.add_argument("--dtype", choices=sorted(_DT))
     ap.add_argument("--num-sms", type=int, default=24, help="SMs of moonep's NVLink kernels (Tuning)")
+    ap.add_argument("--sm-carveout", type=int, default=0,
+                    help="CUDA: SMs that torch's GEMMs leave free while the overlapped schedule runs "
+                    "(torch._C._set_sm_carveout_experimental; 0: none)")
     ap.add_argument("--forward-only", action="store_true", help="forward under no_grad (inference)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -138,6 +141,19 @@ def main(argv=None) -> int:
     def inputs():
         return [(x.detach().requires_grad_(train), i, w.detach().requires_grad_(train)) for x, i, w in batches]
 
+    def carved(fn):  # the overlapped schedule with the GEMMs kept off --sm-carveout SMs
+        if not args.sm_carveout:
+            return fn
+
+        def run():
+            before = torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(args.sm_carveout)
+            try:
+                fn()
+            finally:
+                torch._C._set_sm_carveout_experimental(before)
+        return run
+
     def step(expert_fn, overlap):
         def run():
             for p in params:
@@ -161,6 +177,11 @@ def main(argv=None) -> int:
             got += [t.grad for x, _, w in bs for t in (x, w)] + [p.grad.clone() for p in params]
         return got
 
+    def carved_outcome(overlap):
+        got = []
+        carved(lambda: got.extend(outcome(overlap)))()
+        return got
+
     def copy_rows(h, reps):  # communication and a copy: the schedule without its compute
         return h.tokens * 1
 
@@ -176,7 +197,7 @@ def main(argv=None) -> int:
                     out.float().sum().backward()
 
     held["hs"] = [ep.dispatch(x, i, w) for x, i, w in batches]
-    cases = {"serial": step(experts, False), "overlapped": step(experts, True), "comm": step(copy_rows, True),
+    cases = {"serial": step(experts, False), "overlapped": carved(step(experts, True)), "comm": step(copy_rows, True),
              "compute": compute}
     for _ in range(args.warmup):
         for fn in cases.values():
@@ -191,7 +212,7 @@ def main(argv=None) -> int:
     if args.profile:
         profile(args.profile, {k: cases[k] for k in ("serial", "overlapped")}, rt)
     # the slowest rank's time per iteration
-    same = all(torch.equal(a, b) for a, b in zip(outcome(False), outcome(True)))
+    same = all(torch.equal(a, b) for a, b in zip(outcome(False), carved_outcome(True)))
     gathered = ep.transport.all_gather_object((times, same))
     same_everywhere = all(ok for _, ok in gathered)
     gathered = [t for t, _ in gathered]
@@ -211,7 +232,7 @@ def main(argv=None) -> int:
         overlapped_bitwise_equal_to_serial=same_everywhere,
     )
     if rt.device.type == "cuda":
-        result["gemm_beside_dispatch"] = gemm_slowdown(ep, batches, params[0], timer, args.iters)
+        result["gemm_beside_dispatch"] = gemm_slowdown(ep, batches, params[0], timer, args.iters, carved)
     if rt.rank == 0:
         print(json.dumps({k: result[k] for k in ("median_ms", "host_median_ms", "efficiency", "efficiency_per_iteration",
                                                   "overlapped_over_serial", "compute_over_comm",
@@ -248,7 +269,7 @@ def profile(prefix: str, cases: dict, rt) -> None:
             p.export_chrome_trace(f"{prefix}_{name}.json")
 
 
-def gemm_slowdown(ep, batches, w1, timer, iters: int) -> dict:
+def gemm_slowdown(ep, batches, w1, timer, iters: int, carved=lambda fn: fn) -> dict:
     """One expert GEMM's time alone, and beside a dispatch on the communication stream (DeepEP's trade-off: the
     SMs the dispatch holds)."""
     x, i, w = batches[0]
@@ -261,7 +282,7 @@ def gemm_slowdown(ep, batches, w1, timer, iters: int) -> dict:
 
     def both():
         work = ep.dispatch(x, i, w, async_op=True)
-        gemm()
+        carved(gemm)()
         work.wait()
 
     def dispatch_alone():

@@ -175,6 +175,8 @@ class Chain:
         self.event = None     # the last collective's end, not yet waited for by the next one
         self.multi = False    # collectives run on more than one stream: record every end
         self.stream = None    # the communication stream of async_op=True calls
+        self._spare = None    # the event :meth:`after` records
+        self._event_stream = None  # the stream it was last recorded on
 
     def after(self, stream) -> None:
         """A collective was queued on ``stream``: the next one waits for it."""
@@ -184,17 +186,22 @@ class Chain:
             # join); an event recorded here must not be waited for outside the capture
             self.event = None
             return
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        self.event = ev
+        # one event, recorded again each time (no new event per collective: host time): a wait already queued
+        # keeps the record it was queued after (CUDA's rule)
+        if self._spare is None:
+            self._spare = torch.cuda.Event()
+        self._spare.record(stream)
+        self.event, self._event_stream = self._spare, stream
 
     def join(self) -> None:
-        """The current stream waits for the last collective (when one is pending).  Not while capturing a CUDA
-        graph: an event from before the capture may not be waited for inside it, and ``torch.cuda.graph``
-        synchronizes the device before it captures."""
+        """The current stream waits for the last collective (when one is pending and ran on another stream).
+        Not while capturing a CUDA graph: an event from before the capture may not be waited for inside it, and
+        ``torch.cuda.graph`` synchronizes the device before it captures."""
         ev, self.event = self.event, None
         if ev is not None and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.current_stream(self.device).wait_event(ev)
+            current = torch.cuda.current_stream(self.device)
+            if current != self._event_stream:  # (on the same stream, the stream's own order holds)
+                current.wait_event(ev)
 
     def comm_stream(self):
         if self.stream is None:

@@ -153,6 +153,7 @@ def profile_layer(prefix: str) -> None:
         step()
     torch.cuda.synchronize()
     cp.disable()
+    cp.dump_stats(prefix + ".pstats")  # (pstats.Stats(path) reads it: every function, callers and callees)
     with open(prefix + "_python.txt", "w") as f:
         st = pstats.Stats(cp, stream=f)
         st.sort_stats("tottime").print_stats(60)
