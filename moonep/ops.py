@@ -369,7 +369,9 @@ def _combine_backward(gy, token, op_id, capacity, graph):
     at once; also a tensor of its own once the instance's collectives run on several streams, as the next one
     may run on another stream than the products). Collective."""
     ep, step = _lookup(token, op_id)
-    return _fresh(combine_grads(ep, step.routing, gy, graph or ep._streams), gy)
+    # (the replica pool's side stream waits for the caller's stream before it fetches: only an async call, which
+    # may wait for a previous_event alone, could start the next collective while the products still read)
+    return _fresh(combine_grads(ep, step.routing, gy, graph or ep._async_used), gy)
 
 
 combine_backward_op = _define(

@@ -176,7 +176,7 @@ class Chain:
         self.multi = False    # collectives run on more than one stream: record every end
         self.stream = None    # the communication stream of async_op=True calls
         self._spare = None    # the event :meth:`after` records
-        self._event_stream = None  # the stream it was last recorded on
+        self._event_stream = None  # the raw handle of the stream it was last recorded on
 
     def after(self, stream) -> None:
         """A collective was queued on ``stream``: the next one waits for it."""
@@ -191,7 +191,7 @@ class Chain:
         if self._spare is None:
             self._spare = torch.cuda.Event()
         self._spare.record(stream)
-        self.event, self._event_stream = self._spare, stream
+        self.event, self._event_stream = self._spare, stream.cuda_stream
 
     def join(self) -> None:
         """The current stream waits for the last collective (when one is pending and ran on another stream).
@@ -199,9 +199,9 @@ class Chain:
         ``torch.cuda.graph`` synchronizes the device before it captures."""
         ev, self.event = self.event, None
         if ev is not None and not torch.cuda.is_current_stream_capturing():
-            current = torch.cuda.current_stream(self.device)
-            if current != self._event_stream:  # (on the same stream, the stream's own order holds)
-                current.wait_event(ev)
+            # (on the same stream, the stream's own order holds; the raw handle: no Stream object to build)
+            if torch._C._cuda_getCurrentRawStream(self.device.index) != self._event_stream:
+                torch.cuda.current_stream(self.device).wait_event(ev)
 
     def comm_stream(self):
         if self.stream is None:

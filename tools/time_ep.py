@@ -45,6 +45,11 @@ def measure(args) -> dict:
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
                                transport="nvlink", zero_copy=True)
     res = {}
+    if args.layer_only:
+        res["layer_step_ms"] = _layer_step_ms(rt)
+        ep.close()
+        rt.shutdown()
+        return {k: round(v, 3) for k, v in res.items()}
     with torch.no_grad():
         for _ in range(args.warmup):
             h = ep.dispatch(x, idx, w)
@@ -190,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--label", default="run")
     ap.add_argument("--out")
     ap.add_argument("--report")
+    ap.add_argument("--layer-only", action="store_true", help="time the LatentMoE step only")
     ap.add_argument("--profile", help="path prefix: profile one eager LatentMoE step instead of timing")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=7168)
