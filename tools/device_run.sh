@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: overlap_bench overlap_bench1 overlap_np2 balance_gpu compile_mp2 ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, tools/diag_nvlink.patch) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep examples_np4 training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_gpu compile_prof compile_ab slot_gemm compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: cpu_ranks_bench overlap_bench overlap_bench1 overlap_np2 balance_gpu compile_mp2 ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, tools/diag_nvlink.patch) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep examples_np4 training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_gpu compile_prof compile_ab slot_gemm compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -163,6 +163,11 @@ for s in "$@"; do case $s in
                     benchmarks/bench_training.py --out $o/${pfx}_training_np$n.json; done ;;
   training_bench2) step training_bench_np2 200 mpirun --allow-run-as-root -n 2 python3 \
                     benchmarks/bench_training.py --out $o/${pfx}_training_np2.json ;;
+  cpu_ranks_bench) for n in 2 4 8; do  # the CPU-rank sweep of cpu_bench_8epr_np*.json with a core per rank (16 here)
+                     OMP_NUM_THREADS=1 CUDA_VISIBLE_DEVICES= step cpu_ranks_np$n 400 mpirun --allow-run-as-root \
+                       --bind-to core -n $n python3 -m moonep.bench --tokens 256 1024 --hidden 256 --ek $((8 * n))x4 \
+                       --ffn 256 --maxvio 0 2 --iters 30 --slack 0 --dtype fp32 --device cpu \
+                       --out $o/cpu16_bench_8epr_np$n; done ;;
   host_before_after) host_profiles tree old tree old ;;  # the tree and .old/moonep alternately
   fp8_quick) step fp8_quick 120 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py -k "bitwise and not child" ;;
   host_pair) host_profiles tree old ;;
