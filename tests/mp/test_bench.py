@@ -157,6 +157,24 @@ def test_bench_compile_cpu_json(tmp_path):
         assert ms[mode] > 0 and abs(ratio[mode] - ms["eager"] / ms[mode]) < 1e-12, mode
 
 
+def test_bench_overlap_cpu_json(tmp_path):
+    """benchmarks/bench_overlap.py on one CPU process, tiny, with its diagnosis switches: the four cases timed
+    (and their host time), the overlapped step bitwise the serial one, the profiler's tables and traces."""
+    out, prof = tmp_path / "overlap.json", tmp_path / "prof" / "p"
+    _run([sys.executable, "benchmarks/bench_overlap.py", "--device", "cpu", "--tokens", "32", "--hidden", "16",
+          "--experts", "4", "--topk", "2", "--ffn", "16", "--iters", "2", "--warmup", "1", "--sm-carveout", "8",
+          "--profile", str(prof), "--out", str(out)], timeout=300)
+    got = json.loads(out.read_text())
+    assert {"command", "git_commit", "machine"} <= got.keys() and "bench_overlap.py" in got["command"]
+    cases = {"serial", "overlapped", "comm", "compute"}
+    assert set(got["median_ms"]) == cases == set(got["host_median_ms"]), got["median_ms"]
+    assert all(v > 0 for v in got["median_ms"].values()) and got["overlapped_bitwise_equal_to_serial"] is True
+    assert got["config"]["sm_carveout"] == 8 and "gemm_beside_dispatch" not in got  # (CUDA only)
+    for case in ("serial", "overlapped"):
+        assert "Self CPU" in (prof.parent / f"p_{case}.txt").read_text()
+        assert json.loads((prof.parent / f"p_{case}.json").read_text())["traceEvents"]
+
+
 def test_bench_op_overhead_json(tmp_path):
     """benchmarks/bench_op_overhead.py, tiny: a plain call, an autograd.Function and three kinds of op timed with
     and without grad mode, the differences the JSON reports, its provenance."""
