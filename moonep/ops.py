@@ -366,11 +366,11 @@ def _combine_bwd(ctx, gy):
 def _combine_backward(gy, token, op_id, capacity, graph):
     """``combine_grads``: ``gy [s, H]`` -> the rows' gradient ``[cap, H]`` in ``gy``'s dtype (``graph``: a
     tensor of its own; eagerly it may be a view of the backend's receive buffer, which the products read
-    at once; also a tensor of its own once the instance's collectives run on several streams, as the next one
-    may run on another stream than the products). Collective."""
+    at once; also a tensor of its own once the instance made async calls, as the next collective may then run on
+    the communication stream while the products still read). Collective."""
     ep, step = _lookup(token, op_id)
-    # (the replica pool's side stream waits for the caller's stream before it fetches: only an async call, which
-    # may wait for a previous_event alone, could start the next collective while the products still read)
+    # (the replica pool's side stream waits for the caller's stream before it fetches; an async call may wait for
+    # a previous_event alone)
     return _fresh(combine_grads(ep, step.routing, gy, graph or ep._async_used), gy)
 
 
