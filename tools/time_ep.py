@@ -37,6 +37,10 @@ def measure(args) -> dict:
 
     _events, graph_time = _bench_helpers()
     rt = moonep.init(device="cuda")
+    if args.layer_only:
+        res = {"layer_step_ms": _layer_step_ms(rt)}
+        rt.shutdown()
+        return {k: round(v, 3) for k, v in res.items()}
     s, H, E, K = args.tokens, args.hidden, args.experts, args.topk
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(s, H, generator=g).to(torch.bfloat16).cuda()
@@ -45,11 +49,6 @@ def measure(args) -> dict:
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=s, dtype=torch.bfloat16,
                                transport="nvlink", zero_copy=True)
     res = {}
-    if args.layer_only:
-        res["layer_step_ms"] = _layer_step_ms(rt)
-        ep.close()
-        rt.shutdown()
-        return {k: round(v, 3) for k, v in res.items()}
     with torch.no_grad():
         for _ in range(args.warmup):
             h = ep.dispatch(x, idx, w)
@@ -90,10 +89,7 @@ def _layer_step_ms(rt) -> float:
     benchmarks/bench_compile.py: 4096 tokens, d_model 2048, d_latent 1024, top-6 of 64 experts, d_expert 768."""
     import torch
 
-    from moonep.layers import LatentMoE
-
-    torch.manual_seed(0)
-    m = LatentMoE(2048, 1024, 64, 6, 768, group=rt, max_tokens=4096, dtype=torch.bfloat16, device=rt.device)
+    m = _latent_layer(rt)
     g = torch.Generator().manual_seed(0)
     # 8 inputs in turn, 10 steps of warm-up, 60 timed: a host-bound step's median moved by 30% between runs of
     # the same code with 20 (H100, one process per run)
@@ -111,22 +107,32 @@ def _layer_step_ms(rt) -> float:
     return statistics.median(times[10:])
 
 
+def _latent_layer(rt):
+    """The eager ``LatentMoE`` that :func:`_layer_step_ms` times and :func:`profile_layer` profiles."""
+    import torch
+
+    from moonep.layers import LatentMoE
+
+    torch.manual_seed(0)
+    return LatentMoE(2048, 1024, 64, 6, 768, group=rt, max_tokens=4096, dtype=torch.bfloat16, device=rt.device)
+
+
 def profile_layer(prefix: str) -> None:
     """One eager ``LatentMoE`` step (the configuration of :func:`_layer_step_ms`) under torch.profiler, after
     warm-up: ``{prefix}.txt`` (ops by self CPU time and by device time, and the step's host and device
-    milliseconds) and ``{prefix}.json.gz`` (a Chrome trace)."""
-    import gzip
+    milliseconds), ``{prefix}.json.gz`` (a Chrome trace), and 20 steps under cProfile: ``{prefix}_python.txt``
+    and ``{prefix}.pstats``."""
+    import cProfile
     import os
+    import pstats
 
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     import moonep
-    from moonep.layers import LatentMoE
 
     rt = moonep.init(device="cuda")
-    torch.manual_seed(0)
-    m = LatentMoE(2048, 1024, 64, 6, 768, group=rt, max_tokens=4096, dtype=torch.bfloat16, device=rt.device)
+    m = _latent_layer(rt)
     x = torch.randn(4096, 2048, generator=torch.Generator().manual_seed(0)).to(rt.device, torch.bfloat16)
 
     def step():
@@ -151,10 +157,7 @@ def profile_layer(prefix: str) -> None:
         f.write(f"{moonep.__file__}\nhost ms per step (median of 10): {statistics.median(host):.3f}\n")
         f.write(ka.table(sort_by="self_cpu_time_total", row_limit=50, max_name_column_width=70) + "\n")
         f.write(ka.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70) + "\n")
-    p.export_chrome_trace(prefix + ".json")
-    import cProfile
-    import pstats
-
+    p.export_chrome_trace(prefix + ".json.gz")  # (torch gzips a path ending in .gz)
     cp = cProfile.Profile()  # the host's Python: which functions the step's time goes to
     cp.enable()
     for _ in range(20):
@@ -166,9 +169,6 @@ def profile_layer(prefix: str) -> None:
         st = pstats.Stats(cp, stream=f)
         st.sort_stats("tottime").print_stats(60)
         st.sort_stats("cumulative").print_stats(80)
-    with open(prefix + ".json", "rb") as a, gzip.open(prefix + ".json.gz", "wb") as b:
-        b.write(a.read())
-    os.remove(prefix + ".json")
     rt.shutdown()
 
 
