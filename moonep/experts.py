@@ -40,7 +40,7 @@ from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
 from .op_state import instance, replicas_id
 from .replicas import track_zero_slots
-from .work import CompiledWork
+from .work import CompiledWork, side_stream
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once: the loop from then on
@@ -765,5 +765,5 @@ class ReplicaPool:
             return None  # CUDA graphs: keep the capture on one stream
         s = self._streams.get(w.device)
         if s is None:
-            s = self._streams[w.device] = torch.cuda.Stream(w.device)
+            s = self._streams[w.device] = side_stream(w.device)
         return s

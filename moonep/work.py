@@ -205,8 +205,15 @@ class Chain:
 
     def comm_stream(self):
         if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
+            self.stream = side_stream(self.device)
         return self.stream
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """A new stream for collectives beside the caller's compute, at high priority (DeepEP's convention): the
+    block scheduler then starts a collective's blocks as soon as SMs free up, instead of after every pending
+    block of the GEMMs queued before it, which would run the two one after the other."""
+    return torch.cuda.Stream(device, priority=-1)
 
 
 _CHAINS: dict = {}

@@ -1,0 +1,165 @@
+"""Paired A/B in one process: an older moonep against the working tree, step by step.
+
+    python3 tools/layer_ab.py --old .old --out ab.json            # .old holds moonep/ and csrc/ of the older commit
+
+The older tree is copied under the name ``moonep_old`` (its imports and its ``moonep::`` op namespace renamed),
+so both libraries live in one process on one device.  Every iteration runs one eager ``LatentMoE`` step
+(forward + backward, the configuration of tools/time_ep.py) of each, in alternating order, then one-rank
+eager dispatch and combine (no_grad, 4096 x 7168 bf16, top-8 of 256).  Host-bound steps vary by 20-30%
+between processes on a shared machine; within one process, paired, the per-iteration ratio holds still.
+
+Reported per version: medians of the step's host time (until backward() returned), of its wall time (until
+the device finished) and of its device time (CUDA events); and the median of the per-iteration ratio
+new / old with its 25th and 75th percentiles.  The first step's outputs and gradients are compared bitwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def renamed_copy(tree: Path, dest: Path) -> str:
+    """Copy ``tree/moonep`` to ``dest/moonep_old`` (and ``tree/csrc`` beside it), renaming the package's absolute
+    imports and its op namespace; returns the older commit (``tree/COMMIT`` if present)."""
+    shutil.copytree(tree / "moonep", dest / "moonep_old")
+    shutil.copytree(tree / "csrc", dest / "csrc")
+    subs = [(r'"moonep::', '"moonep_old::'), (r"torch\.ops\.moonep\b", "torch.ops.moonep_old"),
+            (r"(?m)^(\s*)from moonep\.", r"\1from moonep_old."), (r"(?m)^(\s*)from moonep import", r"\1from moonep_old import"),
+            (r"(?m)^(\s*)import moonep$", r"\1import moonep_old as moonep")]
+    for p in (dest / "moonep_old").rglob("*.py"):
+        s = p.read_text()
+        for a, b in subs:
+            s = re.sub(a, b, s)
+        p.write_text(s)
+    c = tree / "COMMIT"
+    return c.read_text().strip() if c.exists() else str(tree)
+
+
+def quantiles(v: list) -> dict:
+    q = statistics.quantiles(v, n=4)
+    return {"median": round(statistics.median(v), 4), "p25": round(q[0], 4), "p75": round(q[2], 4)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--old", required=True, help="a folder holding the older moonep/ and csrc/")
+    ap.add_argument("--steps", type=int, default=200, help="paired iterations (default 200)")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="moonep_ab_"))
+    old_commit = renamed_copy(Path(args.old).resolve(), tmp)
+    sys.path.insert(0, str(tmp))
+    import torch
+
+    import moonep
+    import moonep.layers
+    import moonep_old
+    import moonep_old.layers
+
+    libs = {"old": moonep_old, "new": moonep}
+    rts = {k: lib.init(device="cuda") for k, lib in libs.items()}
+    layers, eps = {}, {}
+    for k, lib in libs.items():
+        torch.manual_seed(0)
+        layers[k] = lib.layers.LatentMoE(2048, 1024, 64, 6, 768, group=rts[k], max_tokens=4096,
+                                         dtype=torch.bfloat16, device=rts[k].device)
+        eps[k] = lib.ExpertParallel(rts[k], num_experts=256, topk=8, hidden=7168, max_tokens=4096,
+                                    dtype=torch.bfloat16, transport="nvlink", zero_copy=True)
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4096, 2048, generator=g).to("cuda", torch.bfloat16) for _ in range(8)]
+    xd = torch.randn(4096, 7168, generator=g).to("cuda", torch.bfloat16)
+    idx = torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(4096)]).cuda()
+    wd = torch.rand(4096, 8, generator=g).cuda()
+
+    def layer_step(k, x):
+        m = layers[k]
+        m.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        y = m(x)
+        y.float().square().sum().backward()
+        host = time.perf_counter() - t0
+        b.record()
+        b.synchronize()
+        return y, host * 1e3, (time.perf_counter() - t0) * 1e3, a.elapsed_time(b)
+
+    def comm_calls(k, n=20):  # n back-to-back eager calls of each, no_grad: per-call microseconds (events)
+        ep = eps[k]
+        out = {}
+        with torch.no_grad():
+            h = ep.dispatch(xd, idx, wd)
+            for name, fn in (("dispatch_us", lambda: ep.dispatch(xd, idx, wd)),
+                             ("combine_us", lambda: ep.combine(h.tokens, h))):
+                torch.cuda.synchronize()
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(n):
+                    fn()
+                b.record()
+                b.synchronize()
+                out[name] = a.elapsed_time(b) * 1e3 / n
+        return out
+
+    # bitwise: the first step of each from the same weights and input
+    first = {k: layer_step(k, xs[0])[0] for k in libs}
+    same = torch.equal(first["old"], first["new"]) and all(
+        (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad)
+        for p, q in zip(layers["old"].parameters(), layers["new"].parameters()))
+    for i in range(args.warmup):
+        for k in libs:
+            layer_step(k, xs[i % len(xs)])
+            comm_calls(k, 2)
+    rec = {k: {"host_ms": [], "wall_ms": [], "device_ms": [], "dispatch_us": [], "combine_us": []} for k in libs}
+    for i in range(args.steps):
+        order = ("old", "new") if i % 2 == 0 else ("new", "old")
+        for k in order:
+            _, host, wall, dev = layer_step(k, xs[i % len(xs)])
+            r = rec[k]
+            r["host_ms"].append(host), r["wall_ms"].append(wall), r["device_ms"].append(dev)
+        for k in order:
+            for name, v in comm_calls(k).items():
+                rec[k][name].append(v)
+    result = {
+        "benchmark": "tools/layer_ab.py (an older moonep and the tree in one process, paired per iteration)",
+        "command": "python3 tools/layer_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "old": old_commit, "new": os.environ.get("MOONEP_AB_NEW", _commit()),
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
+        "config": {"layer": "LatentMoE(2048, 1024, 64 experts, top-6, d_expert 768), 4096 tokens, bf16, "
+                            "forward+backward, 1 rank", "comm": "ExpertParallel 4096 x 7168 bf16, top-8 of 256, "
+                            "nvlink, zero_copy, no_grad, 20 back-to-back eager calls (CUDA events)",
+                   "steps": args.steps, "warmup": args.warmup, "order": "old-new, then new-old, alternating"},
+        "first_step_bitwise_equal": bool(same),
+        "median": {k: {m: round(statistics.median(v), 4) for m, v in r.items()} for k, r in rec.items()},
+        "new_over_old": {m: quantiles([n / o for n, o in zip(rec["new"][m], rec["old"][m])]) for m in rec["new"]},
+    }
+    print(json.dumps({k: result[k] for k in ("first_step_bitwise_equal", "median", "new_over_old")}, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for k in libs:
+        eps[k].close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+def _commit() -> str:
+    sys.path.insert(0, str(ROOT))
+    from moonep.bench.provenance import git_commit
+
+    return git_commit()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
