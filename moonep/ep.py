@@ -147,7 +147,8 @@ def call_combine(expert_out, h: Dispatched, traced_async: bool = False):
     # apply_weights="dispatch": the rows were scaled at dispatch, the weights reach no gradient through here
     weights = h.weights.detach() if h.scaled else h.weights
     op = torch.ops.moonep.combine_async if traced_async else torch.ops.moonep.combine
-    out = op.default(expert_out, weights, h.step, h.op_id, h.num_tokens, torch.compiler.is_compiling(), 0)
+    out = op_state.call(op.default, expert_out, weights, h.step, h.op_id, h.num_tokens,
+                        torch.compiler.is_compiling(), 0)
     return CompiledWork("combine", [out[0]], out[1], h.op_id, _first, (expert_out, weights)) if traced_async else out
 
 
@@ -158,7 +159,8 @@ def _first(outs):
 def call_prefetch(h: Dispatched, local_weight):
     """``moonep::prefetch`` of ``h``'s step and instance (``ExpertParallel.prefetch`` after its checks, and
     ``moonep.ops.prefetch``): ``[epn, *D]`` -> ``[2*epn, *D]``."""
-    return torch.ops.moonep.prefetch.default(local_weight, h.step, h.op_id, torch.compiler.is_compiling(), 0)
+    return op_state.call(torch.ops.moonep.prefetch.default, local_weight, h.step, h.op_id,
+                         torch.compiler.is_compiling(), 0)
 
 
 def _tensor_pair(x) -> bool:
@@ -361,7 +363,7 @@ class ExpertParallel:
             raise
         finally:
             if chain is not None and chain.multi:  # the next collective, on whichever stream, runs after this one
-                chain.after(torch.cuda.current_stream(self.device))
+                chain.after()
 
     def _leave(self, exc: BaseException) -> None:
         """This rank leaves a call part way: refuse every later call of this instance (and, on the torch
@@ -577,10 +579,10 @@ class ExpertParallel:
         if err is not None:
             self.refuse("dispatch", err)
         op = torch.ops.moonep.dispatch_async if traced_async else torch.ops.moonep.dispatch
-        out = op.default(
-            xs, topk_idx, topk_weights, x_scales, -1 if num_global_tokens is None else int(num_global_tokens),
-            self.op_id, self.capacity, self.num_experts, self.world_size, self._backend.token_state_words,
-            self.fp8, self.dtype, graph, 0)
+        ngt = -1 if num_global_tokens is None else int(num_global_tokens)
+        out = op_state.call(
+            op.default, xs, topk_idx, topk_weights, x_scales, ngt, self.op_id, self.capacity, self.num_experts,
+            self.world_size, self._backend.token_state_words, self.fp8, self.dtype, graph, 0)
         if traced_async:
             return CompiledWork("dispatch", list(out[:-1]), out[-1], self.op_id,
                                 lambda outs: self._dispatched(outs, xs.shape[0]), given)
@@ -863,8 +865,8 @@ class ExpertParallel:
                                  **{f"out[{i}]": o for i, o in enumerate(outs)})
         if err is not None:
             self._refuse(op, err, in_backward)
-        torch.ops.moonep.fetch_replicas.default(list(local_weights), list(outs), h.step, h.op_id, fresh,
-                                                in_backward, list(names or ()))
+        op_state.call(torch.ops.moonep.fetch_replicas.default, list(local_weights), list(outs), h.step, h.op_id,
+                      fresh, in_backward, list(names or ()))
         return list(outs)
 
     def _fetch_body(self, local_weights: list, outs: list, token, fresh: bool, in_backward: bool,
@@ -915,7 +917,7 @@ class ExpertParallel:
             work = torch.ops.moonep.reduce_replicas_async.default(home, replica_grad, h.step, h.op_id, in_backward)
             return CompiledWork("prefetch.backward" if in_backward else "reduce_grad", [home], work, h.op_id, _first,
                                 (replica_grad,))
-        torch.ops.moonep.reduce_replicas.default(home, replica_grad, h.step, h.op_id, in_backward)
+        op_state.call(torch.ops.moonep.reduce_replicas.default, home, replica_grad, h.step, h.op_id, in_backward)
         return home
 
     def _reduce_body(self, home_grad, replica_grad, token, in_backward: bool):
@@ -970,7 +972,7 @@ class ExpertParallel:
         if traced_async:
             out, work = torch.ops.moonep.reduce_grad_async.default(grad_view, h.step, h.op_id)
             return CompiledWork("reduce_grad", [out], work, h.op_id, _first, (grad_view,))
-        return torch.ops.moonep.reduce_grad.default(grad_view, h.step, h.op_id)
+        return op_state.call(torch.ops.moonep.reduce_grad.default, grad_view, h.step, h.op_id)
 
     def _reduce_grad_body(self, grad_view, token):
         """The body of ``moonep::reduce_grad``: ``[2*epn, *D]`` -> ``[epn, *D]`` (a tensor of its own)."""

@@ -38,9 +38,10 @@ from . import experts_cuda
 from .errors import expect
 from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
+from . import op_state
 from .op_state import instance, replicas_id
 from .replicas import track_zero_slots
-from .work import CompiledWork, side_stream
+from .work import CompiledWork, chain, side_stream
 
 _GMM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 _FAILED: set = set()  # (device type, dtype) where the grouped GEMM raised once: the loop from then on
@@ -233,7 +234,7 @@ def slot_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, w: torch.Tensor, impl
     """
     expect(impl in ("auto", "grouped", "loop"), "impl", '"auto", "grouped" or "loop"', repr(impl))
     a = as_float_rows(a, w.dtype)  # fp8 rows: dequantised first (torch has no fp8 x bf16 scaled grouped GEMM)
-    return torch.ops.moonep.slot_matmul.default(a, cu_seqlens, w, impl)  # eagerly and compiled
+    return op_state.call(torch.ops.moonep.slot_matmul.default, a, cu_seqlens, w, impl)  # eagerly and compiled
 
 
 def expert_matmul_grads(g, a, w_home, cu, rep, transpose: bool, impl: str, want_a: bool, want_w: bool):
@@ -548,7 +549,7 @@ class Replicas:
         """The slots, once the fetch finished (the current stream waits for the side stream; an async fetch's
         Work is waited for)."""
         if isinstance(self.event, torch.cuda.Event):
-            torch.cuda.current_stream(self.buffer.device).wait_event(self.event)
+            chain(self.buffer.device).current()[0].wait_event(self.event)
         elif self.event is not None:
             self.event.wait()
         self.event = None
@@ -583,7 +584,7 @@ def fetch_op(h: Dispatched, weights: list, names=None, *, traced_async: bool = F
         work = CompiledWork("prefetch", outs, torch.ops.moonep.fetch_replicas_async.default(*args), h.op_id, None,
                             args[0])
     else:
-        torch.ops.moonep.fetch_replicas.default(*args)
+        op_state.call(torch.ops.moonep.fetch_replicas.default, *args)
     out = [Fetched(h, w, r, work) for w, r in zip(weights, outs)]
     return out if many else out[0]
 
@@ -602,8 +603,8 @@ def call_expert_matmul(h: Dispatched, a, home_weight, replicas, transpose: bool,
     the slots' rows, default ``h.cu_seqlens``; ``ids``: of an eager pool's :class:`Replicas`, see the op):
     ``a [cap, D]`` -> ``[cap, N]``."""
     cu = h.cu_seqlens if cu_seqlens is None else cu_seqlens
-    return torch.ops.moonep.expert_matmul.default(a, cu, home_weight, replicas, bias, bias_replicas, h.step, h.op_id,
-                                                  transpose, impl, *ids)
+    return op_state.call(torch.ops.moonep.expert_matmul.default, a, cu, home_weight, replicas, bias, bias_replicas,
+                         h.step, h.op_id, transpose, impl, *ids)
 
 
 def kept_replicas(ep, h, home: torch.Tensor, buffer: torch.Tensor) -> "Replicas":
@@ -747,7 +748,7 @@ class ReplicaPool:
             ep._fetch_replicas(h, homes, bufs, names=names)
         else:
             # The plan (made on the current stream) must exist, and earlier readers of the buffers be done.
-            side.wait_stream(torch.cuda.current_stream(weights[0].device))
+            side.wait_stream(chain(weights[0].device).current()[0])
             for i in range(len(weights)):  # one call and event each: a projection's GEMM waits for its own
                 with torch.cuda.stream(side):
                     ep._fetch_replicas(h, homes[i:i + 1], bufs[i:i + 1], names=names[i:i + 1])

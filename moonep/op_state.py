@@ -20,7 +20,8 @@ travel as:
   ``moonep::expert_matmul``'s autograd finds them again in the backward (a weak reference here).
 
 Also here, for every custom op of moonep (``moonep.ops``, ``moonep.eager_math``): :func:`fresh_output`, as an
-op may return a tensor (never one sharing memory with its inputs).
+op may return a tensor (never one sharing memory with its inputs); and :func:`call`, how moonep's own code calls
+its ops.
 
 This module imports nothing of moonep, so ``moonep.ep`` can use it without an import cycle.
 """
@@ -69,6 +70,39 @@ def fresh_output(out: torch.Tensor, *inputs) -> torch.Tensor:
                 t.untyped_storage().data_ptr():
             return out.clone()
     return out
+
+
+_KERNELS: dict = {}  # OpOverload -> the Python function the dispatcher would run for an eager call (see call)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def register_kernel(op, fn) -> None:
+    """``fn(*args)`` is what an eager call of ``op`` on plain tensors runs (its Autograd kernel, or its body for
+    an op without autograd): :func:`call` runs it directly."""
+    _KERNELS[op] = fn
+
+
+def call(op, *args):
+    """``op(*args)``.  Eagerly, on plain tensors and with no dispatch mode, the op's kernel is called here
+    directly: the same function the dispatcher would run, without converting a dozen arguments to C++ and back
+    (tens of µs per call, which a host-bound step pays a dozen times).  Traced code, tensor subclasses and
+    dispatch modes (fake tensors, FlopCounterMode, ...) go through the dispatcher.  Under torch.profiler the
+    call is still a range named after the op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return op(*args)
+    fn = _KERNELS.get(op)
+    if fn is None:
+        return op(*args)
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN:
+                return op(*args)
+        elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor) and type(a[0]) not in _PLAIN:
+            return op(*args)
+    if torch.autograd._profiler_enabled():
+        with torch.autograd.profiler.record_function(op.name()):
+            return fn(*args)
+    return fn(*args)
 
 
 def register_instance(ep) -> int:

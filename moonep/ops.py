@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.fx import traceback as fx_traceback
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import compile_order, experts, op_state
@@ -79,6 +80,7 @@ def _define(schema: str, body, fake, *, collective: bool = True, lib: torch.libr
         schema = f"{head}, {_AFTER}) ->{tail}"
     lib.define(schema)
     op = getattr(getattr(torch.ops, lib.ns), name).default
+    op_state.register_kernel(op, body)  # (eager calls without `after`)
     if collective:  # the kernels never see `after` (an ordering dependency only)
         n = len(op._schema.arguments) - 1
         body, fake = _without_after(body, n), _tracing(_without_after(fake, n))
@@ -147,6 +149,7 @@ def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Opti
         return body(*args) if _eager(args[inputs[0]]) else _below_autograd(op, args)
 
     lib.impl(name, kernel, "Autograd")
+    op_state.register_kernel(op, kernel)
 
 
 def _eager(t) -> bool:
@@ -163,18 +166,20 @@ def _none_or(t: Tensor, wanted: bool):
     return t if wanted else None
 
 
-@contextlib.contextmanager
 def _backward_only():
     """Context for the collective of a backward rule while AOTAutograd traces the joint graph: its nodes get
     the partitioner tag "must_be_in_backward" (read by torch's min-cut and default partitioners since 2.5).
     Without it, a rank whose tangents are empty (no tokens) gets backward collectives that depend on no
     tangent, which the partitioner may move into the forward graph: that rank would then run them in another
     order than its peers (a deadlock).  Outside tracing (no node metadata being recorded) it does nothing."""
-    from torch.fx import traceback as fx_traceback
+    return _tagged_backward() if fx_traceback.has_preserved_node_meta() else _NOTHING
 
-    if not fx_traceback.has_preserved_node_meta():
-        yield
-        return
+
+_NOTHING = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _tagged_backward():
     meta = fx_traceback.current_meta
     saved = meta.get("partitioner_tag")
     meta["partitioner_tag"] = "must_be_in_backward"
@@ -290,8 +295,8 @@ def _dispatch_bwd(ctx, g_tokens, g_weights, *rest):
         g_tokens = rest[-1]
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
     with _backward_only():
-        gx, gw = dispatch_backward_op(g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens, *ctx.sizes, ctx.x_dtype,
-                                      ctx.w_dtype, want_x, want_w)
+        gx, gw = op_state.call(dispatch_backward_op, g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens,
+                               *ctx.sizes, ctx.x_dtype, ctx.w_dtype, want_x, want_w)
     return (_none_or(gx, want_x), None, _none_or(gw, want_w)) + (None,) * 11
 
 
@@ -357,7 +362,7 @@ def _combine_bwd(ctx, gy):
     expert_out, weights, token = _saved(ctx)
     want_o, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     with _backward_only():
-        g_rows = combine_backward_op(gy, token, ctx.op_id, expert_out.shape[0], ctx.graph)
+        g_rows = op_state.call(combine_backward_op, gy, token, ctx.op_id, expert_out.shape[0], ctx.graph)
     # the products outside the op: compiled, inductor fuses them (one pass over the rows)
     g_out, g_w = combine_products(g_rows, expert_out, weights if ctx.weighted else None, want_o, want_w)
     return g_out, g_w, None, None, None, None, None
@@ -385,7 +390,7 @@ def combine_rows_grad(gy: Tensor, h: Dispatched, capacity: int) -> Tensor:
     (:func:`moonep.layers.two_batch_moe`): ``gy [s, H]`` -> the rows' gradient ``[capacity, H]`` in ``gy``'s
     dtype, a tensor of its own; :func:`moonep.ep.combine_products` makes the inputs' gradients from it (the
     other half, compute).  Collective."""
-    return combine_backward_op(gy, h.step, h.op_id, capacity, True)
+    return op_state.call(combine_backward_op, gy, h.step, h.op_id, capacity, True)
 
 
 def combine(expert_out: Tensor, h: Dispatched) -> Tensor:
@@ -413,7 +418,7 @@ def _prefetch_setup(ctx, inputs, output):
 def _prefetch_bwd(ctx, g):
     (token,) = _saved(ctx)
     with _backward_only():
-        return prefetch_backward_op(g, token, ctx.op_id), None, None, None, None
+        return op_state.call(prefetch_backward_op, g, token, ctx.op_id), None, None, None, None
 
 
 def _prefetch_backward(g, token, op_id):
@@ -471,7 +476,7 @@ Collective; not differentiable."""
 def reduce_grad(h: Dispatched, grad: Tensor) -> Tensor:
     """:meth:`moonep.ExpertParallel.reduce_grad` (``moonep::reduce_grad``): ``[2*epn, *D]`` -> ``[epn, *D]``.
     Collective; not differentiable."""
-    return reduce_grad_op(grad, h.step, h.op_id)
+    return op_state.call(reduce_grad_op, grad, h.step, h.op_id)
 
 
 def _reduce_replicas(home_grad, replica_grad, token, op_id, backward):
@@ -490,7 +495,7 @@ def reduce_replicas(h: Dispatched, home_grad: Tensor, replica_grad: Tensor) -> T
     """:meth:`moonep.ExpertParallel.reduce_replicas` (``moonep::reduce_replicas``): ``[epn, *D]`` twice ->
     ``[epn, *D]``, a tensor of its own. Collective."""
     home = home_grad.detach().clone()  # (the op sums in place, without autograd)
-    reduce_replicas_op(home, replica_grad, h.step, h.op_id, False)
+    op_state.call(reduce_replicas_op, home, replica_grad, h.step, h.op_id, False)
     return home
 
 
@@ -543,8 +548,8 @@ def _expert_matmul_bwd(ctx, g):
         rb = None if br is None else br.buffer
     want_b = hb is not None and ctx.needs_input_grad[4]
     with _backward_only():
-        ga, gw, gb = expert_matmul_backward_op(g, a, cu, home, rep, hb, rb, token, ctx.op_id, ctx.transpose,
-                                               ctx.impl, want_a, want_w, want_b)
+        ga, gw, gb = op_state.call(expert_matmul_backward_op, g, a, cu, home, rep, hb, rb, token, ctx.op_id,
+                                   ctx.transpose, ctx.impl, want_a, want_w, want_b)
     return (_none_or(ga, want_a), None, _none_or(gw, want_w), None, _none_or(gb, want_b)) + (None,) * 7
 
 
@@ -621,7 +626,7 @@ def _slot_matmul_setup(ctx, inputs, output):
 def _slot_matmul_bwd(ctx, g):
     a, cu, w = ctx.saved_tensors
     want_a, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
-    ga, gw = slot_matmul_backward_op(g, a, cu, w, ctx.impl, want_a, want_w)
+    ga, gw = op_state.call(slot_matmul_backward_op, g, a, cu, w, ctx.impl, want_a, want_w)
     return _none_or(ga, want_a), None, _none_or(gw, want_w), None
 
 
@@ -704,7 +709,7 @@ def plan_and_destinations(counts: Tensor, rank: int, topk_idx: Tensor, *, slack:
     Returns:
         :class:`Planned`.  Not differentiable.
     """
-    return Planned(*plan_and_destinations_op(counts, topk_idx, int(rank), float(slack), int(align)))
+    return Planned(*op_state.call(plan_and_destinations_op, counts, topk_idx, int(rank), float(slack), int(align)))
 
 
 # --------------------------------------------------------------------------------------------- balancer
@@ -729,8 +734,8 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
     Args:
         raw: ``[s, E]`` scores (float32/bf16/fp16/fp64); values: ``[s, K+1]`` top-(K+1) biased scores.
     """
-    qb_record_op(raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts, balancer._work,
-               balancer._op_id, not balancer._recording, bool(check))
+    op_state.call(qb_record_op, raw, values, balancer.bias, balancer._lo, balancer._width, balancer._counts,
+                  balancer._work, balancer._op_id, not balancer._recording, bool(check))
     balancer._recording = True
 
 

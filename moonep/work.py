@@ -177,11 +177,23 @@ class Chain:
         self.stream = None    # the communication stream of async_op=True calls
         self._spare = None    # the event :meth:`after` records
         self._event_stream = None  # the raw handle of the stream it was last recorded on
+        self._streams: dict = {}   # raw handle -> its torch.cuda.Stream (see current)
 
-    def after(self, stream) -> None:
-        """A collective was queued on ``stream``: the next one waits for it."""
+    def current(self):
+        """The device's current stream, and its raw handle.  The Stream objects are kept by handle: building one
+        (``torch.cuda.current_stream``) costs more host time than the rest of a collective's bookkeeping."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        s = self._streams.get(raw)
+        if s is None:
+            if len(self._streams) >= 64:  # (streams a caller made and dropped)
+                self._streams.clear()
+            s = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return s, raw
+
+    def after(self, stream=None) -> None:
+        """A collective was queued on ``stream`` (default: the current one): the next one waits for it."""
         self.multi = True
-        if torch.cuda.is_current_stream_capturing():
+        if torch._C._cuda_isCurrentStreamCapturing():
             # inside a CUDA graph capture the captured streams' own order holds (one stream, or a fork and
             # join); an event recorded here must not be waited for outside the capture
             self.event = None
@@ -190,18 +202,19 @@ class Chain:
         # keeps the record it was queued after (CUDA's rule)
         if self._spare is None:
             self._spare = torch.cuda.Event()
+        stream, raw = self.current() if stream is None else (stream, stream.cuda_stream)
         self._spare.record(stream)
-        self.event, self._event_stream = self._spare, stream.cuda_stream
+        self.event, self._event_stream = self._spare, raw
 
     def join(self) -> None:
         """The current stream waits for the last collective (when one is pending and ran on another stream).
         Not while capturing a CUDA graph: an event from before the capture may not be waited for inside it, and
         ``torch.cuda.graph`` synchronizes the device before it captures."""
         ev, self.event = self.event, None
-        if ev is not None and not torch.cuda.is_current_stream_capturing():
-            # (on the same stream, the stream's own order holds; the raw handle: no Stream object to build)
-            if torch._C._cuda_getCurrentRawStream(self.device.index) != self._event_stream:
-                torch.cuda.current_stream(self.device).wait_event(ev)
+        if ev is not None and not torch._C._cuda_isCurrentStreamCapturing():
+            stream, raw = self.current()
+            if raw != self._event_stream:  # (on the same stream, the stream's own order holds)
+                stream.wait_event(ev)
 
     def comm_stream(self):
         if self.stream is None:
