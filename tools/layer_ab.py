@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="paired iterations (default 200)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="path prefix: then 20 steps of each under cProfile "
+                    "({prefix}_old.pstats, {prefix}_new.pstats)")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="moonep_ab_"))
     old_commit = renamed_copy(Path(args.old).resolve(), tmp)
@@ -143,8 +145,19 @@ def main(argv=None) -> int:
         "first_step_bitwise_equal": bool(same),
         "median": {k: {m: round(statistics.median(v), 4) for m, v in r.items()} for k, r in rec.items()},
         "new_over_old": {m: quantiles([n / o for n, o in zip(rec["new"][m], rec["old"][m])]) for m in rec["new"]},
+        "per_iteration": {k: {m: [round(v, 4) for v in vs] for m, vs in r.items()} for k, r in rec.items()},
     }
     print(json.dumps({k: result[k] for k in ("first_step_bitwise_equal", "median", "new_over_old")}, indent=1))
+    if args.profile:
+        import cProfile
+
+        for k in libs:
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(20):
+                layer_step(k, xs[i % len(xs)])
+            pr.disable()
+            pr.dump_stats(f"{args.profile}_{k}.pstats")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for k in libs:
