@@ -65,9 +65,11 @@ _STEPS_LOCK = threading.Lock()  # async_op calls of two instances store steps fr
 def fresh_output(out: torch.Tensor, *inputs) -> torch.Tensor:
     """``out``, copied when it shares memory with an input (a custom op's outputs must not alias them;
     ``None`` inputs and empty tensors are skipped)."""
+    if not out.numel():
+        return out
+    ptr = out.untyped_storage().data_ptr()
     for t in inputs:
-        if t is not None and t.numel() and out.numel() and out.untyped_storage().data_ptr() == \
-                t.untyped_storage().data_ptr():
+        if t is not None and t.numel() and t.untyped_storage().data_ptr() == ptr:
             return out.clone()
     return out
 

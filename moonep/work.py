@@ -167,16 +167,16 @@ class Chain:
     The NVLink kernels of every instance spin on every SM they are given and wait for their peers' matching
     launch, so two collectives, even of two instances, must never run at once on two streams: a rank's GPU
     could then start one while a peer's starts the other.  Once a second stream carries collectives (the
-    replica pool's side stream, the communication stream of ``async_op=True``), every collective records an
-    event at its end (:attr:`event`) and the next one, on whatever stream, waits for it first."""
+    replica pool's side stream, the communication stream of ``async_op=True``), every collective notes the
+    stream it ran on (:meth:`after`), and the next one, when it runs on another stream, first waits for that
+    stream (:meth:`join`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.event = None     # the last collective's end, not yet waited for by the next one
-        self.multi = False    # collectives run on more than one stream: record every end
+        self.multi = False    # collectives run on more than one stream: note every one's stream
         self.stream = None    # the communication stream of async_op=True calls
-        self._spare = None    # the event :meth:`after` records
-        self._event_stream = None  # the raw handle of the stream it was last recorded on
+        self._last = None     # (Stream, raw handle) of the last collective, not yet waited for by the next one
+        self._event = None    # the event :meth:`join` records on it
         self._streams: dict = {}   # raw handle -> its torch.cuda.Stream (see current)
 
     def current(self):
@@ -195,26 +195,28 @@ class Chain:
         self.multi = True
         if torch._C._cuda_isCurrentStreamCapturing():
             # inside a CUDA graph capture the captured streams' own order holds (one stream, or a fork and
-            # join); an event recorded here must not be waited for outside the capture
-            self.event = None
+            # join); nothing recorded here may be waited for outside the capture
+            self._last = None
             return
-        # one event, recorded again each time (no new event per collective: host time): a wait already queued
-        # keeps the record it was queued after (CUDA's rule)
-        if self._spare is None:
-            self._spare = torch.cuda.Event()
-        stream, raw = self.current() if stream is None else (stream, stream.cuda_stream)
-        self._spare.record(stream)
-        self.event, self._event_stream = self._spare, raw
+        self._last = self.current() if stream is None else (stream, stream.cuda_stream)
 
     def join(self) -> None:
-        """The current stream waits for the last collective (when one is pending and ran on another stream).
-        Not while capturing a CUDA graph: an event from before the capture may not be waited for inside it, and
-        ``torch.cuda.graph`` synchronizes the device before it captures."""
-        ev, self.event = self.event, None
-        if ev is not None and not torch._C._cuda_isCurrentStreamCapturing():
-            stream, raw = self.current()
-            if raw != self._event_stream:  # (on the same stream, the stream's own order holds)
-                stream.wait_event(ev)
+        """The current stream waits for the last collective, when that ran on another stream.  The event is
+        recorded only then, on that stream: it also covers what was queued there since, which is at most more
+        than needed (the side streams carry collectives only, and a collective on the caller's stream is
+        mostly followed by another on the same stream: no event at all).  Not while capturing a CUDA graph: an
+        event from before the capture may not be waited for inside it, and ``torch.cuda.graph`` synchronizes
+        the device before it captures."""
+        last, self._last = self._last, None
+        if last is None or torch._C._cuda_isCurrentStreamCapturing():
+            return
+        stream, raw = self.current()
+        if raw != last[1]:  # (on the same stream, the stream's own order holds)
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            # (one event, recorded again each time: a wait already queued keeps the record it followed)
+            self._event.record(last[0])
+            stream.wait_event(self._event)
 
     def comm_stream(self):
         if self.stream is None:
