@@ -32,7 +32,7 @@ def renamed_copy(tree: Path, dest: Path) -> str:
     imports and its op namespace; returns the older commit (``tree/COMMIT`` if present)."""
     shutil.copytree(tree / "moonep", dest / "moonep_old")
     shutil.copytree(tree / "csrc", dest / "csrc")
-    subs = [(r'"moonep::', '"moonep_old::'), (r"torch\.ops\.moonep\b", "torch.ops.moonep_old"),
+    subs = [(r'"moonep::', '"moonep_old::'), (r'Library\("moonep"', 'Library("moonep_old"'), (r"torch\.ops\.moonep\b", "torch.ops.moonep_old"),
             (r"(?m)^(\s*)from moonep\.", r"\1from moonep_old."), (r"(?m)^(\s*)from moonep import", r"\1from moonep_old import"),
             (r"(?m)^(\s*)import moonep$", r"\1import moonep_old as moonep")]
     for p in (dest / "moonep_old").rglob("*.py"):
