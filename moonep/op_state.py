@@ -87,10 +87,11 @@ def register_kernel(op, fn) -> None:
 def call(op, *args):
     """``op(*args)``.  Eagerly, on plain tensors and with no dispatch mode, the op's kernel is called here
     directly: the same function the dispatcher would run, without converting a dozen arguments to C++ and back
-    (tens of µs per call, which a host-bound step pays a dozen times).  Traced code, tensor subclasses and
-    dispatch modes (fake tensors, FlopCounterMode, ...) go through the dispatcher.  Under torch.profiler the
-    call is still a range named after the op."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    (tens of µs per call, which a host-bound step pays a dozen times).  Traced code, tensor subclasses,
+    dispatch modes (fake tensors, FlopCounterMode, ...) and functorch transforms go through the dispatcher.
+    Under torch.profiler the call is still a range named after the op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
+            or torch._C._are_functorch_transforms_active():
         return op(*args)
     fn = _KERNELS.get(op)
     if fn is None:

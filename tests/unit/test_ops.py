@@ -239,10 +239,13 @@ class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_eager_collectives_are_the_ops():
-    """Eager code runs every collective as moonep's op, forward and backward: dispatch, the pool's replica fetch
-    (``moonep::fetch_replicas``, into the pool's buffers), the expert GEMM (whose backward reduces the replica
-    gradients), combine and ``reduce_grad``; values as without the log."""
+_STEP_OPS = ["dispatch", "fetch_replicas", "expert_matmul", "combine", "combine_backward", "expert_matmul_backward",
+             "dispatch_backward", "reduce_grad"]  # (the replica gradient reduce runs inside expert_matmul's backward)
+
+
+def _pool_step():
+    """A one-rank training step through the eager API (dispatch, the pool's fetch, expert_matmul, combine,
+    backward, reduce_grad) and the ExpertParallel it runs on: ``(run, ep)``, ``run()`` returning the values."""
     ep = moonep.ExpertParallel(num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=torch.float64, device="cpu")
     g = torch.Generator().manual_seed(3)
     w_in = torch.randn(E, H, H, generator=g, dtype=torch.float64, requires_grad=True)
@@ -257,14 +260,43 @@ def test_eager_collectives_are_the_ops():
         y.square().sum().backward()
         return y.detach(), x.grad, w_in.grad, ep.reduce_grad(h, torch.ones(2 * E, 3, dtype=torch.float64))
 
+    return run, ep
+
+
+def test_eager_collectives_are_the_ops():
+    """Eager code runs every collective as moonep's op, forward and backward: dispatch, the pool's replica fetch
+    (``moonep::fetch_replicas``, into the pool's buffers), the expert GEMM (whose backward reduces the replica
+    gradients), combine and ``reduce_grad``; values as without the log (a dispatch mode: every call passes
+    through the dispatcher)."""
+    run, ep = _pool_step()
     want = run()
     with _OpLog() as log:
         got = run()
     for a, b in zip(want, got):
         assert torch.equal(a, b)
-    # (the replica gradient reduce runs inside expert_matmul's backward op)
-    assert log.names == ["dispatch", "fetch_replicas", "expert_matmul", "combine", "combine_backward",
-                         "expert_matmul_backward", "dispatch_backward", "reduce_grad"], log.names
+    assert log.names == _STEP_OPS, log.names
+    ep.close()
+
+
+def test_eager_calls_run_the_op_kernels_directly(monkeypatch):
+    """Without a dispatch mode, ``op_state.call`` runs each op's own kernel (the function the dispatcher would
+    run) without the dispatcher: every op of the step goes that way, the values are bitwise those through the
+    dispatcher, and torch.profiler still shows each op by name."""
+    run, ep = _pool_step()
+    want = run()
+    direct = []
+    kernels = {op: (lambda op, fn: lambda *a: direct.append(op.name().split("::")[1]) or fn(*a))(op, fn)
+               for op, fn in op_state._KERNELS.items()}
+    monkeypatch.setattr(op_state, "_KERNELS", kernels)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = run()
+    assert direct == _STEP_OPS, direct
+    ranges = [e.name for e in prof.events() if e.name.startswith("moonep::")]
+    assert [n for n in ranges if n.split("::")[1] in _STEP_OPS] == [f"moonep::{n}" for n in _STEP_OPS], ranges
+    monkeypatch.setattr(op_state, "_KERNELS", {})  # every call through the dispatcher
+    through = run()
+    for a, b, c in zip(want, got, through):
+        assert torch.equal(a, b) and torch.equal(a, c)
     ep.close()
 
 
