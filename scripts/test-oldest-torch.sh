@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The compile tests on the oldest torch that moonep supports (the lower bound of `torch>=` in pyproject.toml),
 # in ./.venv-torch<version>; extra arguments go to pytest (`--setup-only`: build the venv and stop).  CI runs
-# this beside scripts/test.sh, which tests the newest supported torch (scripts/setup.sh's TORCH_SPEC).
+# this after scripts/test.sh, which tests the newest supported torch (scripts/setup.sh's TORCH_SPEC).
 #  - PyPI's torch of that version is the CUDA build (about 4.6 GB with its CUDA libraries, a minute to
 #    install from a local mirror); it runs on a machine without a GPU.
 #  - The tests are the ones that compile: the custom ops, the layer's math, the multi-rank compiled steps (at 2
