@@ -74,14 +74,17 @@ def fresh_output(out: torch.Tensor, *inputs) -> torch.Tensor:
     return out
 
 
-_KERNELS: dict = {}  # OpOverload -> the Python function the dispatcher would run for an eager call (see call)
+_KERNELS: dict = {}  # id(OpOverload) -> (the function an eager call runs, tensor argument positions, list ones)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def register_kernel(op, fn) -> None:
     """``fn(*args)`` is what an eager call of ``op`` on plain tensors runs (its Autograd kernel, or its body for
-    an op without autograd): :func:`call` runs it directly."""
-    _KERNELS[op] = fn
+    an op without autograd): :func:`call` runs it directly.  A collective's trailing ``after`` is not passed."""
+    args = [a for a in op._schema.arguments if a.name != "after"]
+    tensors = tuple(i for i, a in enumerate(args) if str(a.type) in ("Tensor", "Optional[Tensor]"))
+    lists = tuple(i for i, a in enumerate(args) if str(a.type) == "List[Tensor]")
+    _KERNELS[id(op)] = (fn, tensors, lists)
 
 
 def call(op, *args):
@@ -93,14 +96,17 @@ def call(op, *args):
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() \
             or torch._C._are_functorch_transforms_active():
         return op(*args)
-    fn = _KERNELS.get(op)
-    if fn is None:
+    entry = _KERNELS.get(id(op))
+    if entry is None:
         return op(*args)
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            if type(a) not in _PLAIN:
-                return op(*args)
-        elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor) and type(a[0]) not in _PLAIN:
+    fn, tensors, lists = entry
+    for i in tensors:  # (the op's tensor arguments only: a few type checks)
+        t = args[i]
+        if t is not None and type(t) not in _PLAIN:
+            return op(*args)
+    for i in lists:
+        ts = args[i]
+        if ts and type(ts[0]) not in _PLAIN:
             return op(*args)
     if torch.autograd._profiler_enabled():
         with torch.autograd.profiler.record_function(op.name()):
