@@ -1,6 +1,7 @@
 """Paired A/B in one process: an older moonep against the working tree, step by step.
 
     python3 tools/layer_ab.py --old .old --out ab.json            # .old holds moonep/ and csrc/ of the older commit
+    python3 tools/layer_ab.py --old .old --device cpu --out ab.json   # no GPU: a small host-bound shape
 
 The older tree is copied under the name ``moonep_old`` (its imports and its ``moonep::`` op namespace renamed),
 so both libraries live in one process on one device.  Every iteration runs one eager ``LatentMoE`` step
@@ -32,8 +33,9 @@ def renamed_copy(tree: Path, dest: Path) -> str:
     imports and its op namespace; returns the older commit (``tree/COMMIT`` if present)."""
     shutil.copytree(tree / "moonep", dest / "moonep_old")
     shutil.copytree(tree / "csrc", dest / "csrc")
-    subs = [(r'"moonep::', '"moonep_old::'), (r'Library\("moonep"', 'Library("moonep_old"'), (r"torch\.ops\.moonep\b", "torch.ops.moonep_old"),
-            (r"(?m)^(\s*)from moonep\.", r"\1from moonep_old."), (r"(?m)^(\s*)from moonep import", r"\1from moonep_old import"),
+    subs = [(r'"moonep::', '"moonep_old::'), (r'Library\("moonep"', 'Library("moonep_old"'),
+            (r"torch\.ops\.moonep\b", "torch.ops.moonep_old"), (r"(?m)^(\s*)from moonep\.", r"\1from moonep_old."),
+            (r"(?m)^(\s*)from moonep import", r"\1from moonep_old import"),
             (r"(?m)^(\s*)import moonep$", r"\1import moonep_old as moonep")]
     for p in (dest / "moonep_old").rglob("*.py"):
         s = p.read_text()
@@ -55,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="paired iterations (default 200)")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a small host-bound shape (the layer and calls' own host time, no GPU needed)")
     ap.add_argument("--profile", default=None, help="path prefix: then 20 steps of each under cProfile "
                     "({prefix}_old.pstats, {prefix}_new.pstats)")
     args = ap.parse_args(argv)
@@ -69,23 +73,35 @@ def main(argv=None) -> int:
     import moonep_old.layers
 
     libs = {"old": moonep_old, "new": moonep}
-    rts = {k: lib.init(device="cuda") for k, lib in libs.items()}
+    cuda = args.device == "cuda"
+    # (layer: d_model, d_latent, experts, top-k, d_expert, tokens, dtype; comm: experts, top-k, hidden, tokens, dtype)
+    layer_cfg = (2048, 1024, 64, 6, 768, 4096, torch.bfloat16) if cuda else (64, 32, 16, 4, 32, 64, torch.float32)
+    comm_cfg = (256, 8, 7168, 4096, torch.bfloat16) if cuda else (8, 2, 16, 24, torch.float64)
+    rts = {k: lib.init(device=args.device) for k, lib in libs.items()}
     layers, eps = {}, {}
     for k, lib in libs.items():
         torch.manual_seed(0)
-        layers[k] = lib.layers.LatentMoE(2048, 1024, 64, 6, 768, group=rts[k], max_tokens=4096,
-                                         dtype=torch.bfloat16, device=rts[k].device)
-        eps[k] = lib.ExpertParallel(rts[k], num_experts=256, topk=8, hidden=7168, max_tokens=4096,
-                                    dtype=torch.bfloat16, transport="nvlink", zero_copy=True)
+        *dims, T, dt = layer_cfg
+        layers[k] = lib.layers.LatentMoE(*dims, group=rts[k], max_tokens=T, dtype=dt, device=rts[k].device)
+        E, K, H, S, dt = comm_cfg
+        eps[k] = lib.ExpertParallel(rts[k], num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dt,
+                                    **(dict(transport="nvlink", zero_copy=True) if cuda else {}))
     g = torch.Generator().manual_seed(0)
-    xs = [torch.randn(4096, 2048, generator=g).to("cuda", torch.bfloat16) for _ in range(8)]
-    xd = torch.randn(4096, 7168, generator=g).to("cuda", torch.bfloat16)
-    idx = torch.stack([torch.randperm(256, generator=g)[:8] for _ in range(4096)]).cuda()
-    wd = torch.rand(4096, 8, generator=g).cuda()
+    xs = [torch.randn(layer_cfg[5], layer_cfg[0], generator=g).to(args.device, layer_cfg[6]) for _ in range(8)]
+    E, K, H, S, dt = comm_cfg
+    xd = torch.randn(S, H, generator=g).to(args.device, dt)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S)]).to(args.device)
+    wd = torch.rand(S, K, generator=g).to(args.device)
 
     def layer_step(k, x):
         m = layers[k]
         m.zero_grad(set_to_none=True)
+        if not cuda:  # host time is all there is
+            t0 = time.perf_counter()
+            y = m(x)
+            y.float().square().sum().backward()
+            t = (time.perf_counter() - t0) * 1e3
+            return y, t, t, t
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
@@ -104,6 +120,12 @@ def main(argv=None) -> int:
             hs = []
             for name, fn in (("dispatch_us", lambda: hs.append(ep.dispatch(xd, idx, wd))),
                              ("combine_us", lambda: ep.combine(hs[-1].tokens, hs[-1]))):  # the last dispatch's
+                if not cuda:
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        fn()
+                    out[name] = (time.perf_counter() - t0) * 1e6 / n
+                    continue
                 torch.cuda.synchronize()
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
@@ -137,10 +159,13 @@ def main(argv=None) -> int:
         "benchmark": "tools/layer_ab.py (an older moonep and the tree in one process, paired per iteration)",
         "command": "python3 tools/layer_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "old": old_commit, "new": _commit(),
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
-        "config": {"layer": "LatentMoE(2048, 1024, 64 experts, top-6, d_expert 768), 4096 tokens, bf16, "
-                            "forward+backward, 1 rank", "comm": "ExpertParallel 4096 x 7168 bf16, top-8 of 256, "
-                            "nvlink, zero_copy, no_grad, 20 back-to-back eager calls (CUDA events)",
+        "machine": machine(),
+        "config": {"device": args.device,
+                   "layer": "LatentMoE({}, {}, {} experts, top-{}, d_expert {}), {} tokens, {}, forward+backward, "
+                            "1 rank".format(*layer_cfg),
+                   "comm": "ExpertParallel {3} x {2} {4}, top-{1} of {0}, {5}, no_grad, 20 back-to-back eager "
+                           "calls ({6})".format(*comm_cfg, "nvlink, zero_copy" if cuda else "one CPU rank",
+                                                "CUDA events" if cuda else "wall clock"),
                    "steps": args.steps, "warmup": args.warmup, "order": "old-new, then new-old, alternating"},
         "first_step_bitwise_equal": bool(same),
         "median": {k: {m: round(statistics.median(v), 4) for m, v in r.items()} for k, r in rec.items()},
@@ -171,6 +196,12 @@ def _commit() -> str:
     from moonep.bench.provenance import git_commit
 
     return git_commit()
+
+
+def machine() -> dict:
+    from moonep.bench.provenance import machine as m
+
+    return m()
 
 
 if __name__ == "__main__":
