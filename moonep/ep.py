@@ -383,7 +383,8 @@ class ExpertParallel:
         """This instance's last collective was launched on ``stream`` (not the current one): the next
         collective's kernels, of any instance on this device, wait for it (:class:`moonep.work.Chain`: two
         collectives must never run at once on two streams).  :class:`moonep.ReplicaPool` calls this after
-        fetching on its side stream.  From then on every collective records its end."""
+        fetching on its side stream.  From then on every collective notes its stream (the next one, on
+        another stream, waits for it)."""
         self._overlap.chain.after(stream)
 
     @property
@@ -694,7 +695,7 @@ class ExpertParallel:
 
     def _going_async(self) -> None:
         """An async call is being made: no dispatch returns views of the receive buffer from now on, and on CUDA
-        the communication stream joins (every collective records its end, see :class:`moonep.work.Chain`)."""
+        the communication stream joins (every collective notes its stream, see :class:`moonep.work.Chain`)."""
         self._async_used = True
         if self.device.type == "cuda" and not self._streams:
             self.queued_on(torch.cuda.current_stream(self.device))
