@@ -69,6 +69,8 @@ def main(argv=None) -> int:
 
     import moonep
     import moonep.layers
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_planner import loop_time  # n back-to-back calls between two CUDA events (after one more)
     import moonep_old
     import moonep_old.layers
 
@@ -113,7 +115,7 @@ def main(argv=None) -> int:
         b.synchronize()
         return y, host * 1e3, (time.perf_counter() - t0) * 1e3, a.elapsed_time(b)
 
-    def comm_calls(k, n=20):  # n back-to-back eager calls of each, no_grad: per-call microseconds (events)
+    def comm_calls(k, n=20):  # n back-to-back eager calls of each, no_grad: microseconds per call
         ep = eps[k]
         out = {}
         with torch.no_grad():
@@ -126,14 +128,7 @@ def main(argv=None) -> int:
                         fn()
                     out[name] = (time.perf_counter() - t0) * 1e6 / n
                     continue
-                torch.cuda.synchronize()
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(n):
-                    fn()
-                b.record()
-                b.synchronize()
-                out[name] = a.elapsed_time(b) * 1e3 / n
+                out[name] = loop_time(fn, n)
         return out
 
     # bitwise: the first step of each from the same weights and input
