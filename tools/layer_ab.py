@@ -44,6 +44,8 @@ def renamed_copy(tree: Path, dest: Path) -> str:
             s = re.sub(a, b, s)
         p.write_text(s)
     c = tree / "COMMIT"
+    if tree == ROOT:
+        return f"{_commit()} (the tree itself, renamed: an A/A check of this benchmark)"
     return c.read_text().strip() if c.exists() else str(tree)
 
 
