@@ -140,7 +140,7 @@ class _TwoBatch(torch.autograd.Function):
             # g_out and g_weights from it are compute, queued here when the schedule needs them
             rows = _waited(sub("combine.backward", lambda: combine_rows_grad(gy, h, out.shape[0]), [gy]),
                            overlap, works)
-            weights = h.weights if ctx.ep.apply_weights == "combine" else None
+            weights = None if h.scaled else h.weights  # (scaled at dispatch: combine was a plain sum)
             return lambda: list(combine_products(rows(), out, weights, out.requires_grad, want_w))[:1 + want_w]
 
         def experts_back(i, g_out):  # experts.backward: g_out -> (g_rows, g_params...)
