@@ -267,7 +267,9 @@ def _dispatch_setup(ctx, inputs, output):
     # the token dtype (a pre-quantised pair's x is fp8)
     ctx.op_id, ctx.num_tokens, ctx.x_dtype, ctx.w_dtype = inputs[5], x.shape[0], inputs[11], w.dtype
     ctx.sizes = (x.shape[1], idx.shape[1], inputs[6])
-    ctx.fp8 = inputs[10]
+    ctx.fp8, ctx.device = inputs[10], x.device
+    # only tokens and weights (and fp8's grad_rows) carry gradients: no zeros for the other eight outputs
+    ctx.set_materialize_grads(False)
     if ctx.fp8:  # the fp8 rows and their scales carry no gradient: it comes back through grad_rows
         ctx.mark_non_differentiable(output[0], output[8])
     _save(ctx, output[7], inputs[12])
@@ -294,6 +296,8 @@ def _dispatch_bwd(ctx, g_tokens, g_weights, *rest):
     if ctx.fp8:  # the dequantised rows' gradient, straight through
         g_tokens = rest[-1]
     want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+    if g_tokens is None and g_weights is None:  # (the op takes the device from one of them: every rank runs it)
+        g_weights = torch.zeros(ctx.sizes[2], dtype=ctx.w_dtype, device=ctx.device)
     with _backward_only():
         gx, gw = op_state.call(dispatch_backward_op, g_tokens, g_weights, token, ctx.op_id, ctx.num_tokens,
                                *ctx.sizes, ctx.x_dtype, ctx.w_dtype, want_x, want_w)
