@@ -183,6 +183,9 @@ _LOADED: dict = {name: {} for name in PROGRAMS}   # program -> {device index: Ke
 _STREAMS: dict = {}   # device index -> {raw stream pointer: CuPy stream}
 _SMS: dict = {}
 _FORM = None          # (argument type, positional stream) this CuPy accepts
+# 8-byte kernel arguments (addresses, int64): numpy scalars until launch_form finds CuPy's pre-built CIntptr, which
+# a launch passes as it is (a numpy scalar is converted to a CuPy scalar on every launch: a step makes hundreds)
+_ARG8 = np.int64
 
 
 def available() -> bool:
@@ -279,9 +282,14 @@ def compile_options(name: str) -> tuple[str, ...]:
     return ("-std=c++17",) + (("-lineinfo",) if _PROFILE["lineinfo"] else ()) + PROGRAMS[name].defines() + extra
 
 
-def ptr(t) -> np.uint64:
+def ptr(t):
     """Kernel argument for a tensor's device address (``None``: a null pointer)."""
-    return np.uint64(0 if t is None else t.data_ptr())
+    return _ARG8(0 if t is None else t.data_ptr())
+
+
+def i64(v: int):
+    """Kernel argument for an ``int64`` (``long long``) value."""
+    return _ARG8(v)
 
 
 def num_sms(device_index: int) -> int:
@@ -325,7 +333,7 @@ def launch_form(device_index: int):
     """(argument type, positional stream): the cheapest launch this CuPy accepts, probed once per process with
     a no-op kernel on torch's current stream of the device. The argument type is ``CIntptr`` (a pre-built
     kernel argument) where CuPy has it, else ``int`` (converted by CuPy on every call)."""
-    global _FORM
+    global _FORM, _ARG8
     if _FORM is None:
         import cupy
         try:
@@ -349,6 +357,8 @@ def launch_form(device_index: int):
                 except TypeError:
                     continue
                 _FORM = (arg, positional)
+                if arg is not int:
+                    _ARG8 = arg
                 break
             else:
                 raise RuntimeError("moonep: cannot launch CUDA kernels with this CuPy version")
