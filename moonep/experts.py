@@ -315,16 +315,21 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
         replicas, bias_replicas = _ready(replicas), bias_replicas if bias is None else _ready(bias_replicas)
         return call_expert_matmul(replicas.h, a, home_weight, replicas.replicas, transpose, impl, bias,
                                   None if bias is None else bias_replicas.replicas, cu_seqlens)
-    return _pool_matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas)
+    # (eagerly without the graph-break wrapper, which costs a few µs per call)
+    matmul = _pool_matmul if torch.compiler.is_compiling() else _pool_matmul_eager
+    return matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas)
 
 
-@torch.compiler.disable  # an eager pool's Replicas (host objects) inside compiled code: eagerly, one graph break
-def _pool_matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas):
+def _pool_matmul_eager(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas):
     """``moonep::expert_matmul`` over an eager pool's slots (the current stream waits for their fetch); the op's
     autograd finds the :class:`Replicas` by id, and its backward asks the pool for them again."""
     ids = (replicas_id(replicas), -1 if bias is None else replicas_id(bias_replicas))
     return call_expert_matmul(replicas.h, a, home_weight, replicas.weights(), transpose, impl, bias,
                               None if bias is None else bias_replicas.weights(), cu_seqlens, ids)
+
+
+# an eager pool's Replicas (host objects) inside compiled code: eagerly, one graph break
+_pool_matmul = torch.compiler.disable(_pool_matmul_eager)
 
 
 def _row_slots(cu: torch.Tensor, cap: int) -> torch.Tensor:
@@ -721,10 +726,9 @@ class ReplicaPool:
         if torch.compiler.is_compiling():  # one node of the graph (fresh slots: a compiled graph holds its own)
             ep._check_routed(h)
             return fetch_op(h, weights, names, traced_async=bool(async_op), many=many)
-        return self._fetch(ep, h, weights, names, many, async_op)
+        return self._fetch_eager(ep, h, weights, names, many, async_op)
 
-    @torch.compiler.disable  # eager: one graph break in compiled code
-    def _fetch(self, ep, h, weights: list, names: list, many: bool, async_op=None):
+    def _fetch_eager(self, ep, h, weights: list, names: list, many: bool, async_op=None):
         # whether home_weight itself requires grad does not matter: module_slots differentiates the experts'
         # parameters, views of a stacked home_weight that requires none
         keep = self.backward == "keep" and torch.is_grad_enabled()
