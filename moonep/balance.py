@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import cuda_runtime
 from .eager_math import keep_eager
 from .balance_check import STATE_BITS, state_bits, states_differ
-from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor
+from .errors import MoonepError, expect, expect_device, expect_same, expect_tensor, fail
 from .guard import BALANCER
 from .op_state import register_instance
 from .transport.host_group import HostGroup, host_of, released
@@ -201,10 +201,11 @@ class QuantileBalancer(torch.nn.Module):
         bias's)."""
         E, K = self.num_experts, self.topk
         expect_tensor(scores, "scores", dim=2)
-        expect(scores.shape[1] == E, "scores", f"shape [s, {E}] (num_experts={E})", f"{list(scores.shape)}")
+        if scores.shape[1] != E:  # (messages are built only on failure)
+            fail("scores", f"shape [s, {E}] (num_experts={E})", f"{list(scores.shape)}")
         expect(scores.is_floating_point(), "scores", "a floating dtype", scores.dtype)
-        expect(scores.device == self.bias.device, "scores", f"device {self.bias.device} (the balancer's)",
-               scores.device)
+        if scores.device != self.bias.device:
+            fail("scores", f"device {self.bias.device} (the balancer's)", scores.device)
         record = self.training and not self.frozen
         mode = self._check_mode(scores)
         if mode == "eager":

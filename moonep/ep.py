@@ -320,7 +320,8 @@ class ExpertParallel:
         ``[(argument, readable value), ...]`` in the same order, built only when they disagree).  Every
         rank then refuses the call together, with a ``ValueError``, before any data moves, and the
         instance stays usable."""
-        expect(not self._closed, "ExpertParallel", "an open instance", f"{op} called after close()")
+        if self._closed:  # (messages are built only on failure: these checks run on every call)
+            fail("ExpertParallel", "an open instance", f"{op} called after close()")
         if self._left is not None:
             raise MoonepError(f"rank {self.rank}: {op} #{self._guard.seq + 1}: refused: an earlier collective of "
                               f"this ExpertParallel failed or was left part way on this rank ({self._left[:300]}); "
@@ -476,7 +477,8 @@ class ExpertParallel:
         """``h`` must be a :class:`Dispatched` of this instance (raises ``ValueError``)."""
         if not isinstance(h, Dispatched):
             fail("h", "the Dispatched returned by dispatch", type(h).__name__)
-        expect(h.op_id == self.op_id, "h", f"a Dispatched of this ExpertParallel (op id {self.op_id})",
+        if h.op_id != self.op_id:
+            fail("h", f"a Dispatched of this ExpertParallel (op id {self.op_id})",
                f"one of op id {h.op_id}")
         expect(isinstance(h.step, torch.Tensor), "h.step", "the step token dispatch returned",
                type(h.step).__name__)
@@ -529,8 +531,10 @@ class ExpertParallel:
             else:
                 expect_tensor(x, "x", dim=2, dtypes=self.dtype, device=self.device)
                 s = x.shape[0]
-                expect(x.shape[1] == H, "x", f"shape [s, {H}]", list(x.shape))
-                expect(s <= S, "x", f"at most max_tokens={S} rows", s)
+                if x.shape[1] != H:
+                    fail("x", f"shape [s, {H}]", list(x.shape))
+                if s > S:
+                    fail("x", f"at most max_tokens={S} rows", s)
             expect_tensor(topk_idx, "topk_idx", dtypes=(torch.int32, torch.int64), device=self.device,
                           shape=(s, K))
             expect_tensor(topk_weights, "topk_weights", dtypes=self._backend.weight_dtypes, device=self.device,
@@ -938,13 +942,15 @@ class ExpertParallel:
         """``home [epn, *D]`` and ``other`` (named ``name``) of the same shape, dtype and device."""
         what = "local_weight" if name == "out" else "home_grad"
         expect_tensor(home, what, device=self.device)
-        expect(home.dim() >= 1 and home.shape[0] == self.epn, what, f"shape [epn={self.epn}, ...]", list(home.shape))
+        if home.dim() < 1 or home.shape[0] != self.epn:  # (messages are built only on failure)
+            fail(what, f"shape [epn={self.epn}, ...]", list(home.shape))
         expect(isinstance(other, torch.Tensor), name, "a torch.Tensor", type(other).__name__)
-        expect(other.shape == home.shape and other.dtype == home.dtype and other.device == home.device, name,
-               f"a tensor like {what} ({list(home.shape)}, {home.dtype}, {home.device})",
-               f"{list(other.shape)}, {other.dtype}, {other.device}")
+        if not (other.shape == home.shape and other.dtype == home.dtype and other.device == home.device):
+            fail(name, f"a tensor like {what} ({list(home.shape)}, {home.dtype}, {home.device})",
+                 f"{list(other.shape)}, {other.dtype}, {other.device}")
         if name == "out":
-            expect(other.is_contiguous(), "out", "a contiguous tensor", f"strides {tuple(other.stride())}")
+            if not other.is_contiguous():
+                fail("out", "a contiguous tensor", f"strides {tuple(other.stride())}")
             expect(not other.requires_grad, "out", "a tensor that does not require grad", "requires_grad=True")
 
     def _check_prefetch(self, step, local_weight) -> None:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from . import experts_cuda
-from .errors import expect
+from .errors import expect, fail
 from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
 from . import op_state
@@ -300,8 +300,8 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     a compiled step they are kept until the backward.
     """
     check_matmul_args(home_weight, transpose, impl, bias, bias_replicas)
-    expect(tuple(cu_seqlens.shape) == (2 * home_weight.shape[0] + 1,), "cu_seqlens",
-           f"shape [2*epn+1={2 * home_weight.shape[0] + 1}]", list(cu_seqlens.shape))
+    if tuple(cu_seqlens.shape) != (2 * home_weight.shape[0] + 1,):  # (the message only on failure)
+        fail("cu_seqlens", f"shape [2*epn+1={2 * home_weight.shape[0] + 1}]", list(cu_seqlens.shape))
     kept = isinstance(replicas, Fetched)  # a compiled step's: the slots are kept until the backward
     kind = Fetched if kept else Replicas
     expect(isinstance(replicas, kind) and replicas.home is home_weight, "replicas",

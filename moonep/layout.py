@@ -21,7 +21,7 @@ import operator
 import torch
 
 from . import cpu_kernels as ck
-from .errors import expect, expect_int, expect_slack, expect_tensor
+from .errors import expect, expect_int, expect_slack, expect_tensor, fail
 from .planner import Plan, _validate, cap_for, plan_balanced
 from .planner.cuda import cu_seqlens_cuda, layout_cuda, layout_fast, plan_layout_cuda, plan_layout_fast
 
@@ -46,13 +46,15 @@ def _check_routing(plan: Plan, rank: int, topk_idx) -> None:
     expect(not topk_idx.dtype.is_floating_point and not topk_idx.dtype.is_complex and topk_idx.dtype != torch.bool,
            "topk_idx", "an integer dtype (int32 or int64)", topk_idx.dtype)
     dev = plan.replica_source.device
-    expect(topk_idx.device.type == dev.type, "topk_idx", f"device {dev} (that of the plan)", topk_idx.device)
+    if topk_idx.device.type != dev.type:  # (the message only on failure)
+        fail("topk_idx", f"device {dev} (that of the plan)", topk_idx.device)
     if dev.type != "cpu" or topk_idx.numel() == 0:
         return
     E = plan.num_experts
     flat = topk_idx.reshape(-1).to(torch.int64)
     lo, hi = int(flat.min()), int(flat.max())
-    expect(lo >= -1 and hi < E, "topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
+    if lo < -1 or hi >= E:
+        fail("topk_idx", f"expert ids in [-1, {E})", f"values in [{lo}, {hi}]")
     cnt = torch.bincount(flat[flat >= 0], minlength=E)
     if not torch.equal(cnt, plan.counts[rank]):
         e = int((cnt != plan.counts[rank]).nonzero()[0, 0])

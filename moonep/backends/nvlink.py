@@ -83,7 +83,7 @@ import torch
 
 from .. import cuda_runtime, fp8, layout
 from ..config import Tuning, parse_fused
-from ..errors import MoonepError, expect
+from ..errors import MoonepError, expect, fail
 from ..guard import HEADER_WORDS, check_order_enabled
 from ..handles import NVLinkStep
 from ..replicas import forget_zero_slots
@@ -590,8 +590,8 @@ class NVLinkBackend(Backend):
     # -- combine ---------------------------------------------------------------------------------------
     def check_rows(self, rows, st) -> None:
         # the kernels move rows of the buffers' width: another width would be read past or short
-        expect(rows.shape[1] == self.H, "expert_out", f"shape [cap, hidden={self.H}] on the NVLink transport",
-               list(rows.shape))
+        if rows.shape[1] != self.H:  # (the message only on failure)
+            fail("expert_out", f"shape [cap, hidden={self.H}] on the NVLink transport", list(rows.shape))
         base = self.recv.data_ptr()
         in_recv = base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
         expect(not (in_recv and st.generation != self.generation), "expert_out",

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..balance import QuantileBalancer, normalise_topk
-from ..errors import expect, expect_device, expect_tensor
+from ..errors import expect, expect_device, expect_tensor, fail
 from ..experts import ReplicaPool, default_pool, expert_matmul
 from ..eager_math import autocast_on, keep_eager
 from .activations import situ_glu_fused
@@ -286,11 +286,13 @@ class LatentMoE(nn.Module):
         dt = torch.get_autocast_dtype(x.device.type) if amp else pdt  # what the latent rows are computed in
         try:  # a bad input on one rank is refused by every rank together, in the dispatch's header
             expect_tensor(x, "x")
-            expect(x.dim() >= 1 and x.shape[-1] == self.d_model, "x", f"shape [..., d_model={self.d_model}]",
-                   list(x.shape))
-            expect(x.dtype == pdt or (amp and x.is_floating_point()), "x", f"dtype {pdt} (the layer's parameters)",
-                   x.dtype)  # (any float dtype under torch.autocast)
-            expect(x.device.type == dev.type, "x", f"device {dev} (the layer's parameters)", x.device)
+            # (messages are built only on failure: formatting a dtype or a device costs µs on every step)
+            if x.dim() < 1 or x.shape[-1] != self.d_model:
+                fail("x", f"shape [..., d_model={self.d_model}]", list(x.shape))
+            if not (x.dtype == pdt or (amp and x.is_floating_point())):  # (any float dtype under torch.autocast)
+                fail("x", f"dtype {pdt} (the layer's parameters)", x.dtype)
+            if x.device.type != dev.type:
+                fail("x", f"device {dev} (the layer's parameters)", x.device)
             shape = x.shape
             x = x.reshape(-1, self.d_model)
             x_r, x_d, x_s = self._inputs(x)
