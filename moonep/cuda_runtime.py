@@ -20,7 +20,8 @@ same program are dropped, so NVRTC needs no include path; each file still compil
   argument: no per-call import, context manager or stream object. Which call form and argument type this
   CuPy accepts is probed once per process with a no-op kernel (:func:`launch_form`); with an old CuPy the
   context-manager form is used instead. Hot paths that record their launch (``moonep.planner.cuda``) keep
-  ``Kernels.fn[name]``, ``Kernels.streams`` and pre-built arguments (``Kernels.arg`` / :meth:`Kernels.c`).
+  ``Kernels.fn[name]``, ``Kernels.streams`` and pre-built arguments (``Kernels.arg`` / :meth:`Kernels.c`); the
+  others pass addresses and int64 values through :func:`ptr` and :func:`i64`, pre-built as well once probed.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from .config import env_flag
 from .errors import expect, fail
 
 __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
-           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "launch_form", "STATIC_SMEM",
+           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "i64", "launch_form", "STATIC_SMEM",
            "PROFILE_SWITCHES", "profile_build", "profile_switch", "parse_switches"]
 
 
