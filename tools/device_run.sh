@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's worth of GPU checks, everything logged under /tmp/o and packed into $OUT/run.tgz
 # (the device tool returns at most 8 files). Usage: bash tools/device_run.sh STEP...
-#   steps: layer_ab layer_aa layer_prof cpu_ranks_bench overlap_bench overlap_bench1 overlap_np2 balance_gpu compile_mp2 ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, tools/diag_nvlink.patch) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep examples_np4 training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_gpu compile_prof compile_ab slot_gemm compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
+#   steps: layer_ab layer_entries layer_aa layer_prof cpu_ranks_bench overlap_bench overlap_bench1 overlap_np2 balance_gpu compile_mp2 ncu_fp8_time (ncu durations of the fused dispatch, per wire format) fp8_try (each .prof/try/*.patch applied alone and measured) fp8_diag (the fp8 bench without the row stores, tools/diag_nvlink.patch) fp8_ab (A/B: the tree, then .prof/ab/*.patch reverted one by one) ep_np1 fp8_threads ncu_fp8 training_keep examples_np4 training_bench2 host_before_after training_np2 training_np4 training_bench training_bench1 training_prof torchtitan_gpu reliability_np2 numerics compile compile_gpu compile_prof compile_ab slot_gemm compile_np2 compile_np4 compile_speed fp8 fp8_np2 fp8_np4 fp8_single fp8_speed fp8_words pool_np2 pool_np4 pool_mem pool_trace ncu_plan_ep ep_r1 host_prof stamps_r12 stamps_cold api_fuzz diag diag_quick fused_gpu planner_clocks ncu_t2 planner_stamps fuzz_gpu faults_gpu faults_np2 faults_np4 faults_np4_check soak_gpu planner_prof ncu_planner ncu_ep suite_np4 planner_gpu planner_qb qb_timing planner_bench ep_np2 ep_bench ep_kill ep_np4 mp_gpu layers_gpu examples suite smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source tools/gpu_env.sh
@@ -172,6 +172,7 @@ for s in "$@"; do case $s in
   fp8_quick) step fp8_quick 120 python3 -m pytest -q -rA tests/gpu/test_fp8_gpu.py -k "bitwise and not child" ;;
   host_pair) host_profiles tree old ;;
   layer_ab) step layer_ab 300 python3 tools/layer_ab.py --old .old --profile $o/ab --out $o/${pfx}_layer_ab.json ;;  # .old vs the tree, one process
+  layer_entries) step layer_entries 300 python3 tools/layer_ab.py --old .old --steps 50 --entries 200 --out $o/${pfx}_layer_entries.json ;;  # host µs per entry point, old and new
   layer_aa) step layer_aa 300 python3 tools/layer_ab.py --old . --out $o/${pfx}_layer_aa.json ;;  # the tree against itself
   layer_prof) step prof_new 200 python3 tools/time_ep.py --profile $o/prof_new
               PYTHONPATH=$PWD/.old:$PYTHONPATH step prof_old 200 python3 tools/time_ep.py --profile $o/prof_old ;;

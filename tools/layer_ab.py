@@ -2,6 +2,7 @@
 
     python3 tools/layer_ab.py --old .old --out ab.json            # .old holds moonep/ and csrc/ of the older commit
     python3 tools/layer_ab.py --old .old --device cpu --out ab.json   # no GPU: a small host-bound shape
+    python3 tools/layer_ab.py --old .old --steps 50 --entries 200 --out ab.json  # + host time per entry point
 
 The older tree is copied under the name ``moonep_old`` (its imports and its ``moonep::`` op namespace renamed),
 so both libraries live in one process on one device.  Each iteration runs one eager ``LatentMoE`` step
@@ -62,6 +63,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a small host-bound shape (the layer and calls' own host time, no GPU needed)")
+    ap.add_argument("--entries", type=int, default=0, metavar="N",
+                    help="then N more paired layer steps with host timers around the step's entry points (dispatch, "
+                         "the pool's fetch, each expert GEMM, combine, routing, shared experts; the backward): "
+                         "where the difference per step sits, per call")
     ap.add_argument("--profile", default=None, help="path prefix: then 20 steps of each under cProfile "
                     "({prefix}_old.pstats, {prefix}_new.pstats)")
     args = ap.parse_args(argv)
@@ -177,7 +182,13 @@ def main(argv=None) -> int:
         "new_over_old": {m: quantiles([n / o for n, o in zip(rec["new"][m], rec["old"][m])]) for m in rec["new"]},
         "per_iteration": {k: {m: [round(v, 4) for v in vs] for m, vs in r.items()} for k, r in rec.items()},
     }
+    if args.entries:  # last: the timers themselves cost host time, in both libraries alike
+        result["entries"] = entry_times(libs, layer_step, xs, args.entries)
+        result["config"]["entries"] = ("host µs per call, medians over the paired steps with timers (the wrapped "
+                                       "functions' own time, callees included); backward: per step")
     print(json.dumps({k: result[k] for k in ("first_step_bitwise_equal", "median", "new_over_old")}, indent=1))
+    if "entries" in result:
+        print(json.dumps(result["entries"], indent=1))
     if args.profile:
         import cProfile
 
@@ -194,6 +205,49 @@ def main(argv=None) -> int:
         eps[k].close()
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+ENTRIES = (("dispatch", "ExpertParallel", "dispatch"), ("fetch", "ReplicaPool", "fetch"),
+           ("expert_matmul", None, "expert_matmul"), ("combine", "ExpertParallel", "combine"),
+           ("routing", "LatentMoE", "_select"), ("shared", "LatentMoE", "shared"),
+           ("experts", "LatentExperts", "forward"), ("forward", "LatentMoE", "forward"))
+
+
+def entry_times(libs: dict, layer_step, xs, steps: int) -> dict:
+    """Host µs per call of the layer step's entry points (:data:`ENTRIES`), old and new, over ``steps``
+    paired steps: each function is replaced by a timed wrapper (the layer module's name for ``expert_matmul``).
+    """
+    import importlib
+
+    acc = {k: {name: [] for name, _, _ in ENTRIES} | {"backward": []} for k in libs}
+    cur = [None]
+
+    def timed(fn, name):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[cur[0]][name].append((time.perf_counter() - t0) * 1e6)
+        return call
+
+    for k, lib in libs.items():
+        mod = importlib.import_module(lib.__name__ + ".layers.latent_moe")
+        for name, cls, attr in ENTRIES:
+            owner = mod if cls is None else getattr(lib, cls, None) or getattr(mod, cls)
+            setattr(owner, attr, timed(getattr(owner, attr), name))
+    for i in range(steps):
+        for k in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            cur[0] = k
+            _, host, fwd, _, _ = layer_step(k, xs[i % len(xs)])
+            acc[k]["backward"].append((host - fwd) * 1e3)
+    out = {}
+    for name in acc["new"]:
+        o, n = acc["old"][name], acc["new"][name]
+        mo, mn = statistics.median(o), statistics.median(n)
+        out[name] = {"old_us": round(mo, 1), "new_us": round(mn, 1), "new_minus_old_us": round(mn - mo, 1),
+                     "calls_per_step": len(n) // steps}
+    return out
 
 
 def _commit() -> str:
