@@ -478,8 +478,7 @@ class ExpertParallel:
         if not isinstance(h, Dispatched):
             fail("h", "the Dispatched returned by dispatch", type(h).__name__)
         if h.op_id != self.op_id:
-            fail("h", f"a Dispatched of this ExpertParallel (op id {self.op_id})",
-               f"one of op id {h.op_id}")
+            fail("h", f"a Dispatched of this ExpertParallel (op id {self.op_id})", f"one of op id {h.op_id}")
         expect(isinstance(h.step, torch.Tensor), "h.step", "the step token dispatch returned",
                type(h.step).__name__)
 

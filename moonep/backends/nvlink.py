@@ -547,13 +547,13 @@ class NVLinkBackend(Backend):
         cu = st.cu
         # align 1: rows [0, cu[-1]) are exactly this step's copies, so the fused kernel zeroes the rest itself
         # and the tag pass over every row (moonep_dispatch_zero, one more launch) is not needed
-        zero_from = _i64(cu.data_ptr() + 4 * (cu.numel() - 1)) if cu is not None and self.ep.align == 1 \
-            else _p(None)
+        # (an int: a kernel argument object is always true)
+        zero_from = cu.data_ptr() + 4 * (cu.numel() - 1) if cu is not None and self.ep.align == 1 else 0
         self._launch("moonep_dispatch_fused", self.grid_fused,
                      (np.int32(0), _p(x), _i64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
                       _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
-                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst), zero_from)
-                     + self._fp8_args(q), block=self.dispatch_block)
+                      _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst),
+                      _i64(zero_from)) + self._fp8_args(q), block=self.dispatch_block)
         if not zero_from:
             self._launch("moonep_dispatch_zero", self.sm_count,
                          (_p(tokens), _p(weights), _p(st.row_first), _i64(rb), vec))
