@@ -287,7 +287,6 @@ class QuantileBalancer(torch.nn.Module):
         """The kernel of :meth:`_record_cuda` on the buffers given (``moonep::qb_record`` passes the ones of
         its compiled graph, which functionalisation may have copied): ``bias`` float32 ``[E]``, ``lo`` and
         ``width`` 0-d (set from ``bias`` when ``first``), ``counts`` int32 ``[E*B+1+31]``, ``work`` (flags)."""
-        import numpy as np
         E, B, K = self.num_experts, self.bins, self.topk
         if raw.stride(1) != 1:
             raw = raw.contiguous()
@@ -301,12 +300,12 @@ class QuantileBalancer(torch.nn.Module):
         grid_y = max(1, -(-n // tpb))
         name = "qb_record_" + self._KERNEL_DTYPES[raw.dtype]
         k = cuda_runtime.kernels("balance", dev.index)
-        i32, p = np.int32, cuda_runtime.ptr
-        alpha = np.uint64(values.data_ptr() + K * values.element_size())
-        flags = np.uint64(work.data_ptr() + (E + 1) * 8)
+        i32, i64, p = cuda_runtime.i32, cuda_runtime.i64, cuda_runtime.ptr
+        alpha = i64(values.data_ptr() + K * values.element_size())  # (addresses)
+        flags = i64(work.data_ptr() + (E + 1) * 8)
         k.need_smem(name, smem)
         k.launch(name, (tiles, grid_y), (self._RECORD_THREADS,),
-                 (p(raw), np.int64(raw.stride(0)), alpha, np.int64(values.stride(0)), i32(n), i32(E), i32(B),
+                 (p(raw), i64(raw.stride(0)), alpha, i64(values.stride(0)), i32(n), i32(E), i32(B),
                   i32(et), i32(tpb), p(bias), p(lo), p(width), i32(bool(first)),
                   p(counts), i32(bool(check) and n > 0), flags, i32(priv)), smem, True)
 
@@ -316,7 +315,7 @@ class QuantileBalancer(torch.nn.Module):
         E, B, K = self.num_experts, self.bins, self.topk
         dev = self._counts.device
         k = cuda_runtime.kernels("balance", dev.index)
-        i32, p = np.int32, cuda_runtime.ptr
+        i32, p = cuda_runtime.i32, cuda_runtime.ptr
         k.launch("qb_quantiles", (E,), (256,), (
             p(self._counts), i32(E), i32(B), i32(K), p(self.bias), p(self._lo), p(self._width),
             i32(not self._recording), p(self._work)), 0, True)

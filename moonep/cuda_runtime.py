@@ -184,9 +184,9 @@ _LOADED: dict = {name: {} for name in PROGRAMS}   # program -> {device index: Ke
 _STREAMS: dict = {}   # device index -> {raw stream pointer: CuPy stream}
 _SMS: dict = {}
 _FORM = None          # (argument type, positional stream) this CuPy accepts
-# 8-byte kernel arguments (addresses, int64): numpy scalars until launch_form finds CuPy's pre-built CIntptr, which
-# a launch passes as it is (a numpy scalar is converted to a CuPy scalar on every launch: a step makes hundreds)
-_ARG8 = np.int64
+# Kernel arguments: numpy scalars until launch_form finds CuPy's pre-built CIntptr (8 bytes: addresses, int64) and
+# CInt32 (int), which a launch passes as they are (a numpy scalar is converted on every launch: a step makes hundreds)
+_ARG8, _ARG4 = np.int64, np.int32
 
 
 def available() -> bool:
@@ -293,6 +293,12 @@ def i64(v: int):
     return _ARG8(v)
 
 
+def i32(v: int):
+    """Kernel argument for an ``int`` (32-bit) value.  Like :func:`ptr` and :func:`i64`, a kernel argument object:
+    pass it to a launch, never test or compute with it (a CuPy argument object is always true)."""
+    return _ARG4(v)
+
+
 def num_sms(device_index: int) -> int:
     """Multiprocessors of a CUDA device (cached)."""
     n = _SMS.get(device_index)
@@ -333,33 +339,35 @@ def stream(device_index: int, raw=None):
 def launch_form(device_index: int):
     """(argument type, positional stream): the cheapest launch this CuPy accepts, probed once per process with
     a no-op kernel on torch's current stream of the device. The argument type is ``CIntptr`` (a pre-built
-    kernel argument) where CuPy has it, else ``int`` (converted by CuPy on every call)."""
-    global _FORM, _ARG8
+    kernel argument; with ``CInt32`` for :func:`i32`) where CuPy has them, else ``int`` (converted by CuPy on
+    every call)."""
+    global _FORM, _ARG8, _ARG4
     if _FORM is None:
         import cupy
         try:
-            from cupy.cuda.function import CIntptr
-            CIntptr(0)
+            from cupy.cuda.function import CInt32, CIntptr
+            CIntptr(0), CInt32(0)
         except Exception:  # older CuPy: plain ints
-            CIntptr = int
+            CIntptr = CInt32 = None
         with cupy.cuda.Device(device_index):
-            mod = cupy.RawModule(code='extern "C" __global__ void moonep_probe(long long x) {}',
+            mod = cupy.RawModule(code='extern "C" __global__ void moonep_probe(long long x, int y) {}',
                                  options=("-std=c++17",), backend="nvrtc")
             raw = mod.get_function("moonep_probe")
             fn = raw.kernel
             st = stream(device_index)
-            for arg, positional in ((CIntptr, True), (int, True), (int, False)):
+            forms = ((CIntptr, CInt32, True),) if CIntptr is not None else ()
+            for arg, arg4, positional in forms + ((int, np.int32, True), (int, np.int32, False)):
                 try:
                     if positional:
-                        fn((1,), (1,), (arg(0),), 0, st)
+                        fn((1,), (1,), (arg(0), arg4(0)), 0, st)
                     else:
                         with st:
-                            raw((1,), (1,), (arg(0),), shared_mem=0)
+                            raw((1,), (1,), (arg(0), arg4(0)), shared_mem=0)
                 except TypeError:
                     continue
                 _FORM = (arg, positional)
                 if arg is not int:
-                    _ARG8 = arg
+                    _ARG8, _ARG4 = arg, arg4
                 break
             else:
                 raise RuntimeError("moonep: cannot launch CUDA kernels with this CuPy version")

@@ -9,7 +9,6 @@ tiled kernels, slower than cuBLAS: float32 experts are for checks; train in bf16
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import cuda_runtime
@@ -74,7 +73,7 @@ def slot_gemm(a: torch.Tensor, cu: torch.Tensor, w_home: torch.Tensor, w_rep: to
     out = torch.empty(cap, N, dtype=torch.float32, device=a.device)
     if cap == 0 or N == 0:
         return out
-    p, i32, i64 = cuda_runtime.ptr, np.int32, cuda_runtime.i64
+    p, i32, i64 = cuda_runtime.ptr, cuda_runtime.i32, cuda_runtime.i64
     # y: the slot tiles (at most ceil(cap/64) + G of them with the padding tiles), plus one spare
     grid = ((N + _TILE - 1) // _TILE, (cap + _TILE - 1) // _TILE + G + 1, 1)
     expect(grid[1] <= _MAX_GRID_Y, "a", f"at most {(_MAX_GRID_Y - G - 1) * _TILE} rows for the float32 slot "
@@ -95,7 +94,7 @@ def slot_wgrad(a: torch.Tensor, g: torch.Tensor, cu: torch.Tensor) -> torch.Tens
     out = torch.empty(G, D, N, dtype=torch.float32, device=a.device)
     if out.numel() == 0:
         return out
-    p, i32, i64 = cuda_runtime.ptr, np.int32, cuda_runtime.i64
+    p, i32, i64 = cuda_runtime.ptr, cuda_runtime.i32, cuda_runtime.i64
     grid = ((N + _TILE - 1) // _TILE, (D + _TILE - 1) // _TILE, G)
     expect(grid[1] <= _MAX_GRID_Y and G <= _MAX_GRID_Y, "a, cu", f"D <= {_MAX_GRID_Y * _TILE} and at most "
            f"{_MAX_GRID_Y} slots", f"D={D}, {G} slots")
@@ -130,7 +129,7 @@ def _move_rows(name: str, dst: torch.Tensor, src: torch.Tensor, cu: torch.Tensor
     word their row size, strides and addresses allow; ``tail``: the kernel's arguments after ``G``."""
     rb, es = dst.shape[1] * dst.element_size(), dst.element_size()
     vec = _word(rb, dst.stride(0) * es, src.stride(0) * es, dst.data_ptr(), src.data_ptr())
-    p, i32, i64 = cuda_runtime.ptr, np.int32, cuda_runtime.i64
+    p, i32, i64 = cuda_runtime.ptr, cuda_runtime.i32, cuda_runtime.i64
     _launch(name, (min(dst.shape[0], _MOVE_BLOCKS), 1, 1),
             (p(dst), i64(dst.stride(0) * es), p(src), i64(src.stride(0) * es), p(cu), i32(n_home),
              i32(cu.shape[0] - 1), *tail, i64(rb), i32(vec)), dst.device.index, (_MOVE_THREADS, 1, 1))

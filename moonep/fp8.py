@@ -20,7 +20,6 @@ to ``x``'s dtype).
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import cuda_runtime
@@ -115,11 +114,11 @@ def quantize_wire(x: torch.Tensor, *, pow2_scales: bool = False, check_finite: b
     nwords = s * H * x.element_size() // 16
     if nwords:
         k = cuda_runtime.kernels("quant", x.device.index)
-        p = cuda_runtime.ptr
+        p, i32, i64 = cuda_runtime.ptr, cuda_runtime.i32, cuda_runtime.i64
         grid = min(-(-nwords // (256 * 4)), 1 << 20)  # one pass of the grid-stride loop (4 words per lane)
         k.launch(_WIRE_KERNEL[x.dtype], (grid,), (256,),
-                 (p(x), p(out), np.int64(nwords), np.int32(bool(pow2_scales)), p(own if check_finite else flag),
-                  np.int32(code), np.int64(H)), 0, True)
+                 (p(x), p(out), i64(nwords), i32(bool(pow2_scales)), p(own if check_finite else flag), i32(code),
+                  i64(H)), 0, True)
     if check_finite:
         if flag is not None:
             flag.bitwise_or_(own)

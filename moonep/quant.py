@@ -35,7 +35,6 @@ value by at most half an ulp, ``2**-4 * |x / scale|``; below it the steps are ``
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from . import cuda_runtime
@@ -127,11 +126,11 @@ def _quantize_cuda(x: torch.Tensor, pow2: bool, flag, check: bool):
     if nwords:
         di = x.device.index
         k = cuda_runtime.kernels("quant", di)
-        p = cuda_runtime.ptr
+        p, i32, i64 = cuda_runtime.ptr, cuda_runtime.i32, cuda_runtime.i64
         # one pass of the grid-stride loop per block (4 words per lane), up to 2**20 blocks
         grid = min(-(-nwords // (_THREADS * 4)), 1 << 20)
         k.launch(_KERNEL[x.dtype], (grid,), (_THREADS,),
-                 (p(x), p(q), p(scales), np.int64(nwords), np.int32(bool(pow2)), p(own if check else flag)), 0, True)
+                 (p(x), p(q), p(scales), i64(nwords), i32(bool(pow2)), p(own if check else flag)), 0, True)
     if check and flag is not None:
         flag.bitwise_or_(own)
     return q, scales, own

@@ -78,7 +78,6 @@ from __future__ import annotations
 import contextlib
 import weakref
 
-import numpy as np
 import torch
 
 from .. import cuda_runtime, fp8, layout
@@ -106,7 +105,16 @@ _ERR_INPUT = {abi.ERR_BAD_IDX: "topk_idx: expected expert ids in [-1, {E})",
 _GATHERS = ("moonep_gather", "moonep_route_gather")
 _p = cuda_runtime.ptr   # kernel argument for a tensor's address (None: null)
 _i64 = cuda_runtime.i64  # kernel argument for an int64 value
-_BYTES = (np.int32(-1), np.int32(0), np.int64(0), np.uint64(0))  # dispatch kernels' fp8 arguments: rows as bytes
+_i32 = cuda_runtime.i32  # kernel argument for an int value
+_BYTES: list = []  # (see _bytes)
+
+
+def _bytes() -> tuple:
+    """The dispatch kernels' fp8 arguments that move rows as bytes (built at the first dispatch, after the launch
+    probe chose the argument types)."""
+    if not _BYTES:
+        _BYTES.append((_i32(-1), _i32(0), _i64(0), _p(None)))
+    return _BYTES[0]
 
 
 class _QuantInSend:
@@ -395,7 +403,7 @@ class NVLinkBackend(Backend):
             counts = buf.as_strided((self.R, E), (E, 1), n + (n + 1) // 2)
             grid = max(1, min(self.sm_count, -(-s * K // 512)))  # a choice per thread: loads in flight at once
             self._launch("moonep_route_gather", grid,
-                         (_p(ti), np.int32(ti.dtype == torch.int64), _p(tw), np.int32(_DT[tw.dtype]), np.int32(s),
+                         (_p(ti), _i32(ti.dtype == torch.int64), _p(tw), _i32(_DT[tw.dtype]), _i32(s),
                           _p(idx), _p(w32), _p(self._scratch), _p(counts), _i64(total)))
         else:
             idx, w32, gathered = self._validate_gather(s, topk_idx, topk_weights, total)
@@ -486,8 +494,8 @@ class NVLinkBackend(Backend):
         """The dispatch kernels' trailing (qdt, pow2, off_xbad, xrep): quantise ``q.x`` (a ``_QuantInSend``),
         or move rows as bytes (``q`` None)."""
         if q is None:
-            return _BYTES
-        return (np.int32(_DT[q.x.dtype]), np.int32(q.pow2), _i64(self.off["xbad"]), _p(self._xrep))
+            return _bytes()
+        return (_i32(_DT[q.x.dtype]), _i32(q.pow2), _i64(self.off["xbad"]), _p(self._xrep))
 
     def _out_rows(self, x, zero_copy: bool, wire: bool = False):
         """Where dispatch lands: the receive buffer (zero-copy) or fresh tensors, rows like ``x``'s
@@ -519,8 +527,8 @@ class NVLinkBackend(Backend):
         if self.fused_dispatch:
             return self._dispatch_fused(x, w32, st, zero_copy, rb, barrier, q)
         self._launch("moonep_dispatch_send", self.num_sms,
-                     (np.int32(0), _p(x), _i64(rb), np.int32(_vec(rb, x.data_ptr())), np.int32(st.num_tokens),
-                      _p(st.dst_rank), _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(1 if zero_copy else 0))
+                     (_i32(0), _p(x), _i64(rb), _i32(_vec(rb, x.data_ptr())), _i32(st.num_tokens),
+                      _p(st.dst_rank), _p(st.dst_row), _p(w32), _i32(barrier), _i32(1 if zero_copy else 0))
                      + fa)
         tokens, weights = self._out_rows(x, zero_copy, q is not None)
         st.row_first = torch.empty(self.cap, dtype=torch.int32, device=self.device)
@@ -528,8 +536,8 @@ class NVLinkBackend(Backend):
         st.src = torch.empty(self.cap, dtype=torch.int32, device=self.device)
         st.tokfirst = None  # a backward of this step takes the two-kernel path too
         self._launch("moonep_dispatch_expand", self.sm_count,
-                     (np.int32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
-                      _i64(rb), np.int32(_vec(rb, tokens.data_ptr())), np.int32(1 if zero_copy else 0))
+                     (_i32(0), _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src),
+                      _i64(rb), _i32(_vec(rb, tokens.data_ptr())), _i32(1 if zero_copy else 0))
                      + fa[2:])
         return tokens, weights
 
@@ -543,15 +551,15 @@ class NVLinkBackend(Backend):
     def _dispatch_fused(self, x, w32, st: NVLinkStep, zero_copy: bool, rb: int, barrier: int, q=None):
         tokens, weights = self._out_rows(x, zero_copy, q is not None)
         self._step_lists(st)
-        vec = np.int32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
+        vec = _i32(_vec(rb, x.data_ptr(), tokens.data_ptr()))
         cu = st.cu
         # align 1: rows [0, cu[-1]) are exactly this step's copies, so the fused kernel zeroes the rest itself
         # and the tag pass over every row (moonep_dispatch_zero, one more launch) is not needed
         # (an int: a kernel argument object is always true)
         zero_from = cu.data_ptr() + 4 * (cu.numel() - 1) if cu is not None and self.ep.align == 1 else 0
         self._launch("moonep_dispatch_fused", self.grid_fused,
-                     (np.int32(0), _p(x), _i64(rb), vec, np.int32(st.num_tokens), _p(st.dst_rank),
-                      _p(st.dst_row), _p(w32), np.int32(barrier), np.int32(self.nnv_dispatch), np.int32(self.nch),
+                     (_i32(0), _p(x), _i64(rb), vec, _i32(st.num_tokens), _p(st.dst_rank),
+                      _p(st.dst_row), _p(w32), _i32(barrier), _i32(self.nnv_dispatch), _i32(self.nch),
                       _p(tokens), _p(weights), _p(st.row_first), _p(st.rec), _p(st.src), _p(st.tokfirst),
                       _i64(zero_from)) + self._fp8_args(q), block=self.dispatch_block)
         if not zero_from:
@@ -573,18 +581,18 @@ class NVLinkBackend(Backend):
         if self.fused_dispatch and st.tokfirst is not None:  # the forward ran fused: its tokfirst list
             out = self._grad_views[gy.dtype]
             self._launch("moonep_dispatch_fused", self.grid_fused,
-                         (np.int32(1), _p(gy), _i64(rb), np.int32(_vec(rb, gy.data_ptr(), out.data_ptr())),
-                          np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), _p(None), np.int32(1),
-                          np.int32(self.nnv_dispatch), np.int32(self.nch), _p(out), _p(None), _p(st.row_first),
-                          _p(st.rec), _p(st.src), _p(st.tokfirst), _p(None)) + _BYTES, block=self.dispatch_block)
+                         (_i32(1), _p(gy), _i64(rb), _i32(_vec(rb, gy.data_ptr(), out.data_ptr())),
+                          _i32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), _p(None), _i32(1),
+                          _i32(self.nnv_dispatch), _i32(self.nch), _p(out), _p(None), _p(st.row_first),
+                          _p(st.rec), _p(st.src), _p(st.tokfirst), _p(None)) + _bytes(), block=self.dispatch_block)
             return out
         self._launch("moonep_dispatch_send", self.num_sms,
-                     (np.int32(1), _p(gy), _i64(rb), np.int32(_vec(rb, gy.data_ptr())), np.int32(st.num_tokens),
-                      _p(st.dst_rank), _p(st.dst_row), _p(None), np.int32(1), np.int32(1)) + _BYTES)
+                     (_i32(1), _p(gy), _i64(rb), _i32(_vec(rb, gy.data_ptr())), _i32(st.num_tokens),
+                      _p(st.dst_rank), _p(st.dst_row), _p(None), _i32(1), _i32(1)) + _bytes())
         out = self._grad_views[gy.dtype]
         self._launch("moonep_dispatch_expand", self.sm_count,
-                     (np.int32(1), _p(out), _p(None), _p(st.row_first), _p(st.rec), _p(st.src),
-                      _i64(rb), np.int32(_vec(rb, out.data_ptr())), np.int32(1)) + _BYTES[2:])
+                     (_i32(1), _p(out), _p(None), _p(st.row_first), _p(st.rec), _p(st.src),
+                      _i64(rb), _i32(_vec(rb, out.data_ptr())), _i32(1)) + _bytes()[2:])
         return out
 
     # -- combine ---------------------------------------------------------------------------------------
@@ -645,20 +653,20 @@ class NVLinkBackend(Backend):
             y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
             gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
             self._launch("moonep_combine_fused", self.grid_fused,
-                         (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec), _p(st.src),
-                          np.int32(vec), np.int32(barrier), _i64(acc_off), _i64(gw_off),
-                          np.int32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), _p(y), np.int32(_DT[y_dtype]),
-                          _p(gw), np.int32(self.nnv_combine), np.int32(self.nch)))
+                         (_p(out), _i32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec), _p(st.src),
+                          _i32(vec), _i32(barrier), _i64(acc_off), _i64(gw_off),
+                          _i32(st.num_tokens), _p(st.dst_rank), _p(st.dst_row), _p(y), _i32(_DT[y_dtype]),
+                          _p(gw), _i32(self.nnv_combine), _i32(self.nch)))
             return y, gw
         self._launch("moonep_combine_reduce", self.sm_count,
-                     (_p(out), np.int32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
-                      _p(st.src), np.int32(vec), np.int32(barrier), _i64(acc_off), _i64(gw_off),
+                     (_p(out), _i32(dt), _p(weights), _p(gw_in), _p(st.row_first), _p(st.rec),
+                      _p(st.src), _i32(vec), _i32(barrier), _i64(acc_off), _i64(gw_off),
                       _p(st.tokfirst)))
         y = torch.empty((st.num_tokens, H), dtype=y_dtype, device=self.device)
         gw = torch.empty((st.num_tokens, self.K), dtype=torch.float32, device=self.device) if want_gw else None
         self._launch("moonep_combine_sum", self.sm_count,
-                     (np.int32(st.num_tokens), _p(st.dst_rank), _p(y), np.int32(_DT[y_dtype]), _p(gw),
-                      np.int32(int(rb % 16 == 0)), _i64(acc_off), _i64(gw_off), np.int32(dt)))
+                     (_i32(st.num_tokens), _p(st.dst_rank), _p(y), _i32(_DT[y_dtype]), _p(gw),
+                      _i32(int(rb % 16 == 0)), _i64(acc_off), _i64(gw_off), _i32(dt)))
         return y, gw
 
     # -- replicas --------------------------------------------------------------------------------------
@@ -697,13 +705,13 @@ class NVLinkBackend(Backend):
         rep, src = self._replica_tables(plan) if tables is None else tables
         vec = _vec(rb, lw.data_ptr(), rep_out.data_ptr(), *(() if home_out is None else (home_out.data_ptr(),)))
         self._launch("moonep_prefetch_push", self.num_sms,
-                     (_p(lw), _i64(rb), np.int32(vec), np.int32(epn), _p(rep), _p(src)))
+                     (_p(lw), _i64(rb), _i32(vec), _i32(epn), _p(rep), _p(src)))
         # The finish kernel waits for every peer's push, then copies the filled replica slots from the
         # staging pool (and the home rows into home_out, when given).  Slots empty now and at the previous
         # call into this same pool are still zero and are not written: most of a pool of large expert
         # weights is such slots.
         self._launch("moonep_prefetch_finish", self.sm_count,
-                     (_p(home_out), _p(rep_out), _p(lw), _i64(rb), np.int32(vec), np.int32(epn), _p(rep),
+                     (_p(home_out), _p(rep_out), _p(lw), _i64(rb), _i32(vec), _i32(epn), _p(rep),
                       _p(prev)))
         if prev is not None:
             prev.copy_(rep[self.rank])
@@ -743,10 +751,10 @@ class NVLinkBackend(Backend):
         rep, src = self._replica_tables(plan)
         out = hg if scratch else torch.empty_like(hg)
         self._launch("moonep_reduce_stage", self.num_sms,
-                     (_p(rg), _i64(rb), np.int32(_vec(rb, rg.data_ptr())), np.int32(epn), _p(rep)))
+                     (_p(rg), _i64(rb), _i32(_vec(rb, rg.data_ptr())), _i32(epn), _p(rep)))
         self._launch("moonep_reduce_finish", self.sm_count,
-                     (_p(out), _p(hg), _i64(n), np.int32(_DT[hg.dtype]), np.int32(epn), _p(rep), _p(src),
-                      np.int32(_vec(rb, out.data_ptr(), hg.data_ptr()))))
+                     (_p(out), _p(hg), _i64(n), _i32(_DT[hg.dtype]), _i32(epn), _p(rep), _p(src),
+                      _i32(_vec(rb, out.data_ptr(), hg.data_ptr()))))
         return out
 
 
