@@ -336,7 +336,7 @@ class ExpertParallel:
             if checked:
                 got = self._guard.enter(op, exchange=self._backend.order_exchange, refused=error is not None,
                                         sig=sig)
-                self._backend.label(f"{op} #{self._guard.seq}")
+                self._backend.label(self.transport.current_op)  # (named lazily: see guard.CallName)
                 if got is not None:
                     self._agree(got, error, describe)
         except ValueError:  # a refusal every rank raises here, from every rank's header: still in step

@@ -56,6 +56,21 @@ def check_order_enabled() -> bool:
     return env_flag("MOONEP_CHECK_ORDER", True)
 
 
+class CallName:
+    """The name of the collective a header starts (:func:`describe`), formatted only where a message uses it:
+    every call sets the transport's ``current_op``, and only errors read it."""
+
+    __slots__ = ("header",)
+
+    def __init__(self, header):
+        self.header = header
+
+    def __str__(self) -> str:
+        return describe(self.header)
+
+    __repr__ = __str__
+
+
 def describe(header) -> str:
     """``"combine #5"`` (plus the instance when it is not the first) for a header ``[magic, inst, op, seq, ...]``."""
     magic, inst, code, seq = (int(v) for v in header[:4])
@@ -113,7 +128,7 @@ class CollectiveGuard:
         self.seq += 1
         header = [MAGIC, self.instance, _CODE[op], self.seq, int(refused), *sig]
         header += [0] * (HEADER_WORDS - len(header))
-        self.transport.current_op = describe(header)
+        self.transport.current_op = CallName(header)
         self.transport.call = (self.instance, _CODE[op], self.seq)
         if not self.enabled or self.transport.world_size == 1:
             return None

@@ -20,7 +20,7 @@ class Transport:
     name = "base"
     rank: int
     world_size: int
-    current_op = "a collective"  # set by moonep.guard: named in timeout and peer-failure errors
+    current_op = "a collective"  # set by moonep.guard: named in timeout and peer-failure errors (str() it)
     call = (-1, 0, 0)  # (instance, op code, seq) of that call (moonep.guard), for the headers of object gathers
 
     def timeout_s(self) -> float:
