@@ -8,8 +8,9 @@ The older tree is copied under the name ``moonep_old`` (its imports and its ``mo
 so both libraries live in one process on one device.  Each iteration runs one eager ``LatentMoE`` step
 (forward + backward, the configuration of tools/time_ep.py) of each, in alternating order; then, in a second
 phase, each iteration runs 20 one-rank eager dispatches and combines of each (no_grad, 4096 x 7168 bf16,
-top-8 of 256).  Host-bound steps vary by 20-30% between processes on a shared machine; within one process,
-paired, the per-iteration ratio holds still.
+top-8 of 256); in a third (CUDA), one replay of a CUDA graph of 10 such dispatches and one of 10 combines.
+Host-bound steps vary by 20-30% between processes on a shared machine; within one process, paired, the
+per-iteration ratio holds still.
 
 Reported per version: medians of the step's host time (until backward() returned), of its wall time (until
 the device finished) and of its device time (CUDA events); and the median of the per-iteration ratio
@@ -164,6 +165,12 @@ def main(argv=None) -> int:
         for k in (("old", "new") if i % 2 == 0 else ("new", "old")):
             for name, v in comm_calls(k).items():
                 rec[k][name].append(v)
+    if cuda:  # third phase: the same calls replayed from CUDA graphs (their device work alone), paired
+        graphs = {k: replay_graphs(eps[k], xd, idx, wd) for k in libs}
+        for i in range(args.steps):
+            for k in (("old", "new") if i % 2 == 0 else ("new", "old")):
+                for name, g in graphs[k].items():
+                    rec[k].setdefault(name, []).append(replay_us(g, 10))
     result = {
         "benchmark": "tools/layer_ab.py (an older moonep and the tree in one process, paired per iteration)",
         "command": "python3 tools/layer_ab.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -205,6 +212,42 @@ def main(argv=None) -> int:
         eps[k].close()
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
+
+
+def replay_graphs(ep, x, idx, w, n: int = 10) -> dict:
+    """CUDA graphs of ``n`` no-grad dispatches and of ``n`` combines of one step (captured after a warm-up call
+    on a side stream, as benchmarks/bench_planner.py's ``graph_time``)."""
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        h = ep.dispatch(x, idx, w)
+        for name, fn in (("dispatch_graph_us", lambda: ep.dispatch(x, idx, w)),
+                         ("combine_graph_us", lambda: ep.combine(h.tokens, h))):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            g = out[name] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(n):
+                    fn()
+            g.replay()
+        torch.cuda.synchronize()
+    return out
+
+
+def replay_us(g, n: int) -> float:
+    """Device µs per call of one replay of ``g`` (``n`` calls), between two CUDA events."""
+    import torch
+
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    g.replay()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
 
 
 ENTRIES = (("dispatch", "ExpertParallel", "dispatch"), ("fetch", "ReplicaPool", "fetch"),
