@@ -169,7 +169,7 @@ def main(argv=None) -> int:
         graphs = {k: replay_graphs(eps[k], xd, idx, wd) for k in libs}
         for i in range(args.steps):
             for k in (("old", "new") if i % 2 == 0 else ("new", "old")):
-                for name, g in graphs[k].items():
+                for name, g in graphs[k][0].items():
                     rec[k].setdefault(name, []).append(replay_us(g, 10))
     result = {
         "benchmark": "tools/layer_ab.py (an older moonep and the tree in one process, paired per iteration)",
@@ -214,9 +214,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def replay_graphs(ep, x, idx, w, n: int = 10) -> dict:
-    """CUDA graphs of ``n`` no-grad dispatches and of ``n`` combines of one step (captured after a warm-up call
-    on a side stream, as benchmarks/bench_planner.py's ``graph_time``)."""
+def replay_graphs(ep, x, idx, w, n: int = 10) -> tuple:
+    """``({name: graph}, h)``: CUDA graphs of ``n`` no-grad dispatches and of ``n`` combines of the step ``h``
+    (captured after a warm-up call on a side stream, as benchmarks/bench_planner.py's ``graph_time``).  The
+    combine graph reads ``h``'s device tables by address: keep ``h`` while it is replayed."""
     import torch
 
     out, hs = {}, [None]
@@ -235,7 +236,7 @@ def replay_graphs(ep, x, idx, w, n: int = 10) -> dict:
                     fn()
             g.replay()
         torch.cuda.synchronize()
-    return out
+    return out, hs[0]
 
 
 def replay_us(g, n: int) -> float:
