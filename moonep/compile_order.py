@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 COLLECTIVES: set = set()  # the OpOverloads of moonep's collective ops (moonep.ops._define adds them)
 
@@ -150,30 +149,54 @@ def _pin_wait(nodes: list, order: dict, wait: torch.fx.Node, back: set) -> None:
         wait.meta["eager_input_vals"] = (args, {**kwargs, "keep": vals})
 
 
-class OrderCollectives(CustomGraphPass):
-    """The joint-graph pass of :func:`order_collectives`, in the form inductor's caches accept (a
-    ``CustomGraphPass`` with a ``uuid``), calling any pass that was configured before it."""
+def _order_collectives_class():
+    """:class:`OrderCollectives`, defined at first use: its base class's module imports inductor and dynamo
+    (over a second of a process's start, which a process that never compiles should not pay)."""
+    global _ORDER_COLLECTIVES
+    if _ORDER_COLLECTIVES is not None:
+        return _ORDER_COLLECTIVES
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    def __init__(self, before=None):
-        # the passes configured before (one, or a list as newer torch versions take)
-        self.before = [] if before is None else list(before) if isinstance(before, (list, tuple)) else [before]
+    class OrderCollectives(CustomGraphPass):
+        """The joint-graph pass of :func:`order_collectives`, in the form inductor's caches accept (a
+        ``CustomGraphPass`` with a ``uuid``), calling any pass that was configured before it."""
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for p in self.before:
-            p(graph)
-        order_collectives(graph)
+        def __init__(self, before=None):
+            # the passes configured before (one, or a list as newer torch versions take)
+            self.before = [] if before is None else list(before) if isinstance(before, (list, tuple)) else [before]
 
-    def uuid(self):
-        here = Path(__file__).parent  # what the pass does depends on the ops' schemas too
-        mine = get_hash_for_files((__file__, str(here / "ops.py"), str(here / "ops_async.py")))
-        theirs = [getattr(p, "uuid", lambda: None)() for p in self.before]
-        return None if None in theirs else (mine, *theirs)  # (None: inductor skips its cache, as for theirs)
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            for p in self.before:
+                p(graph)
+            order_collectives(graph)
+
+        def uuid(self):
+            here = Path(__file__).parent  # what the pass does depends on the ops' schemas too
+            mine = get_hash_for_files((__file__, str(here / "ops.py"), str(here / "ops_async.py")))
+            theirs = [getattr(p, "uuid", lambda: None)() for p in self.before]
+            return None if None in theirs else (mine, *theirs)  # (None: inductor skips its cache, as for theirs)
+
+    OrderCollectives.__module__ = __name__
+    _ORDER_COLLECTIVES = OrderCollectives
+    return OrderCollectives
+
+
+_ORDER_COLLECTIVES = None
+
+
+def __getattr__(name: str):
+    if name == "OrderCollectives":  # (see _order_collectives_class)
+        return _order_collectives_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def install() -> None:
-    """Add :class:`OrderCollectives` to inductor's joint-graph passes (once; a pass set before is kept)."""
+    """Add :class:`OrderCollectives` to inductor's joint-graph passes (once; a pass set before is kept).  The
+    fake implementations of moonep's collectives call it: a compiler traces them before it runs its joint-graph
+    passes."""
     import torch._inductor.config as config
+    cls = _order_collectives_class()
     current = config.joint_custom_pre_pass
-    if isinstance(current, OrderCollectives):
+    if isinstance(current, cls):
         return
-    config.joint_custom_pre_pass = OrderCollectives(current)
+    config.joint_custom_pre_pass = cls(current)

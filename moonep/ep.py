@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 
-from . import eager_math, fp8, layout, op_state
+from . import eager_math, eager_only as _eager_only_module, fp8, layout, op_state
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype, product_grads
 from .config import Tuning
 from .errors import (MoonepError, RefusedEverywhere, expect, expect_device, expect_int, expect_same, expect_slack,
                      expect_tensor, fail, raise_together, valid_timeout)
+from .eager_only import eager_only
 from .guard import CollectiveGuard, OrderMismatch, mark_failed
 from .handles import Dispatched, Step, check_issued, names_key
 from .op_state import register_instance
@@ -67,11 +68,15 @@ def _weights_signature(name: str, t, h):
     return (_dt(t), _shape_key(t.shape), step), describe
 
 
+_OWN_FILES = (__file__, _eager_only_module.__file__)  # (frames _deprecated skips)
+
+
 def _deprecated(message: str) -> None:
-    """A ``DeprecationWarning`` attributed to the caller's line: the first frame outside this file and torch
-    (the methods are wrapped by ``torch.compiler.disable``), so that Python's filters show it there."""
+    """A ``DeprecationWarning`` attributed to the caller's line: the first frame outside this file,
+    :mod:`moonep.eager_only` and torch (the methods are wrapped by ``eager_only``), so that Python's filters
+    show it there."""
     frame, level = sys._getframe(1), 2
-    while frame is not None and (frame.f_code.co_filename == __file__ or
+    while frame is not None and (frame.f_code.co_filename in _OWN_FILES or
                                  os.sep + "torch" + os.sep in frame.f_code.co_filename):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, DeprecationWarning, stacklevel=level)
@@ -708,7 +713,7 @@ class ExpertParallel:
         self._going_async()
         return self._overlap.start_compiled(op, fn, empty_outputs, inputs, mutated, guarded)
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
+    @eager_only  # under torch.compile: one graph break per collective (moonep.ops: none)
     def sync(self) -> None:
         """A collective that moves nothing: every rank reaches this point of its calls together, or every rank
         raises :class:`moonep.MoonepError` (a peer that makes another call instead is reported at once, one
@@ -716,7 +721,7 @@ class ExpertParallel:
         with self._collective("sync"):
             pass
 
-    @torch.compiler.disable  # a refusal: host work only, never part of a graph
+    @eager_only  # a refusal: host work only, never part of a graph
     def refuse(self, op: str, message: str) -> None:
         """Refuse this rank's part of collective ``op`` (``"dispatch"``, ``"combine"``, ``"prefetch"`` or
         ``"reduce_grad"``) while the peers make that call with their own arguments: every rank raises
@@ -726,7 +731,7 @@ class ExpertParallel:
                '"dispatch", "combine", "prefetch" or "reduce_grad"', repr(op))
         self._refuse(op, message)
 
-    @torch.compiler.disable  # a refusal: host work only, never part of a graph
+    @eager_only  # a refusal: host work only, never part of a graph
     def _refuse(self, op: str, message: str, backward: bool = False) -> None:
         """:meth:`refuse` for moonep's own calls, also in a backward (``op`` ``"prefetch.backward"``: the
         header is exchanged only where the backend checks backward passes, as the call's own would be)."""
@@ -833,7 +838,7 @@ class ExpertParallel:
         with self._collective("prefetch", error=err, sig=sig, describe=describe):
             return self._backend.prefetch(step.plan, local_weight)
 
-    @torch.compiler.disable  # under torch.compile: one graph break per collective (moonep.ops: none)
+    @eager_only  # under torch.compile: one graph break per collective (moonep.ops: none)
     def prefetch_replicas(self, h: Dispatched, local_weight: torch.Tensor, out: torch.Tensor, *,
                           in_backward: bool = False) -> torch.Tensor:
         """Deprecated: use :class:`moonep.ReplicaPool` (``pool.fetch(ep, h, local_weight, name)``), which

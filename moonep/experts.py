@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from . import experts_cuda
+from .eager_only import eager_only
 from .errors import expect, fail
 from .fp8 import as_float_rows
 from .handles import Dispatched, Fetched
@@ -329,7 +330,7 @@ def _pool_matmul_eager(a, cu_seqlens, home_weight, replicas, transpose, impl, bi
 
 
 # an eager pool's Replicas (host objects) inside compiled code: eagerly, one graph break
-_pool_matmul = torch.compiler.disable(_pool_matmul_eager)
+_pool_matmul = eager_only(_pool_matmul_eager)
 
 
 def _row_slots(cu: torch.Tensor, cap: int) -> torch.Tensor:
@@ -619,7 +620,7 @@ def kept_replicas(ep, h, home: torch.Tensor, buffer: torch.Tensor) -> "Replicas"
     return Replicas(None, None, -1, ep, h, home, buffer, 0)
 
 
-@torch.compiler.disable  # builds host objects around a compiled step: runs eagerly (one graph break)
+@eager_only  # builds host objects around a compiled step: runs eagerly (one graph break)
 def _eager_replicas(r: Fetched) -> "Replicas":
     """The :class:`Replicas` of a compiled fetch, for the calls that have no op (:func:`module_slots`,
     :func:`expert_bias`): its slots kept until the backward, which reduces through the step's token."""

@@ -96,9 +96,10 @@ _AFTER = "Tensor? after=None"
 
 
 def _tracing(fake):
-    """``fake``, which first makes sure that moonep's ordering pass is in inductor's config (a pass assigned to
-    ``joint_custom_pre_pass`` since moonep's import replaced it: it is wrapped, see :mod:`moonep.compile_order`);
-    a compiler traces the fake implementations before it runs its joint-graph passes."""
+    """``fake``, which first makes sure that moonep's ordering pass is in inductor's config (added here, at the
+    first trace, so that importing moonep imports no compiler; a pass the user configured is kept and called
+    first, see :mod:`moonep.compile_order`): a compiler traces the fake implementations before it runs its
+    joint-graph passes."""
     def call(*args, **kwargs):
         compile_order.install()
         return fake(*args, **kwargs)
@@ -742,5 +743,3 @@ def qb_record(balancer, raw: Tensor, values: Tensor, check: bool) -> None:
                   balancer._work, balancer._op_id, not balancer._recording, bool(check))
     balancer._recording = True
 
-
-compile_order.install()  # inductor keeps the program's order of the collectives on every rank

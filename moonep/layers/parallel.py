@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from ..balance import QuantileBalancer
 from ..ep import ExpertParallel
+from ..eager_only import eager_only
 from ..errors import expect
 from ..guard import SIZING
 from ..runtime import Runtime, detect_launcher, init
@@ -69,7 +70,7 @@ class EPProvider:
         ep = self.built(topk, width, dtype, device)
         return ep if ep is not None else self._get(s, topk, width, dtype, device)
 
-    @torch.compiler.disable  # host work, perhaps a collective: outside the graph
+    @eager_only  # host work, perhaps a collective: outside the graph
     def _get(self, s: int, topk: int, width: int, dtype: torch.dtype, device: torch.device):
         need = self.max_tokens
         if need is None:  # the largest s of any rank: one header exchange (moonep.transport.host_group)
