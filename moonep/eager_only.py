@@ -3,9 +3,9 @@
 ``torch.compiler.disable`` imports ``torch._dynamo`` (over a second of a process's start, most of ``import
 moonep``), and moonep marks its host-side functions with it at import time.  A process that never compiles
 (a CPU rank under ``mpiexec``, an eager training loop) would pay it for nothing.  Made at the first call, the
-disabled function is the same; when that first call is traced, dynamo runs the wrapper (a closure update and
-the ``disable`` call, both outside the graph) and breaks the graph at the disabled function, as it would
-have.  This module imports nothing of moonep.
+disabled function is the same; when that first call is traced, dynamo traces the wrapper (the ``disable`` call
+adds nothing to the graph) and breaks the graph at the disabled function, as it would have: one graph break
+either way (checked on torch 2.11 and 2.13).  This module imports nothing of moonep.
 """
 from __future__ import annotations
 
