@@ -265,6 +265,27 @@ def test_handles_imports_nothing_of_moonep():
             f"  {dst}:  {site}" for dst, sites in sorted(out.items()) for site in sites), pytrace=False)
 
 
+def test_import_moonep_imports_no_compiler():
+    """``import moonep`` leaves torch's compilers unimported (over a second of every process's start, which a
+    process that never compiles would pay for nothing: ``moonep.eager_only``); compiling still works."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, moonep\n"
+            "late = sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules)\n"
+            "assert not late, late\n"
+            "ep = moonep.ExpertParallel(num_experts=4, topk=2, hidden=8, max_tokens=4, dtype=torch.float32,\n"
+            "                           device='cpu')\n"
+            "x, idx, w = torch.randn(4, 8), torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]]), torch.rand(4, 2)\n"
+            "def step(x, idx, w):\n"
+            "    h = ep.dispatch(x, idx, w)\n"
+            "    return ep.combine(h.tokens * 2, h)\n"
+            "assert torch.equal(torch.compile(step, backend='aot_eager', fullgraph=True)(x, idx, w), step(x, idx, w))\n"
+            "ep.close()\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 # The walker itself, on a small made-up package (so it is checked whatever state moonep/ is in).
 def _write(root: Path, files: dict):
     for rel, text in files.items():
