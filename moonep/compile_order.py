@@ -20,6 +20,7 @@ also adds to each wait's ``keep`` what the program computes between the call and
 """
 from __future__ import annotations
 
+import functools
 import operator
 from pathlib import Path
 
@@ -149,12 +150,10 @@ def _pin_wait(nodes: list, order: dict, wait: torch.fx.Node, back: set) -> None:
         wait.meta["eager_input_vals"] = (args, {**kwargs, "keep": vals})
 
 
+@functools.cache
 def _order_collectives_class():
     """:class:`OrderCollectives`, defined at first use: its base class's module imports inductor and dynamo
     (over a second of a process's start, which a process that never compiles should not pay)."""
-    global _ORDER_COLLECTIVES
-    if _ORDER_COLLECTIVES is not None:
-        return _ORDER_COLLECTIVES
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
     class OrderCollectives(CustomGraphPass):
@@ -177,11 +176,7 @@ def _order_collectives_class():
             return None if None in theirs else (mine, *theirs)  # (None: inductor skips its cache, as for theirs)
 
     OrderCollectives.__module__ = __name__
-    _ORDER_COLLECTIVES = OrderCollectives
     return OrderCollectives
-
-
-_ORDER_COLLECTIVES = None
 
 
 def __getattr__(name: str):

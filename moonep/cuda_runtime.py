@@ -21,7 +21,8 @@ same program are dropped, so NVRTC needs no include path; each file still compil
   CuPy accepts is probed once per process with a no-op kernel (:func:`launch_form`); with an old CuPy the
   context-manager form is used instead. Hot paths that record their launch (``moonep.planner.cuda``) keep
   ``Kernels.fn[name]``, ``Kernels.streams`` and pre-built arguments (``Kernels.arg`` / :meth:`Kernels.c`); the
-  others pass addresses and int64 values through :func:`ptr` and :func:`i64`, pre-built as well once probed.
+  others pass addresses, int64 and int values through :func:`ptr`, :func:`i64` and :func:`i32`, pre-built as
+  well once probed.
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ from .config import env_flag
 from .errors import expect, fail
 
 __all__ = ["PROGRAMS", "Program", "Kernels", "available", "csrc_dir", "program_source", "compile_options",
-           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "i64", "launch_form", "STATIC_SMEM",
-           "PROFILE_SWITCHES", "profile_build", "profile_switch", "parse_switches"]
+           "kernels", "loaded", "stream", "num_sms", "dispatch_threads", "ptr", "i64", "i32", "launch_form",
+           "STATIC_SMEM", "PROFILE_SWITCHES", "profile_build", "profile_switch", "parse_switches"]
 
 
 # Profiling builds: the -D switches a tool may set (tools/, benchmarks/): each one's kind ("flag": defined or

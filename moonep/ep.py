@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 
-from . import eager_math, eager_only as _eager_only_module, fp8, layout, op_state
+from . import eager_math, fp8, layout, op_state
 from .backends import choose_backend, make_backend
 from .combine import acc_dtype, product_grads
 from .config import Tuning
@@ -68,7 +68,7 @@ def _weights_signature(name: str, t, h):
     return (_dt(t), _shape_key(t.shape), step), describe
 
 
-_OWN_FILES = (__file__, _eager_only_module.__file__)  # (frames _deprecated skips)
+_OWN_FILES = (__file__, eager_only.__code__.co_filename)  # (frames _deprecated skips)
 
 
 def _deprecated(message: str) -> None:

@@ -76,6 +76,7 @@ layers may share one ``ExpertParallel``).  Both modes give bitwise identical res
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -106,15 +107,13 @@ _GATHERS = ("moonep_gather", "moonep_route_gather")
 _p = cuda_runtime.ptr   # kernel argument for a tensor's address (None: null)
 _i64 = cuda_runtime.i64  # kernel argument for an int64 value
 _i32 = cuda_runtime.i32  # kernel argument for an int value
-_BYTES: list = []  # (see _bytes)
 
 
+@functools.cache
 def _bytes() -> tuple:
     """The dispatch kernels' fp8 arguments that move rows as bytes (built at the first dispatch, after the launch
     probe chose the argument types)."""
-    if not _BYTES:
-        _BYTES.append((_i32(-1), _i32(0), _i64(0), _p(None)))
-    return _BYTES[0]
+    return _i32(-1), _i32(0), _i64(0), _p(None)
 
 
 class _QuantInSend:
