@@ -137,6 +137,7 @@ def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Opti
 
     node = type(f"{name}_autograd", (torch.autograd.Function,),
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    apply = _c_apply(node, op)
 
     def kernel(*args, after=None):
         args = args[:n]  # (`after` orders a compiled graph's collectives: nothing to do here)
@@ -146,11 +147,32 @@ def _autograd(op, body, setup_context, backward, *, inputs: tuple, tracked: Opti
                 if args[k] is not None and args[k].requires_grad:
                     bits |= 1 << i
         if bits:
-            return node.apply(*args) if tracked is None else node.apply(*args[:tracked], bits, *args[tracked + 1:])
+            return apply(*args) if tracked is None else apply(*args[:tracked], bits, *args[tracked + 1:])
         return body(*args) if _eager(args[inputs[0]]) else _below_autograd(op, args)
 
     lib.impl(name, kernel, "Autograd")
     op_state.register_kernel(op, kernel)
+
+
+def _c_apply(node, op):
+    """``node.apply`` without ``autograd.Function.apply``'s Python wrapper (a few µs per eager call, most of it
+    a pass over every argument): the C++ ``apply`` itself, after the wrapper's one step that matters here, the
+    unwrapping of dead functorch wrappers, done on the op's tensor arguments only.  Under an active functorch
+    transform the wrapper runs (it refuses, as for any Function without ``setup_context``)."""
+    c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, node)
+    unwrap = torch._C._functorch.unwrap_if_dead
+    positions = tuple(i for i, a in enumerate(op._schema.arguments)
+                      if a.name != "after" and str(a.type) in ("Tensor", "Optional[Tensor]"))
+
+    def apply(*args):
+        if torch._C._are_functorch_transforms_active():
+            return node.apply(*args)
+        args = list(args)
+        for i in positions:
+            if args[i] is not None:
+                args[i] = unwrap(args[i])
+        return c_apply(*args)
+    return apply
 
 
 def _eager(t) -> bool:
