@@ -24,7 +24,7 @@ from numba import njit
 __all__ = ["dense", "u8", "u8_choices", "bits16", "bf16_nan_bits", "gather_rows", "expand_rows", "scatter_choices",
            "gather_choices", "pick_choices", "reduce_pairs_bf16", "reduce_pairs_float",
            "pack_pairs", "unpack_pairs", "token_order", "sum_by_rank_bf16", "sum_by_rank_float", "route_pairs", "check_topk",
-           "copy_destinations"]
+           "copy_destinations", "slot_offsets"]
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
@@ -427,3 +427,24 @@ def copy_destinations(flat, before, A, rep, cu, epn, dst_rank, dst_row):
             r += 1
         dst_rank[i] = r
         dst_row[i] = cu[r, slot[r, e]] + g - start
+
+
+@njit(cache=True)
+def slot_offsets(A, rep, align, cu):
+    """Every rank's slot offsets (:func:`moonep.layout.cu_seqlens` on CPU plans): ``A [E, R]`` the plan's
+    assignment, ``rep [R, epn]`` its replica experts (``-1`` empty); writes int64 ``cu [R, 2*epn+1]``, slot
+    ``j``'s rows of rank ``r`` rounded up to a multiple of ``align``.  One call instead of a dozen small torch
+    ops (each costs more host time than this whole loop)."""
+    E, R = A.shape
+    epn = E // R
+    for r in range(R):
+        acc = 0
+        cu[r, 0] = 0
+        for j in range(2 * epn):
+            if j < epn:
+                n = A[r * epn + j, r]
+            else:
+                e = rep[r, j - epn]
+                n = A[e, r] if e >= 0 else 0
+            acc += (n + align - 1) // align * align
+            cu[r, j + 1] = acc

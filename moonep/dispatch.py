@@ -32,7 +32,10 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
     """
     R = transport.world_size
     s, K = topk_idx.shape
-    dst_rank, dst_row = layout.token_destinations(plan, rank, topk_idx, align=align)
+    if topk_idx.device.type == "cpu":  # (plan_step checked this routing and counted it into the plan)
+        dst_rank, dst_row = layout.destinations_cpu(plan, rank, topk_idx, align)
+    else:
+        dst_rank, dst_row = layout.token_destinations(plan, rank, topk_idx, align=align)
     if dst_rank.device.type == "cpu":
         pair_token, send_rows, splits = ck.route_pairs(dst_rank.contiguous().numpy(),
                                                        dst_row.contiguous().numpy(), R)

@@ -108,6 +108,9 @@ def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Ten
     if plan.on_device:  # CUDA plan: written by plan_and_destinations' launch, else one small kernel
         pre = plan.launch_slots(rank, align) if rank is not None else None
         return pre[1] if pre is not None and pre[1] is not None else cu_seqlens_cuda(plan, rank, align)
+    if plan.assignment.device.type == "cpu":
+        cu = _offsets_cpu(plan, align).to(torch.int32)
+        return cu if rank is None else cu[rank]
     sz = slot_sizes(plan, align)
     cu = torch.nn.functional.pad(sz.cumsum(1), (1, 0)).to(torch.int32)
     return cu if rank is None else cu[rank]
@@ -187,16 +190,30 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
         res = layout_cuda(plan, rank, topk_idx, align)
         if res is not None:
             return res
-    if plan.assignment.device.type == "cpu":  # one pass of a numba kernel, not some twenty small torch ops
-        flat = topk_idx.reshape(-1).to(torch.int64).contiguous()
-        dst, row = torch.empty_like(flat), torch.empty_like(flat)
-        ck.copy_destinations(flat.numpy(), plan.counts[:rank].sum(0).to(torch.int64).numpy(),
-                             plan.assignment.to(torch.int64).contiguous().numpy(),
-                             plan.replica_experts.to(torch.int64).contiguous().numpy(),
-                             cu_seqlens(plan, None, align).to(torch.int64).numpy(), plan.experts_per_rank,
-                             dst.numpy(), row.numpy())
-        return dst.view(topk_idx.shape), row.view(topk_idx.shape)
+    if plan.assignment.device.type == "cpu":
+        return destinations_cpu(plan, rank, topk_idx, align)
     return destinations_torch(plan, rank, topk_idx, align)
+
+
+def _offsets_cpu(plan: Plan, align: int) -> torch.Tensor:
+    """int64 ``[R, 2*epn + 1]``: every rank's slot offsets of a CPU plan (one numba pass)."""
+    A = plan.assignment.to(torch.int64).contiguous()
+    cu = torch.empty((A.shape[1], 2 * plan.experts_per_rank + 1), dtype=torch.int64)
+    ck.slot_offsets(A.numpy(), plan.replica_experts.to(torch.int64).contiguous().numpy(), align, cu.numpy())
+    return cu
+
+
+def destinations_cpu(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int = 1):
+    """:func:`token_destinations` of a CPU plan in one pass of a numba kernel (not some twenty small torch ops),
+    its arguments already checked: ``HostBackend.plan_step`` calls it with the routing it has just checked and
+    counted into the plan."""
+    flat = topk_idx.reshape(-1).to(torch.int64).contiguous()
+    dst, row = torch.empty_like(flat), torch.empty_like(flat)
+    ck.copy_destinations(flat.numpy(), plan.counts[:rank].sum(0).to(torch.int64).numpy(),
+                         plan.assignment.to(torch.int64).contiguous().numpy(),
+                         plan.replica_experts.to(torch.int64).contiguous().numpy(),
+                         _offsets_cpu(plan, align).numpy(), plan.experts_per_rank, dst.numpy(), row.numpy())
+    return dst.view(topk_idx.shape), row.view(topk_idx.shape)
 
 
 def destinations_torch(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int = 1):

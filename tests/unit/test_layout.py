@@ -18,6 +18,8 @@ def check_layout(tk, E, slack, align):
     plan = plan_balanced(torch.from_numpy(c), slack=slack)
     cu_all = cu_seqlens(plan, None, align)
     assert cu_all.dtype == torch.int32 and cu_all.shape == (R, 2 * epn + 1)
+    # the CPU kernel's offsets are the running sums of the torch ops' slot sizes
+    assert torch.equal(cu_all, torch.nn.functional.pad(slot_sizes(plan, align).cumsum(1), (1, 0)).to(torch.int32))
     cap = capacity(s, K, R, E, align, slack)
     got = {}  # (dst, row) -> (src, i, k, e)
     for src in range(R):
