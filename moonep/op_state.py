@@ -78,13 +78,17 @@ _KERNELS: dict = {}  # id(OpOverload) -> (the function an eager call runs, tenso
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
+def tensor_positions(op) -> tuple:
+    """The positions of ``op``'s ``Tensor`` and ``Tensor?`` arguments (a collective's trailing ``after`` left out)."""
+    return tuple(i for i, a in enumerate(op._schema.arguments)
+                 if a.name != "after" and str(a.type) in ("Tensor", "Optional[Tensor]"))
+
+
 def register_kernel(op, fn) -> None:
     """``fn(*args)`` is what an eager call of ``op`` on plain tensors runs (its Autograd kernel, or its body for
     an op without autograd): :func:`call` runs it directly.  A collective's trailing ``after`` is not passed."""
-    args = [a for a in op._schema.arguments if a.name != "after"]
-    tensors = tuple(i for i, a in enumerate(args) if str(a.type) in ("Tensor", "Optional[Tensor]"))
-    lists = tuple(i for i, a in enumerate(args) if str(a.type) == "List[Tensor]")
-    _KERNELS[id(op)] = (fn, tensors, lists)
+    lists = tuple(i for i, a in enumerate(op._schema.arguments) if str(a.type) == "List[Tensor]")
+    _KERNELS[id(op)] = (fn, tensor_positions(op), lists)
 
 
 def call(op, *args):

@@ -161,8 +161,7 @@ def _c_apply(node, op):
     transform the wrapper runs (it refuses, as for any Function without ``setup_context``)."""
     c_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, node)
     unwrap = torch._C._functorch.unwrap_if_dead
-    positions = tuple(i for i, a in enumerate(op._schema.arguments)
-                      if a.name != "after" and str(a.type) in ("Tensor", "Optional[Tensor]"))
+    positions = op_state.tensor_positions(op)
 
     def apply(*args):
         if torch._C._are_functorch_transforms_active():
