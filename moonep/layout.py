@@ -109,7 +109,7 @@ def cu_seqlens(plan: Plan, rank: int | None = None, align: int = 1) -> torch.Ten
         pre = plan.launch_slots(rank, align) if rank is not None else None
         return pre[1] if pre is not None and pre[1] is not None else cu_seqlens_cuda(plan, rank, align)
     if plan.assignment.device.type == "cpu":
-        cu = _offsets_cpu(plan, align).to(torch.int32)
+        cu = _offsets_cpu(*_plan_arrays_cpu(plan), align).to(torch.int32)
         return cu if rank is None else cu[rank]
     sz = slot_sizes(plan, align)
     cu = torch.nn.functional.pad(sz.cumsum(1), (1, 0)).to(torch.int32)
@@ -195,11 +195,17 @@ def token_destinations(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int
     return destinations_torch(plan, rank, topk_idx, align)
 
 
-def _offsets_cpu(plan: Plan, align: int) -> torch.Tensor:
-    """int64 ``[R, 2*epn + 1]``: every rank's slot offsets of a CPU plan (one numba pass)."""
-    A = plan.assignment.to(torch.int64).contiguous()
-    cu = torch.empty((A.shape[1], 2 * plan.experts_per_rank + 1), dtype=torch.int64)
-    ck.slot_offsets(A.numpy(), plan.replica_experts.to(torch.int64).contiguous().numpy(), align, cu.numpy())
+def _plan_arrays_cpu(plan: Plan):
+    """``(assignment [E, R], replica_experts [R, epn])`` of a CPU plan as contiguous int64 numpy arrays."""
+    return (plan.assignment.to(torch.int64).contiguous().numpy(),
+            plan.replica_experts.to(torch.int64).contiguous().numpy())
+
+
+def _offsets_cpu(A, rep, align: int) -> torch.Tensor:
+    """int64 ``[R, 2*epn + 1]``: every rank's slot offsets of a CPU plan (one numba pass) from its
+    :func:`_plan_arrays_cpu`."""
+    cu = torch.empty((rep.shape[0], 2 * rep.shape[1] + 1), dtype=torch.int64)
+    ck.slot_offsets(A, rep, align, cu.numpy())
     return cu
 
 
@@ -209,10 +215,9 @@ def destinations_cpu(plan: Plan, rank: int, topk_idx: torch.Tensor, align: int =
     counted into the plan."""
     flat = topk_idx.reshape(-1).to(torch.int64).contiguous()
     dst, row = torch.empty_like(flat), torch.empty_like(flat)
-    ck.copy_destinations(flat.numpy(), plan.counts[:rank].sum(0).to(torch.int64).numpy(),
-                         plan.assignment.to(torch.int64).contiguous().numpy(),
-                         plan.replica_experts.to(torch.int64).contiguous().numpy(),
-                         _offsets_cpu(plan, align).numpy(), plan.experts_per_rank, dst.numpy(), row.numpy())
+    A, rep = _plan_arrays_cpu(plan)
+    ck.copy_destinations(flat.numpy(), plan.counts[:rank].sum(0).to(torch.int64).numpy(), A, rep,
+                         _offsets_cpu(A, rep, align).numpy(), plan.experts_per_rank, dst.numpy(), row.numpy())
     return dst.view(topk_idx.shape), row.view(topk_idx.shape)
 
 
