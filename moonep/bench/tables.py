@@ -168,7 +168,8 @@ TABLES = (
         "layer", "inference_", ("moonep\ninference\nstep", "forward only, on moonep"),
         ("Megatron\ninference\nstep", "forward only, on the Megatron-style path")) + (
         Col("moonep\nexperts\nslowest", "us", _lay("moonep_expert_us", max), US,
-            "the expert GEMMs alone (forward) on the slowest rank (they follow its received rows)"),
+            "the expert GEMMs alone (forward) on the slowest rank (they follow its received rows; timed "
+            "alternately with the Megatron-style ones)"),
         Col("moonep\nexperts\nfastest", "us", _lay("moonep_expert_us", min), US, "the same on the fastest rank"),
         Col("Megatron\nexperts\nslowest", "us", _lay("megatron_expert_us", max), US,
             "the expert GEMMs alone on the Megatron-style path's slowest rank"),
