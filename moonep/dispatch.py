@@ -32,13 +32,9 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
     """
     R = transport.world_size
     s, K = topk_idx.shape
-    if topk_idx.device.type == "cpu":  # (plan_step checked this routing and counted it into the plan)
+    if topk_idx.device.type == "cpu":  # numba passes (plan_step checked this routing and counted it into the plan)
         dst_rank, dst_row = layout.destinations_cpu(plan, rank, topk_idx, align)
-    else:
-        dst_rank, dst_row = layout.token_destinations(plan, rank, topk_idx, align=align)
-    if dst_rank.device.type == "cpu":
-        pair_token, send_rows, splits = ck.route_pairs(dst_rank.contiguous().numpy(),
-                                                       dst_row.contiguous().numpy(), R)
+        pair_token, send_rows, splits = ck.route_pairs(dst_rank.numpy(), dst_row.numpy(), R)
         pair_token, send_rows = torch.from_numpy(pair_token), torch.from_numpy(send_rows)
         send_splits = splits.tolist()
         if not exchange_rows:  # dispatch_packed learns recv_splits with the rows (all_to_all_sized)
@@ -46,6 +42,7 @@ def build_routing(plan, rank: int, topk_idx: torch.Tensor, transport: Transport,
         recv_splits = transport.all_to_all(torch.from_numpy(splits)[:, None], [1] * R, [1] * R)[:, 0].tolist()
         recv_rows = transport.all_to_all(send_rows, send_splits, recv_splits)
         return HostStep(s, pair_token, send_rows, send_splits, recv_rows, recv_splits, capacity)
+    dst_rank, dst_row = layout.token_destinations(plan, rank, topk_idx, align=align)
     hits = torch.zeros(s, R + 1, dtype=torch.bool, device=topk_idx.device)
     col = torch.where(dst_rank >= 0, dst_rank, torch.full_like(dst_rank, R))  # column R: masked choices
     hits[torch.arange(s, device=topk_idx.device).repeat_interleave(K), col.reshape(-1)] = True

@@ -126,6 +126,12 @@ class Timer:
                     ratio_p75=_sig(_quantile(ratio, 0.75), 3))
 
 
+def _brief(exc: BaseException) -> str:
+    """An exception's type and first line, at most 300 characters (recorded in the JSON)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
 def _median(v) -> float:
     return _quantile(sorted(v), 0.5)
 
@@ -540,7 +546,7 @@ class Suite:
 
     # -- phase 2: NVSHMEM all_to_all_vdev_2d ------------------------------------------------------------
     def run_symm(self, configs) -> None:
-        a, rt, R, T = self.args, self.rt, self.R, self.timer
+        rt, R, T = self.rt, self.R, self.timer
         reason = None
         for ci, cfg in enumerate(configs):
             s, H, E, K = cfg
@@ -554,7 +560,7 @@ class Suite:
             try:
                 symm = SymmMemA2A(rt.group, R, E, K, s, H, self.dtype, rt.device)
             except Exception as exc:  # noqa: BLE001 - recorded, never fatal
-                err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+                err = _brief(exc)
             errs = [e for e in gather(rt, err) if e]
             if errs:
                 reason = errs[0]
@@ -582,7 +588,7 @@ class Suite:
                         m["vs_symm_dispatch"] = _sig(d.us / m["dispatch_us"], 3)
                         m["vs_symm_combine"] = _sig(c.us / m["combine_us"], 3)
                 except Exception as exc:  # noqa: BLE001 - a rank that fails here may leave peers waiting
-                    rec = dict(unavailable=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
+                    rec = dict(unavailable=_brief(exc))
                 p["symm_mem"] = rec
                 if rt.rank == 0:
                     self.emit(self.doc)
