@@ -528,8 +528,11 @@ class ExpertParallel:
         S, K, H = self.max_tokens, self.topk, self.hidden
         try:
             if isinstance(x, (tuple, list)):  # pre-quantised (x_fp8, scales)
-                expect(self.fp8, "x", f"a {self.dtype} tensor [s, {H}] (a pre-quantised pair needs "
-                       "dispatch_dtype=torch.float8_e4m3fn)", "a pair")
+                if not self.fp8:
+                    pair = _tensor_pair(x)
+                    fail("x", f"a {self.dtype} tensor [s, {H}]" + (" (a pre-quantised pair needs dispatch_dtype="
+                                                                   "torch.float8_e4m3fn)" if pair else ""),
+                         "a pair of tensors" if pair else f"a {type(x).__name__} of {len(x)} items")
                 fp8.check_pair(x, H, self.device, S)
                 s = x[0].shape[0]
             else:

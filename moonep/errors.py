@@ -27,13 +27,15 @@ def expect(cond: bool, name: str, expected: str, actual) -> None:
 
 
 def expect_tensor(t, name: str, *, dim: int | None = None, dtypes=None, device=None, shape=None) -> None:
-    """Check a tensor argument's type, rank, dtype, device and (partial) shape.
+    """Check a tensor argument's type and layout (dense), rank, dtype, device and (partial) shape.
 
     ``shape`` entries that are ``None`` are not checked. Messages are built only on failure: this runs on
     every dispatch and combine, where eager f-strings cost more host time than the checks.
     """
     if not isinstance(t, torch.Tensor):
         fail(name, "a torch.Tensor", type(t).__name__)
+    if t.layout is not torch.strided or t.is_nested:  # sparse, MKL-DNN, nested: every op here reads strides
+        fail(name, "a dense (strided) tensor", f"a {'nested' if t.is_nested else t.layout} tensor")
     if dim is not None and t.dim() != dim:
         fail(name, f"{dim} dimensions", f"shape {tuple(t.shape)}")
     if dtypes is not None:

@@ -531,8 +531,8 @@ class Replicas:
 
     Attributes:
         pool, key, index: where the slots live (``pool`` buffer ``index`` of projection ``key``).
-        ep, h: the ExpertParallel and the :class:`moonep.Dispatched` of the step (a backward refetch and the
-            gradient reduce use them).
+        ep, h: the ExpertParallel and the :class:`moonep.Dispatched` of the step (a refetch and the gradient
+            reduce use them).
         home: the ``[epn, *D]`` home weights the replicas are copies of.
         buffer: ``[epn, *D]`` the slots (slot ``j``: expert ``h.slot_experts[epn + j]``, zero if ``-1``).
         generation: the pool buffer's fetch count when this was fetched (it still holds these replicas while
@@ -553,21 +553,27 @@ class Replicas:
 
     def weights(self) -> torch.Tensor:
         """The slots, once the fetch finished (the current stream waits for the side stream; an async fetch's
-        Work is waited for)."""
+        Work is waited for), and fetched again if a later fetch into the same pool buffer has overwritten them
+        (collective, the same on every rank: every rank makes the same fetches in the same order).  So a fetch's
+        replicas are right however many fetches of the same projection come before its GEMM (two micro-batches
+        on ``buffers=1``: each GEMM then fetches again; ``buffers=2`` keeps both)."""
+        return self._current(in_backward=False)
+
+    def weights_for_backward(self) -> torch.Tensor:
+        """The slots again, for the backward: still in the pool, kept, or fetched again (collective, as in
+        :meth:`weights`)."""
+        return self._current(in_backward=True)
+
+    def _current(self, in_backward: bool) -> torch.Tensor:
         if isinstance(self.event, torch.cuda.Event):
             chain(self.buffer.device).current()[0].wait_event(self.event)
         elif self.event is not None:
             self.event.wait()
         self.event = None
-        return self.buffer
-
-    def weights_for_backward(self) -> torch.Tensor:
-        """The slots again: still in the pool, kept, or fetched again (collective, the same on every rank:
-        every rank makes the same fetches in the same order)."""
-        if self.index == -1 or self.pool.generation(self.key, self.index) == self.generation:
-            return self.weights()  # kept in its own buffer, or still in the pool
-        self.generation = self.pool._bump(self.key, self.index)
-        self.ep._fetch_replicas(self.h, [self.home.detach()], [self.buffer], in_backward=True, names=[self.key[0]])
+        if self.index != -1 and self.pool.generation(self.key, self.index) != self.generation:
+            self.generation = self.pool._bump(self.key, self.index)
+            self.ep._fetch_replicas(self.h, [self.home.detach()], [self.buffer], in_backward=in_backward,
+                                    names=[self.key[0]])
         return self.buffer
 
     def reduce(self, home_grad: torch.Tensor, replica_grad: torch.Tensor) -> torch.Tensor:

@@ -11,15 +11,20 @@ not the norm of the sum). Dispatching ``z`` rather than ``x`` halves the bytes o
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 from torch import nn
 
 from ..balance import QuantileBalancer, normalise_topk
-from ..errors import expect, expect_device, expect_tensor, fail
+from ..errors import RefusedEverywhere, expect, expect_device, expect_tensor, fail
 from ..experts import ReplicaPool, default_pool, expert_matmul
 from ..eager_math import autocast_on, keep_eager
 from .activations import situ_glu_fused
 from ..training.sharding import shard_experts_param
 from .parallel import EPProvider, ShardedExperts, home_range, resolve_group
+
+# (torch.utils.checkpoint, use_reentrant=False, stops a recomputed forward by raising this once it has what the
+# backward needs)
+_STOP_RECOMPUTATION = getattr(torch.utils.checkpoint, "_StopRecomputationError", ())
 
 _FLOAT = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -297,9 +302,16 @@ class LatentMoE(nn.Module):
             x = x.reshape(-1, self.d_model)
             x_r, x_d, x_s = self._inputs(x)
             idx, w, pending = self._select(x_r)
-        except ValueError as exc:
-            self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", str(exc))
-            raise  # refuse() raised already; this is not reached
+        except Exception as exc:  # noqa: BLE001 - whatever stops this rank here stops every rank's call
+            if isinstance(exc, _STOP_RECOMPUTATION):
+                raise  # activation checkpointing's early stop: every rank stops at the same op, nothing refused
+            why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+            try:
+                self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", why)
+            except RefusedEverywhere:
+                if isinstance(exc, ValueError):
+                    raise
+            raise  # not a bad argument (the peers raised ValueError naming it): the error itself, here
         z = _project(self.down, x_d)  # [s, l], in dt
         ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, dev)
         u, self.last_stats = self.experts(ep, z, idx, w, self.replica_pool, self.matmul)      # [s, l]

@@ -382,6 +382,12 @@ def case_local_check_fails_on_one_rank_dispatch(rt):
         idx = torch.zeros(s, K + 1, dtype=torch.int64, device=env.dev) if rt.rank == bad else env.idx
         secs.append(one_rank_fails(env, lambda: env.ep.dispatch(env.x, idx, env.w), bad,
                                    f"topk_idx: expected shape [{sb}, {K}], got [{sb}, {K + 1}]", "topk_idx shape"))
+        # a sparse x passed every check of its own and failed inside the exchange on that rank alone (its
+        # peers waited out the timeout, and the instance refused every later call)
+        bad = R - 1
+        x = env.x.to_sparse() if rt.rank == bad else env.x
+        secs.append(one_rank_fails(env, lambda: env.ep.dispatch(x, env.idx, env.w), bad,
+                                   "x: expected a dense (strided) tensor, got a torch.sparse_coo tensor", "sparse x"))
         env.valid_step("a failed local check in dispatch")
         _timing(rt, "local_check_fails_on_one_rank_dispatch", env.transport, secs)
 
@@ -490,9 +496,9 @@ def case_bad_routing_values_on_one_rank(rt):
 
 # -- LatentMoE ---------------------------------------------------------------------------------------
 def case_latent_moe_bad_x_on_one_rank(rt):
-    """LatentMoE with x of the wrong width, then the wrong dtype, on one rank: every rank raises at that
-    forward (was: the peers completed silently, paired with the bad rank's next call); the next forward of
-    the same input equals the one before, bitwise, and the dense float64 model."""
+    """LatentMoE with x of the wrong width, the wrong dtype, a sparse x, then an error in the router, on one
+    rank: every rank raises at that forward (was: the peers completed silently, paired with the bad rank's next
+    call); the next forward of the same input equals the one before, bitwise, and the dense float64 model."""
     R = rt.world_size
     for env in _envs(rt):
         torch.manual_seed(0)
@@ -512,6 +518,25 @@ def case_latent_moe_bad_x_on_one_rank(rt):
         secs.append(one_rank_fails(env, lambda: m(xb), bad,
                                    f"x: expected dtype {env.dt} (the layer's parameters), got {env.other}",
                                    "LatentMoE x dtype"))
+        bad = R - 1
+        xb = x.to_sparse() if rt.rank == bad else x
+        secs.append(one_rank_fails(env, lambda: m(xb), bad,
+                                   "x: expected a dense (strided) tensor, got a torch.sparse_coo tensor",
+                                   "LatentMoE sparse x"))
+        # any other error on one rank before the exchange (here the router's): that rank raises it, the others
+        # a ValueError naming it (was: it left the peers' forward paired with its next call)
+        bad = 0
+        router = m._select
+        if rt.rank == bad:
+            m._select = lambda x_r: (_ for _ in ()).throw(RuntimeError("out of memory, say"))
+        msg, other, t = _outcome(lambda: m(x))
+        m._select = router
+        got = _gather(rt, (msg, other, t))
+        for r, (msg, other, t) in enumerate(got):
+            want = (None, "RuntimeError: out of memory, say") if r == bad else \
+                (f"RuntimeError: out of memory, say (on rank {bad})", None)
+            assert (msg, other) == want and t < BOUND, f"router error on rank {bad}: rank {r} got {(msg, other, t)}"
+        secs.append(max(t for *_, t in got))
         # a forward refused on every rank leaves every rank's balancer as it was (nothing recorded)
         after = [t.clone() for t in (qb.bias, qb.num_steps, qb._counts, qb._lo, qb._width)], qb._recording
         assert after[1] == before[1] and all(torch.equal(a, b) for a, b in zip(after[0], before[0])), \

@@ -93,6 +93,42 @@ def case_expert_matmul_vs_dense(rt):
         _two_projections(rt, "hot", dtype, False, ReplicaPool(buffers=2, overlap=False))
 
 
+def case_micro_batches_fetched_before_either_gemm(rt):
+    """Two micro-batches fetch into one pool buffer before either's GEMM (fetch A, fetch B, GEMM A, GEMM B): A's
+    replicas were overwritten by B's, so A's GEMM fetches them again.  Both outputs and the home weights'
+    gradient match the dense float64 loop: on buffers=1 and 2, with the fetch made at once and asynchronously."""
+    R, E, K, H, S = rt.world_size, 4 * rt.world_size, 1, 16, 10
+    dev, dtype, epn = rt.device, DTYPES[0], E // R
+    home = slice(rt.rank * epn, (rt.rank + 1) * epn)
+    W = torch.randn(E, H, H, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    hot = (0, E - 1)  # A: every token to rank 0's first expert, B: to the last rank's last (replicas of each)
+    data = []  # per rank: (xs, gys) of both micro-batches, so that every rank can build the dense gradient
+    for r in range(R):
+        g = torch.Generator().manual_seed(50 + r)
+        data.append(([torch.randn(S, H, generator=g, dtype=torch.float64) for _ in hot],
+                     [torch.randn(S, H, generator=g, dtype=torch.float64) for _ in hot]))
+    grad = torch.zeros_like(W)
+    for xs, gys in data:
+        for e, x, gy in zip(hot, xs, gys):
+            grad[e] += x.t() @ gy
+    xs, gys = data[rt.rank]
+    for buffers in (1, 2):
+        for async_op in (None, True):
+            ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
+            pool, w = ReplicaPool(buffers=buffers), W[home].to(dev, dtype).requires_grad_()
+            hs = [ep.dispatch(x.to(dev, dtype), torch.full((S, K), e, device=dev),
+                              torch.ones(S, K, device=dev, dtype=torch.float32)) for e, x in zip(hot, xs)]
+            if R > 1:
+                assert all(int(h.plan.num_replicas().max()) > 0 for h in hs), "no replica placed"
+            reps = [pool.fetch(ep, h, w, "w", async_op=async_op) for h in hs]
+            ys = [ep.combine(expert_matmul(h.tokens, h.cu_seqlens, w, r), h) for h, r in zip(hs, reps)]
+            sum((y * gy.to(dev, dtype)).sum() for y, gy in zip(ys, gys)).backward()
+            for name, y, x, e in zip("AB", ys, xs, hot):
+                _close(f"y {name} (buffers={buffers}, async_op={async_op})", y, x @ W[e], dtype)
+            _close(f"grad w (buffers={buffers}, async_op={async_op})", w.grad, grad[home], dtype)
+            ep.close()
+
+
 class _HomeAccess(TorchDispatchMode):
     """Records every op that reads or writes the storage of ``home`` and the size of what it makes."""
 

@@ -277,6 +277,26 @@ def test_fuzz_dispatch_combine(rt, s, dtype, device, transpose, corrupt, seed):
     raises_named(lambda: ep.reduce_grad(None, gv), "h")
 
 
+def test_dispatch_and_combine_refuse_sparse_tensors_and_sequences_by_name(rt):
+    """A sparse tensor (every op reads strides) and a list or tuple of rows (not a pre-quantised pair) are
+    refused, naming the argument and what came; the next valid call works."""
+    ep = moonep.ExpertParallel(rt, **CTOR)
+    x, idx, w = torch.randn(3, 8), torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    cases = [((x.to_sparse(), idx, w), "x", "got a torch.sparse_coo tensor"),
+             ((x, idx.to_sparse(), w), "topk_idx", "got a torch.sparse_coo tensor"),
+             ((x, idx, w.to_sparse()), "topk_weights", "got a torch.sparse_coo tensor"),
+             ((list(x), idx, w), "x", "got a list of 3 items"),
+             ((tuple(x[:2]), idx[:2], w[:2]), "x", "dispatch_dtype=torch.float8_e4m3fn), got a pair of tensors")]
+    for args, name, got in cases:
+        with pytest.raises(ValueError) as e:
+            ep.dispatch(*args)
+        assert str(e.value).startswith(f"{name}: expected ") and str(e.value).endswith(got), str(e.value)
+    h = ep.dispatch(x, idx, w)
+    with pytest.raises(ValueError, match="^expert_out: expected a dense"):
+        ep.combine(h.tokens.to_sparse(), h)
+    torch.testing.assert_close(ep.combine(h.tokens, h), _ref_combine(x, idx, w).float())
+
+
 # ------------------------------------------------------------------------------------------ QuantileBalancer
 @SET
 @given(st.integers(0, 9), st.sampled_from(FLOAT_DT + [torch.int64]), DEVICES, st.booleans(),
