@@ -38,12 +38,12 @@ _CODE = {name: i + 1 for i, name in enumerate(OPS)}
 # The other host collectives on a gloo group start with a header of the same size (moonep.transport.
 # host_group): [MAGIC, instance, code, seq, 0, payload...], so ranks in different calls see it by content.
 (BUILD, GATHER, SIZING, BALANCER, AGREEMENT, SEED, BARRIER, CHECK_STATE, SYNC_GRADS, GRAD_NORM,
- GATHER_STATE) = range(len(OPS) + 1, len(OPS) + 12)
+ GATHER_STATE, GENERATE_END) = range(len(OPS) + 1, len(OPS) + 13)
 _OTHER = {BUILD: "ExpertParallel construction", GATHER: "all_gather_object", SIZING: "EPProvider sizing",
           BALANCER: "QuantileBalancer.step", AGREEMENT: "agreement", SEED: "seed broadcast", BARRIER: "barrier",
           CHECK_STATE: "the replicated-state check (moonep.training.prepare, patch_hf_moe, patch_generic)",
           SYNC_GRADS: "moonep.training.sync_grads", GRAD_NORM: "moonep.training.clip_grad_norm_",
-          GATHER_STATE: "moonep.training.full_state_dict"}
+          GATHER_STATE: "moonep.training.full_state_dict", GENERATE_END: "the end of generate()"}
 SIG_WORDS = 8  # the call's signature: what must agree across ranks (dtypes, shapes, step, autograd pattern)
 HEADER_WORDS = 5 + SIG_WORDS  # magic, instance, op, seq, refused, signature
 

@@ -28,6 +28,7 @@ import types
 from torch import nn
 
 from ..errors import MoonepError
+from ..guard import GENERATE_END
 from ..layers.parallel import EPProvider, home_range, resolve_group
 from ..training.params import check_replicated, mark_for_ddp
 from ..training.sharding import shard_experts_param
@@ -104,6 +105,11 @@ def _generate(self, *args, **kwargs):
     telling to pass ``synced_gpus=True`` (finished ranks then keep joining the forwards)."""
     try:
         out = type(self).generate(self, *args, **kwargs)
+        rt = self.moonep_providers[0].rt if self.moonep_providers else None
+        if rt is not None and rt.world_size > 1 and any(p.max_tokens is None for p in self.moonep_providers):
+            # a rank still decoding makes its next call on the host group (its buffers' sizing), which the
+            # instances' transport may not be (MPI): meet it there first, or both would wait out the timeout
+            rt.host.agree(GENERATE_END, what="generate() end")
         for provider in self.moonep_providers:
             for ep in list(provider._cache.values()):
                 ep.sync()

@@ -3,6 +3,7 @@ same tool (DDP, accumulation, FSDP2, clipping, checkpoints, autocast), on every 
 import contextlib
 import sys
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -500,17 +501,23 @@ def case_generate_ranks_that_stop_apart_raise_together(rt):
     ids = batch(5, rt.rank, device=rt.device)[:1]
     steps = 2 + 2 * (rt.rank % 2)  # odd ranks decode longer
     kw = dict(max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
-    # fixed buffers (the next call is a dispatch), and buffers sized per call on the torch transport (the next
-    # call is the sizing collective, on the same gloo group as the headers: seen at once too)
+    # fixed buffers (the next call is a dispatch), buffers sized per call on the torch transport (the next
+    # call is the sizing collective, on the same gloo group as the headers: seen at once too), and the default:
+    # buffers sized per call, the instances on the launcher's transport (MPI under mpiexec) while the sizing
+    # runs on the gloo group (was: both ranks waited out the timeout, and the group was left unusable)
     for mine in (patched("mixtral", rt).eval(),
-                 patch_hf_moe(unpatched("mixtral", device=rt.device), rt, transport="torch").eval()):
+                 patch_hf_moe(unpatched("mixtral", device=rt.device), rt, transport="torch").eval(),
+                 patch_hf_moe(unpatched("mixtral", device=rt.device), rt).eval()):
         with torch.no_grad():
+            t0 = time.perf_counter()
             try:
                 mine.generate(ids, **kw)
             except moonep.MoonepError as e:
                 msg = str(e)
                 assert "left the collective at different steps" in msg and "synced_gpus=True" in msg, msg
-                assert "sync #" in msg and ("dispatch #" in msg or "sizing" in msg), msg
+                assert "sync #" in msg or "the end of generate()" in msg, msg
+                assert "dispatch #" in msg or "sizing" in msg, msg
+                assert time.perf_counter() - t0 < 10, f"raised after {time.perf_counter() - t0:.1f}s, not at once"
             else:
                 raise AssertionError("generate() returned although the ranks stopped at different steps")
             out = mine.generate(ids, synced_gpus=True, **kw)
