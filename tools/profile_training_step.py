@@ -32,6 +32,7 @@ import moonep
 from moonep.bench.baselines import MegatronA2A
 from moonep.bench.provenance import command, git_commit, machine
 from moonep.bench.routing import make_routing
+from moonep.bench.suite import gather
 from moonep.bench.training_step import (TrainingLayer, differentiable, megatron_train_step, moonep_train_step,
                                         torch_all_to_all)
 
@@ -113,8 +114,7 @@ def main(argv=None) -> int:
                        per_step_ms=breakdown(profs[name], a.steps, name)) for name in paths}
     ratio = statistics.median(b / m for m, b in zip(times["moonep"], times["megatron"]))
     mine["megatron_over_moonep_median"] = round(ratio, 3)
-    every = [None] * R
-    torch.distributed.all_gather_object(every, mine, group=rt.cpu_group)
+    every = gather(rt, mine)
     if rank == 0:
         doc = dict(command=command(launcher=f"mpiexec -n {R}"), git_commit=git_commit(), machine=machine(),
                    config=dict(tokens=s, hidden=H, experts=E, topk=K, ffn=a.ffn, maxvio=a.maxvio, steps=a.steps,

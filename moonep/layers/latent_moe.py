@@ -10,6 +10,8 @@ not the norm of the sum). Dispatching ``z`` rather than ``x`` halves the bytes o
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils.checkpoint  # noqa: F401  (its early-stop exception, below)
 from torch import nn
@@ -305,13 +307,12 @@ class LatentMoE(nn.Module):
         except Exception as exc:  # noqa: BLE001 - whatever stops this rank here stops every rank's call
             if isinstance(exc, _STOP_RECOMPUTATION):
                 raise  # activation checkpointing's early stop: every rank stops at the same op, nothing refused
-            why = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
-            try:
-                self._ep.get(0, self.topk, self.d_latent, dt, dev).refuse("dispatch", why)
-            except RefusedEverywhere:
-                if isinstance(exc, ValueError):
-                    raise
-            raise  # not a bad argument (the peers raised ValueError naming it): the error itself, here
+            ep = self._ep.get(0, self.topk, self.d_latent, dt, dev)
+            if isinstance(exc, ValueError):  # a bad argument: refused on every rank (refuse raises here too)
+                ep.refuse("dispatch", str(exc))
+            with contextlib.suppress(RefusedEverywhere):  # the peers raise ValueError naming it
+                ep.refuse("dispatch", f"{type(exc).__name__}: {exc}")
+            raise  # here, the error itself
         z = _project(self.down, x_d)  # [s, l], in dt
         ep = self._ep.get(x.shape[0], self.topk, self.d_latent, dt, dev)
         u, self.last_stats = self.experts(ep, z, idx, w, self.replica_pool, self.matmul)      # [s, l]
