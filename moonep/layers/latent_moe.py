@@ -309,7 +309,11 @@ class LatentMoE(nn.Module):
                 raise  # activation checkpointing's early stop: every rank stops at the same op, nothing refused
             ep = self._ep.get(0, self.topk, self.d_latent, dt, dev)
             if isinstance(exc, ValueError):  # a bad argument: refused on every rank (refuse raises here too)
-                ep.refuse("dispatch", str(exc))
+                msg = str(exc)
+                if msg.startswith("scores:"):  # the router's scores of x: named for the argument the user gave
+                    msg = ("x: expected tokens with valid router scores (a NaN in x or in router.weight makes "
+                           f"them NaN); {msg}")
+                ep.refuse("dispatch", msg)
             with contextlib.suppress(RefusedEverywhere):  # the peers raise ValueError naming it
                 ep.refuse("dispatch", f"{type(exc).__name__}: {exc}")
             raise  # here, the error itself
