@@ -385,6 +385,13 @@ class ExpertParallel:
         return (" on a new process group (moonep.init(group=dist.new_group(...)))"
                 if self._backend.name == "torch" else "")
 
+    def check_live_rows(self, h: Dispatched, rows: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` when ``rows`` is a zero-copy view of ``h``'s received rows that a
+        later dispatch has overwritten (NVLink, ``zero_copy``): read, they would be another step's rows.  Every
+        rank makes the same dispatches, so every rank raises alike."""
+        if self._backend.in_recv(rows):  # (one pointer compare on the common path: rows of their own)
+            self._backend.check_live(rows, self._step_of(h).routing, name)
+
     def queued_on(self, stream) -> None:
         """This instance's last collective was launched on ``stream`` (not the current one): the next
         collective's kernels, of any instance on this device, wait for it (:class:`moonep.work.Chain`: two

@@ -324,6 +324,7 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
 def _pool_matmul_eager(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas):
     """``moonep::expert_matmul`` over an eager pool's slots (the current stream waits for their fetch); the op's
     autograd finds the :class:`Replicas` by id, and its backward asks the pool for them again."""
+    replicas.ep.check_live_rows(replicas.h, a, "a")  # (a zero-copy h.tokens that a later dispatch overwrote)
     ids = (replicas_id(replicas), -1 if bias is None else replicas_id(bias_replicas))
     return call_expert_matmul(replicas.h, a, home_weight, replicas.weights(), transpose, impl, bias,
                               None if bias is None else bias_replicas.weights(), cu_seqlens, ids)
@@ -486,6 +487,9 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
     replicas = {n: _eager_replicas(_ready(r)) if isinstance(r, Fetched) else r for n, r in replicas.items()}
     names = list(replicas)
     epn = len(experts)
+    if names:  # (a zero-copy h.tokens that a later dispatch overwrote)
+        first = replicas[names[0]]
+        first.ep.check_live_rows(first.h, rows, "rows")
     params = [dict(m.named_parameters())[n] for n in names for m in experts]
     if not (torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params))):
         reps = {n: replicas[n].weights() for n in names}

@@ -74,6 +74,14 @@ class Backend:
         """Raise ``ValueError`` if ``rows`` cannot be combined for step ``st`` (checked before the call's
         header, so every rank refuses together)."""
 
+    def in_recv(self, rows) -> bool:
+        """Whether ``rows`` is a view of a receive buffer that the next dispatch reuses (zero-copy backends)."""
+        return False
+
+    def check_live(self, rows, st, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` if ``rows`` (:meth:`in_recv`) holds step ``st``'s received rows
+        no longer: a later dispatch has overwritten them."""
+
     def dispatch_backward(self, g_tokens, g_weights, st, want_x: bool, want_w: bool, x_dtype, w_dtype):
         """Backward of dispatch: ``(gx [s, H] or None, gw [s, K] or None)`` from the rows' gradients."""
         raise NotImplementedError

@@ -599,11 +599,18 @@ class NVLinkBackend(Backend):
         # the kernels move rows of the buffers' width: another width would be read past or short
         if rows.shape[1] != self.H:  # (the message only on failure)
             fail("expert_out", f"shape [cap, hidden={self.H}] on the NVLink transport", list(rows.shape))
+        if self.in_recv(rows):
+            self.check_live(rows, st, "expert_out")
+
+    def in_recv(self, rows) -> bool:
         base = self.recv.data_ptr()
-        in_recv = base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
-        expect(not (in_recv and st.generation != self.generation), "expert_out",
-               "not a view of a receive buffer that a later dispatch has overwritten (zero-copy views are valid "
-               "until the next dispatch)", f"output of dispatch #{st.generation}, buffer now holds #{self.generation}")
+        return base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
+
+    def check_live(self, rows, st, name: str) -> None:
+        if st.generation != self.generation:
+            fail(name, "not a view of a receive buffer that a later dispatch has overwritten (zero-copy views are "
+                 "valid until the next dispatch; zero_copy=False copies them)",
+                 f"rows of dispatch #{st.generation}, buffer now holds #{self.generation}")
 
     def combine(self, rows, weights, st, out_dtype):
         w32 = weights.to(torch.float32).contiguous() if weights is not None else None

@@ -116,7 +116,8 @@ def case_micro_batches_fetched_before_either_gemm(rt):
         for async_op in (None, True):
             ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
             pool, w = ReplicaPool(buffers=buffers), W[home].to(dev, dtype).requires_grad_()
-            hs = [ep.dispatch(x.to(dev, dtype), torch.full((S, K), e, device=dev),
+            # (x requires grad, as in training: the NVLink dispatch copies the rows, which outlive the next one)
+            hs = [ep.dispatch(x.to(dev, dtype).requires_grad_(), torch.full((S, K), e, device=dev),
                               torch.ones(S, K, device=dev, dtype=torch.float32)) for e, x in zip(hot, xs)]
             if R > 1:
                 assert all(int(h.plan.num_replicas().max()) > 0 for h in hs), "no replica placed"
@@ -127,6 +128,51 @@ def case_micro_batches_fetched_before_either_gemm(rt):
                 _close(f"y {name} (buffers={buffers}, async_op={async_op})", y, x @ W[e], dtype)
             _close(f"grad w (buffers={buffers}, async_op={async_op})", w.grad, grad[home], dtype)
             ep.close()
+
+
+def case_rows_overwritten_by_a_later_dispatch_refused(rt):
+    """NVLink zero-copy rows (no autograd, zero_copy="auto") are views of the receive buffer, valid until the
+    next dispatch: expert_matmul and module_slots on an older dispatch's rows raise ValueError naming them on
+    every rank, instead of multiplying the later dispatch's rows; the next valid call is right."""
+    R, E, K, H, S = rt.world_size, 2 * rt.world_size, 1, 16, 8
+    dev, dtype, epn = rt.device, DTYPES[0], E // R
+    ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
+    if ep.transport_name != "nvlink":
+        ep.close()
+        return  # the host transports' rows are tensors of their own
+    W = torch.randn(E, H, H, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    w, pool = W[rt.rank * epn:(rt.rank + 1) * epn].to(dev, dtype), ReplicaPool()
+    xs = [torch.randn(S, H, generator=torch.Generator().manual_seed(60 + rt.rank + 7 * i), dtype=torch.float64)
+          for i in range(2)]
+    with torch.no_grad():
+        hs = [ep.dispatch(x.to(dev, dtype), torch.full((S, K), e, device=dev),
+                          torch.ones(S, K, device=dev, dtype=torch.float32)) for e, x in zip((0, E - 1), xs)]
+        rep = pool.fetch(ep, hs[0], w, "w")
+        try:
+            expert_matmul(hs[0].tokens, hs[0].cu_seqlens, w, rep)
+        except ValueError as exc:
+            assert str(exc).startswith("a: expected not a view of a receive buffer"), exc
+        else:
+            raise AssertionError("expert_matmul read rows that a later dispatch overwrote")
+        lin = torch.nn.Linear(H, H, bias=False, device=dev, dtype=dtype)
+        experts = [torch.nn.Linear(H, H, bias=False, device=dev, dtype=dtype) for _ in range(epn)]
+        home = torch.stack([m.weight for m in experts])
+        reps = {"weight": pool.fetch(ep, hs[0], home, "weight")}
+        try:
+            moonep.module_slots(lin, hs[0].tokens, hs[0].cu_seqlens, experts, reps, H)
+        except ValueError as exc:
+            assert str(exc).startswith("rows: expected not a view"), exc
+        else:
+            raise AssertionError("module_slots read rows that a later dispatch overwrote")
+        try:
+            ep.combine(hs[0].tokens, hs[0])
+        except ValueError as exc:
+            assert str(exc).startswith("expert_out: expected not a view"), exc
+        else:
+            raise AssertionError("combine read rows that a later dispatch overwrote")
+        y = ep.combine(expert_matmul(hs[1].tokens, hs[1].cu_seqlens, w, pool.fetch(ep, hs[1], w, "w")), hs[1])
+    _close("y of the live dispatch", y, xs[1] @ W[E - 1], dtype)
+    ep.close()
 
 
 class _HomeAccess(TorchDispatchMode):
