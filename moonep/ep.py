@@ -389,6 +389,8 @@ class ExpertParallel:
         """Raise ``ValueError`` naming ``name`` when ``rows`` is a zero-copy view of ``h``'s received rows that a
         later dispatch has overwritten (NVLink, ``zero_copy``): read, they would be another step's rows.  Every
         rank makes the same dispatches, so every rank raises alike."""
+        if torch.compiler.is_compiling():  # (compiled dispatches copy their rows; no data_ptr in traced code)
+            return
         if self._backend.in_recv(rows):  # (one pointer compare on the common path: rows of their own)
             self._backend.check_live(rows, self._step_of(h).routing, name)
 
