@@ -222,8 +222,8 @@ class ExpertParallel:
             process, no group).  ``"auto"`` picks NVLink on CUDA when every rank is on one node and the GPUs
             reach each other, else MPI for CPU tensors under mpirun, else torch.distributed.
         zero_copy: NVLink only: ``True`` returns ``h.tokens``/``h.weights`` as views of the receive buffer
-            (valid until the next dispatch), ``False`` copies; ``"auto"`` copies only when autograd records
-            the dispatch.  Results are bitwise identical.
+            (valid until the next dispatch), ``False`` copies; ``"auto"`` returns views only outside grad mode
+            (inference), where no backward reads the rows later.  Results are bitwise identical.
         timeout: seconds a collective waits for a peer before :class:`moonep.MoonepError` is raised, on the
             MPI transport and in the NVLink kernels (default: the runtime's timeout, ``MOONEP_TIMEOUT`` or
             60; ``MOONEP_NVLINK_TIMEOUT`` for NVLink).  The ``"torch"`` transport uses its process group's
@@ -530,6 +530,8 @@ class ExpertParallel:
         else:  # a compiled graph passes tensors of its own: the shape combine reads
             expect_tensor(weights, "h.weights", dim=1, dtypes=_FLOAT, device=self.device, shape=(self.capacity,))
         self._backend.check_rows(expert_out, step.routing)
+        if weights is not None and self._backend.in_recv(weights):  # h.weights, a zero-copy view
+            self._backend.check_live(weights, step.routing, "h.weights")
 
     def _routing_error(self, x, topk_idx, topk_weights):
         """The first failed shape/dtype/device check of dispatch's arguments, or ``None``.  (The backend
@@ -601,9 +603,12 @@ class ExpertParallel:
             self.refuse("dispatch", err)
         op = torch.ops.moonep.dispatch_async if traced_async else torch.ops.moonep.dispatch
         ngt = -1 if num_global_tokens is None else int(num_global_tokens)
+        # grad mode on: an expert's weight gradient may keep the rows for a backward that runs after later
+        # dispatches, even when autograd records no dispatch (frozen inputs): rows of their own (bit 2)
+        keep = 4 if not graph and torch.is_grad_enabled() else 0
         out = op_state.call(
             op.default, xs, topk_idx, topk_weights, x_scales, ngt, self.op_id, self.capacity, self.num_experts,
-            self.world_size, self._backend.token_state_words, self.fp8, self.dtype, graph, 0)
+            self.world_size, self._backend.token_state_words, self.fp8, self.dtype, graph, keep)
         if traced_async:
             return CompiledWork("dispatch", list(out[:-1]), out[-1], self.op_id,
                                 lambda outs: self._dispatched(outs, xs.shape[0]), given)
@@ -620,8 +625,9 @@ class ExpertParallel:
     def _dispatch_body(self, x, topk_idx, topk_weights, x_scales, ngt: int, tracked: int, graph: bool):
         """The body of ``moonep::dispatch``: check, agree with the peers, plan, move the rows.
 
-        ``tracked``: bit 0 (1), autograd records the dispatch for ``x``; bit 1 (2), for ``topk_weights``
-        (the backward collectives that will run: every rank must agree).  ``graph``: under ``torch.compile``,
+        ``tracked``: bit 0 (1), autograd records the dispatch for ``x``; bit 1 (2), for ``topk_weights`` (the
+        backward collectives that will run: every rank must agree); bit 2 (4), grad mode was on at the call (the
+        rows are copies whenever a bit is set).  ``graph``: under ``torch.compile``,
         rows of their own (a compiled graph keeps them past the next dispatch).  Returns ``(step, tokens,
         weights, scales, grad_rows)``; ``scales`` for fp8 dispatch, ``grad_rows`` when it is also tracked."""
         pre, total = x_scales is not None, None if ngt == -1 else ngt  # (-1: not given)
@@ -675,7 +681,7 @@ class ExpertParallel:
         step = self._plan(xs, topk_idx, topk_weights, num_global_tokens)
         rows, weights = backend.dispatch(wire, topk_weights, step.routing, tracked != 0)
         q, scales = fp8.split_wire(rows, self.hidden)
-        anchor = fp8.grad_anchor(rows.shape[0], self.hidden, self.dtype, rows.device) if tracked else None
+        anchor = fp8.grad_anchor(rows.shape[0], self.hidden, self.dtype, rows.device) if tracked & 3 else None
         return step, q, weights, scales, anchor
 
     def _launch(self, op: str, async_op, previous_event, call, inputs, backward: bool = False):

@@ -311,6 +311,9 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
         expect(isinstance(bias_replicas, kind) and bias_replicas.home is bias and bias_replicas.h is replicas.h,
                "bias_replicas", "what ReplicaPool.fetch returned for this bias in the same step",
                type(bias_replicas).__name__)
+    if not torch.compiler.is_compiling():  # (compiled dispatches copy their rows)
+        # a zero-copy h.tokens that a later dispatch overwrote (the rows themselves: fp8 ones are dequantised next)
+        (instance(replicas.h.op_id) if kept else replicas.ep).check_live_rows(replicas.h, _rows_of(a), "a")
     a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
     if kept:
         replicas, bias_replicas = _ready(replicas), bias_replicas if bias is None else _ready(bias_replicas)
@@ -321,10 +324,14 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     return matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas)
 
 
+def _rows_of(a):
+    """The received rows behind ``a``: a tensor, or fp8 dispatch's ``h`` or ``(h.tokens, h.scales)``."""
+    return a.tokens if isinstance(a, Dispatched) else a[0] if isinstance(a, (tuple, list)) else a
+
+
 def _pool_matmul_eager(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas):
     """``moonep::expert_matmul`` over an eager pool's slots (the current stream waits for their fetch); the op's
     autograd finds the :class:`Replicas` by id, and its backward asks the pool for them again."""
-    replicas.ep.check_live_rows(replicas.h, a, "a")  # (a zero-copy h.tokens that a later dispatch overwrote)
     ids = (replicas_id(replicas), -1 if bias is None else replicas_id(bias_replicas))
     return call_expert_matmul(replicas.h, a, home_weight, replicas.weights(), transpose, impl, bias,
                               None if bias is None else bias_replicas.weights(), cu_seqlens, ids)
@@ -489,7 +496,7 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
     epn = len(experts)
     if names:  # (a zero-copy h.tokens that a later dispatch overwrote)
         first = replicas[names[0]]
-        first.ep.check_live_rows(first.h, rows, "rows")
+        first.ep.check_live_rows(first.h, _rows_of(rows), "rows")
     params = [dict(m.named_parameters())[n] for n in names for m in experts]
     if not (torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params))):
         reps = {n: replicas[n].weights() for n in names}

@@ -260,7 +260,7 @@ def _dispatch_fake(x, topk_idx, topk_weights, x_scales, num_global_tokens, op_id
         tokens, scales = x.new_empty(cap, H, dtype=torch.float8_e4m3fn), x.new_empty(cap, H // 128, dtype=torch.float32)
     else:
         tokens, scales = x.new_empty(cap, H), x.new_empty(0, dtype=torch.float32)
-    anchor = grad_anchor(cap, H, dtype, x.device) if fp8 and tracked else x.new_empty(0)
+    anchor = grad_anchor(cap, H, dtype, x.device) if fp8 and tracked & 3 else x.new_empty(0)
     return (tokens, topk_weights.new_empty(cap), x.new_empty(2 * epn + 1, dtype=torch.int32),
             x.new_empty(2 * epn, **i64), x.new_empty(E, R, **i64), x.new_empty(R, epn, **i64), x.new_empty(R, **i64),
             token, scales, anchor)
@@ -281,7 +281,8 @@ dequantised rows' gradient comes back; else ``[0]``).  ``x_scales``: ``x`` is a 
 ``num_global_tokens``: -1, or the sum of ``s`` over ranks (checked).  ``capacity``, ``num_experts``,
 ``world_size``, ``state_words`` (``Backend.token_state_words``), ``fp8``, ``dtype`` (the token dtype): the
 instance's (checked), so that the fake implementation needs no lookup.  ``graph``: called from a compiled graph (outputs of their own).
-``tracked``: set by the op's autograd (see :func:`_autograd`); callers pass 0."""
+``tracked``: bits 0 and 1 set by the op's autograd (see :func:`_autograd`); callers pass 4 when grad mode is on
+(a backward may keep the rows though autograd records no dispatch: the rows are copies), else 0."""
 
 
 def _dispatch_setup(ctx, inputs, output):
@@ -631,6 +632,8 @@ def expert_matmul(h: Dispatched, a: Tensor, home_weight: Tensor, replicas: Tenso
         and ``bias`` (the replica rows' gradients are added at home: collective in the backward).
     """
     experts.check_matmul_args(home_weight, transpose, impl, bias, bias_replicas)
+    if not torch.compiler.is_compiling():  # (compiled dispatches copy their rows)
+        op_state.instance(h.op_id).check_live_rows(h, a, "a")  # a zero-copy h.tokens a later dispatch overwrote
     return call_expert_matmul(h, a, home_weight, replicas, transpose, impl, bias, bias_replicas)
 
 

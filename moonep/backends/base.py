@@ -75,7 +75,8 @@ class Backend:
         header, so every rank refuses together)."""
 
     def in_recv(self, rows) -> bool:
-        """Whether ``rows`` is a view of a receive buffer that the next dispatch reuses (zero-copy backends)."""
+        """Whether ``rows`` (dispatch's rows or weights) is a view of a receive buffer that the next dispatch
+        reuses (zero-copy backends)."""
         return False
 
     def check_live(self, rows, st, name: str) -> None:

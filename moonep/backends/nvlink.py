@@ -70,8 +70,8 @@ Errors are reported *lazily*, without a host sync:
 Zero-copy: with ``zero_copy=True`` ``h.tokens``/``h.weights`` are views of this rank's receive buffers.
 The expert may write its output into ``h.tokens`` in place, and combine reads it there.  The views are
 valid until the next ``dispatch`` of the same ``ExpertParallel``.  With ``zero_copy="auto"`` (default)
-views are returned unless autograd records the dispatch (training keeps its own copies, so that several
-layers may share one ``ExpertParallel``).  Both modes give bitwise identical results.
+views are returned outside grad mode only (training keeps its own copies, so that several layers may share
+one ``ExpertParallel`` and a backward reads its rows after later dispatches).  Both modes give bitwise identical results.
 """
 from __future__ import annotations
 
@@ -241,6 +241,8 @@ class NVLinkBackend(Backend):
         self._xflag = torch.zeros(1, dtype=torch.int32, device=self.device)  # unfused route: a pair's non-finite bit
         self._xrep = torch.zeros(1, dtype=torch.int64, device=self.device)   # fp8: last data epoch of a recorded bad x
         self.wbuf = self.main.view(self.off["w"], (self.cap,), torch.float32)
+        # the addresses of zero-copy outputs (rows, fp8 wire rows, weights): [recv, end of wbuf)
+        self._views = (self.recv.data_ptr(), self.wbuf.data_ptr() + self.cap * 4)
         self.grad = None       # SymmetricBuffer for the backward of combine (dispatch of dy), lazy
         self._grad_views = {}
         self.pool = None       # SymmetricBuffer for replica weights / gradients, lazy
@@ -380,6 +382,7 @@ class NVLinkBackend(Backend):
         if self.board is not None:
             self.board.close()
         self.recv = self.wbuf = self.recv_wire = None
+        self._views = (0, 0)  # (freed memory: no tensor is a view of it any more)
 
     # -- plan ------------------------------------------------------------------------------------------
     def plan_step(self, x, topk_idx, topk_weights, num_global_tokens=None):
@@ -450,7 +453,8 @@ class NVLinkBackend(Backend):
         return st.cu, layout.slot_experts(plan, self.rank)
 
     def dispatch(self, x, topk_weights, st, tracked):
-        # zero_copy "auto": views of the receive buffer unless autograd keeps the rows for the backward
+        # zero_copy "auto": views of the receive buffer unless a backward may read the rows (``tracked``: autograd
+        # records the dispatch, or grad mode was on at the call)
         zero_copy = (not tracked) if self.zero_copy == "auto" else bool(self.zero_copy)
         w32 = st.w32 if st.w32 is not None else topk_weights.to(torch.float32).contiguous()
         tokens, weights = self._dispatch_rows(x, w32, st, zero_copy)
@@ -603,13 +607,12 @@ class NVLinkBackend(Backend):
             self.check_live(rows, st, "expert_out")
 
     def in_recv(self, rows) -> bool:
-        base = self.recv.data_ptr()
-        return base <= rows.data_ptr() < base + self.recv.numel() * self.recv.element_size()
+        return self._views[0] <= rows.data_ptr() < self._views[1]
 
     def check_live(self, rows, st, name: str) -> None:
         if st.generation != self.generation:
             fail(name, "not a view of a receive buffer that a later dispatch has overwritten (zero-copy views are "
-                 "valid until the next dispatch; zero_copy=False copies them)",
+                 "valid until the next dispatch; zero_copy=False or grad mode copies them)",
                  f"rows of dispatch #{st.generation}, buffer now holds #{self.generation}")
 
     def combine(self, rows, weights, st, out_dtype):

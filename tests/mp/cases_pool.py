@@ -131,9 +131,10 @@ def case_micro_batches_fetched_before_either_gemm(rt):
 
 
 def case_rows_overwritten_by_a_later_dispatch_refused(rt):
-    """NVLink zero-copy rows (no autograd, zero_copy="auto") are views of the receive buffer, valid until the
-    next dispatch: expert_matmul and module_slots on an older dispatch's rows raise ValueError naming them on
-    every rank, instead of multiplying the later dispatch's rows; the next valid call is right."""
+    """NVLink zero-copy rows (no grad mode, zero_copy="auto") are views of the receive buffer, valid until the
+    next dispatch: expert_matmul, module_slots and combine (its rows, then h.weights) on an older dispatch's rows
+    raise ValueError naming them on every rank, instead of reading the later dispatch's; the next valid call is
+    right.  In grad mode the rows are copies though x needs no gradient (a backward may read them later)."""
     R, E, K, H, S = rt.world_size, 2 * rt.world_size, 1, 16, 8
     dev, dtype, epn = rt.device, DTYPES[0], E // R
     ep = moonep.ExpertParallel(rt, num_experts=E, topk=K, hidden=H, max_tokens=S, dtype=dtype)
@@ -170,8 +171,20 @@ def case_rows_overwritten_by_a_later_dispatch_refused(rt):
             assert str(exc).startswith("expert_out: expected not a view"), exc
         else:
             raise AssertionError("combine read rows that a later dispatch overwrote")
+        try:
+            ep.combine(torch.zeros_like(hs[0].tokens), hs[0])
+        except ValueError as exc:
+            assert str(exc).startswith("h.weights: expected not a view"), exc
+        else:
+            raise AssertionError("combine read weights that a later dispatch overwrote")
         y = ep.combine(expert_matmul(hs[1].tokens, hs[1].cu_seqlens, w, pool.fetch(ep, hs[1], w, "w")), hs[1])
     _close("y of the live dispatch", y, xs[1] @ W[E - 1], dtype)
+    # grad mode, x frozen (only the experts train): rows of their own, read after a later dispatch
+    wg = w.clone().requires_grad_()
+    hs = [ep.dispatch(x.to(dev, dtype), torch.full((S, K), e, device=dev),
+                      torch.ones(S, K, device=dev, dtype=torch.float32)) for e, x in zip((0, E - 1), xs)]
+    y = ep.combine(expert_matmul(hs[0].tokens, hs[0].cu_seqlens, wg, pool.fetch(ep, hs[0], wg, "w")), hs[0])
+    _close("y of the first of two dispatches in grad mode", y, xs[0] @ W[0], dtype)
     ep.close()
 
 
