@@ -71,7 +71,8 @@ Zero-copy: with ``zero_copy=True`` ``h.tokens``/``h.weights`` are views of this 
 The expert may write its output into ``h.tokens`` in place, and combine reads it there.  The views are
 valid until the next ``dispatch`` of the same ``ExpertParallel``.  With ``zero_copy="auto"`` (default)
 views are returned outside grad mode only (training keeps its own copies, so that several layers may share
-one ``ExpertParallel`` and a backward reads its rows after later dispatches).  Both modes give bitwise identical results.
+one ``ExpertParallel`` and a backward reads its rows after later dispatches).  Both modes give bitwise
+identical results.
 """
 from __future__ import annotations
 
@@ -607,7 +608,8 @@ class NVLinkBackend(Backend):
             self.check_live(rows, st, "expert_out")
 
     def in_recv(self, rows) -> bool:
-        return self._views[0] <= rows.data_ptr() < self._views[1]
+        # (plain tensors only: a subclass or fake tensor has no storage of its own to compare)
+        return type(rows) is torch.Tensor and self._views[0] <= rows.data_ptr() < self._views[1]
 
     def check_live(self, rows, st, name: str) -> None:
         if st.generation != self.generation:
