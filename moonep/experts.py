@@ -37,7 +37,7 @@ from torch.func import functional_call
 from . import experts_cuda
 from .eager_only import eager_only
 from .errors import expect, fail
-from .fp8 import as_float_rows
+from .fp8 import as_float_rows, received_rows
 from .handles import Dispatched, Fetched
 from . import op_state
 from .op_state import instance, replicas_id
@@ -313,7 +313,7 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
                type(bias_replicas).__name__)
     if not torch.compiler.is_compiling():  # (compiled dispatches copy their rows)
         # a zero-copy h.tokens that a later dispatch overwrote (the rows themselves: fp8 ones are dequantised next)
-        (instance(replicas.h.op_id) if kept else replicas.ep).check_live_rows(replicas.h, _rows_of(a), "a")
+        (instance(replicas.h.op_id) if kept else replicas.ep).check_live_rows(replicas.h, received_rows(a), "a")
     a = as_float_rows(a, home_weight.dtype)  # fp8 rows: dequantised first
     if kept:
         replicas, bias_replicas = _ready(replicas), bias_replicas if bias is None else _ready(bias_replicas)
@@ -322,11 +322,6 @@ def expert_matmul(a: torch.Tensor, cu_seqlens: torch.Tensor, home_weight: torch.
     # (eagerly without the graph-break wrapper, which costs a few µs per call)
     matmul = _pool_matmul if torch.compiler.is_compiling() else _pool_matmul_eager
     return matmul(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas)
-
-
-def _rows_of(a):
-    """The received rows behind ``a``: a tensor, or fp8 dispatch's ``h`` or ``(h.tokens, h.scales)``."""
-    return a.tokens if isinstance(a, Dispatched) else a[0] if isinstance(a, (tuple, list)) else a
 
 
 def _pool_matmul_eager(a, cu_seqlens, home_weight, replicas, transpose, impl, bias, bias_replicas):
@@ -496,7 +491,7 @@ def module_slots(template: torch.nn.Module, rows: torch.Tensor, cu_seqlens: torc
     epn = len(experts)
     if names:  # (a zero-copy h.tokens that a later dispatch overwrote)
         first = replicas[names[0]]
-        first.ep.check_live_rows(first.h, _rows_of(rows), "rows")
+        first.ep.check_live_rows(first.h, received_rows(rows), "rows")
     params = [dict(m.named_parameters())[n] for n in names for m in experts]
     if not (torch.is_grad_enabled() and (rows.requires_grad or any(p.requires_grad for p in params))):
         reps = {n: replicas[n].weights() for n in names}

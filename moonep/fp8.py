@@ -167,11 +167,24 @@ def grad_anchor(n: int, H: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device).expand(n, H)
 
 
+def _is_handle(a) -> bool:
+    return getattr(a, "scales", None) is not None and hasattr(a, "grad_rows")  # an fp8 dispatch's Dispatched
+
+
+def received_rows(a):
+    """The received rows behind what :func:`as_float_rows` takes, before it dequantises them: ``h.tokens`` of
+    an fp8 dispatch's handle, the first of a pair; any other ``a`` (a tensor, or what ``as_float_rows`` refuses)
+    unchanged."""
+    if _is_handle(a):
+        return a.tokens
+    return a[0] if isinstance(a, (tuple, list)) and len(a) == 2 else a
+
+
 def as_float_rows(a, dtype: torch.dtype) -> torch.Tensor:
     """The expert GEMMs' fp8 input: ``a`` the handle of an fp8 dispatch (differentiable, see
     :func:`dequantize_rows`) or a pair ``(tokens fp8 [cap, H], scales float32 [cap, H/128])`` (not
     differentiable) -> ``dtype`` ``[cap, H]``; any other ``a`` is returned unchanged."""
-    if getattr(a, "scales", None) is not None and hasattr(a, "grad_rows"):  # a Dispatched handle
+    if _is_handle(a):
         return dequantize_rows(a, dtype=dtype)
     if isinstance(a, (tuple, list)):
         expect(len(a) == 2, "a", "a tensor, a Dispatched or a pair (fp8 tokens, scales)", f"{len(a)} items")

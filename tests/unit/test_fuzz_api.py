@@ -297,6 +297,24 @@ def test_dispatch_and_combine_refuse_sparse_tensors_and_sequences_by_name(rt):
     torch.testing.assert_close(ep.combine(h.tokens, h), _ref_combine(x, idx, w).float())
 
 
+def test_expert_matmul_refuses_rows_of_the_wrong_form_by_name(rt):
+    """``a`` as an empty, one- or three-item sequence (not the pair (fp8 tokens, scales)) is refused naming
+    ``a`` (the empty one raised IndexError); the next valid call is the dense product."""
+    ep = moonep.ExpertParallel(rt, **CTOR)
+    x, idx, w = torch.randn(3, 8), torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    h = ep.dispatch(x, idx, w)
+    home = torch.randn(4, 8, 5)
+    rep = moonep.ReplicaPool().fetch(ep, h, home, "w")
+    for a, n in (((), 0), ((h.tokens,), 1), ((h.tokens, h.tokens, h.tokens), 3)):
+        with pytest.raises(ValueError, match=rf"^a: expected a tensor, a Dispatched or a pair .*, got {n} items$"):
+            moonep.expert_matmul(a, h.cu_seqlens, home, rep)
+    y = moonep.expert_matmul(h.tokens, h.cu_seqlens, home, rep)
+    cu, slots = h.cu_seqlens.tolist(), h.slot_experts.tolist()
+    for j in range(len(cu) - 1):
+        if cu[j + 1] > cu[j]:
+            torch.testing.assert_close(y[cu[j]:cu[j + 1]], h.tokens[cu[j]:cu[j + 1]] @ home[slots[j]])
+
+
 # ------------------------------------------------------------------------------------------ QuantileBalancer
 @SET
 @given(st.integers(0, 9), st.sampled_from(FLOAT_DT + [torch.int64]), DEVICES, st.booleans(),
