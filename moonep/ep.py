@@ -391,7 +391,7 @@ class ExpertParallel:
         rank makes the same dispatches, so every rank raises alike."""
         if torch.compiler.is_compiling():  # (compiled dispatches copy their rows; no data_ptr in traced code)
             return
-        if self._backend.in_recv(rows):  # (one pointer compare on the common path: rows of their own)
+        if self._backend.in_recv(rows):  # (the step's lookup only for views: rows of their own need none)
             self._backend.check_live(rows, self._step_of(h).routing, name)
 
     def queued_on(self, stream) -> None:
@@ -530,7 +530,7 @@ class ExpertParallel:
         else:  # a compiled graph passes tensors of its own: the shape combine reads
             expect_tensor(weights, "h.weights", dim=1, dtypes=_FLOAT, device=self.device, shape=(self.capacity,))
         self._backend.check_rows(expert_out, step.routing)
-        if weights is not None and self._backend.in_recv(weights):  # h.weights, a zero-copy view
+        if weights is not None:  # (h.weights: a zero-copy view)
             self._backend.check_live(weights, step.routing, "h.weights")
 
     def _routing_error(self, x, topk_idx, topk_weights):

@@ -80,8 +80,8 @@ class Backend:
         return False
 
     def check_live(self, rows, st, name: str) -> None:
-        """Raise ``ValueError`` naming ``name`` if ``rows`` (:meth:`in_recv`) holds step ``st``'s received rows
-        no longer: a later dispatch has overwritten them."""
+        """Raise ``ValueError`` naming ``name`` if ``rows`` is a view of the receive buffer (:meth:`in_recv`) that
+        holds step ``st``'s received rows no longer: a later dispatch has overwritten them."""
 
     def dispatch_backward(self, g_tokens, g_weights, st, want_x: bool, want_w: bool, x_dtype, w_dtype):
         """Backward of dispatch: ``(gx [s, H] or None, gw [s, K] or None)`` from the rows' gradients."""
